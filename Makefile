@@ -1,0 +1,38 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   creates .venv, installs fsdpkit, runs `fsdpkit train` on its built-in default
+#   make test   creates .venv, installs fsdpkit[dev], runs the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.fsdpkit-installed
+
+.PHONY: venv demo test test-fast lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/fsdpkit train
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests -m "not slow"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/mypy
+
+bench: $(STAMP)
+	$(PY) bench/step_overhead.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

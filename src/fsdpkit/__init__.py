@@ -1,0 +1,33 @@
+"""fsdpkit: correct, fast FSDP2 training for models that don't fit on one device."""
+
+from fsdpkit.config import ConfigError, RunConfig
+from fsdpkit.init import init_weights
+from fsdpkit.mesh import MeshError, build_mesh
+from fsdpkit.sharding import (
+    BlockDetectionError,
+    ShardPlan,
+    clip_grad_norm,
+    detect_blocks,
+    gradient_sync,
+    make_grad_scaler,
+    resolve_precision,
+    shard,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockDetectionError",
+    "ConfigError",
+    "MeshError",
+    "RunConfig",
+    "ShardPlan",
+    "build_mesh",
+    "clip_grad_norm",
+    "detect_blocks",
+    "gradient_sync",
+    "init_weights",
+    "make_grad_scaler",
+    "resolve_precision",
+    "shard",
+]

@@ -1,0 +1,66 @@
+"""Deterministic, world-size independent parameter initialization.
+
+[Note: per-parameter init]
+Every parameter is drawn from its own CPU generator seeded by hash(seed, name).
+Building the model normally, or materializing one parameter at a time on the meta
+device and keeping only the local shard, therefore yields the same numbers at any
+world size, and no rank needs the whole model at once (DTensor's RNG is CUDA-only, so
+``reset_parameters()`` after ``to_empty`` would give every shard the same values).
+A model may define ``param_init(name, shape, generator) -> Tensor`` to choose its
+own distributions, and ``init_buffers()`` to recompute non-persistent buffers.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from torch import nn
+
+
+def param_seed(seed: int, name: str) -> int:
+    """Generator seed of one parameter: stable across processes and Python runs."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def initial_value(
+    model: nn.Module, *, name: str, shape: torch.Size, seed: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Full initial value of one parameter, on CPU.
+
+    Uses the model's ``param_init`` hook if it has one, else PyTorch-like defaults:
+    uniform(+-1/sqrt(fan_in)) for matrices, ones for 1-D weights, zeros for biases.
+    """
+    gen = torch.Generator().manual_seed(param_seed(seed, name))
+    hook = getattr(model, "param_init", None)
+    if hook is not None:
+        value = hook(name, shape, gen)
+    elif len(shape) >= 2:
+        bound = 1 / math.sqrt(math.prod(shape[1:]))
+        value = torch.empty(shape).uniform_(-bound, bound, generator=gen)
+    elif name.endswith("weight"):
+        value = torch.ones(shape)
+    else:
+        value = torch.zeros(shape)
+    return value.to(dtype)
+
+
+def init_buffers(model: nn.Module) -> None:
+    """Recompute non-persistent buffers if the model knows how (RoPE tables...)."""
+    hook = getattr(model, "init_buffers", None)
+    if hook is not None:
+        hook()
+
+
+def init_weights(model: nn.Module, *, seed: int) -> None:
+    """Initialize a materialized, unsharded model in place.
+
+    Gives exactly the values that ``fsdpkit.shard`` produces for a meta-device model
+    with the same seed, at any world size.
+    """
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied parameters once, first name
+            value = initial_value(model, name=name, shape=p.shape, seed=seed, dtype=p.dtype)
+            p.copy_(value.to(p.device))
+        init_buffers(model)

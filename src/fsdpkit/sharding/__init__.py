@@ -1,0 +1,17 @@
+"""Turning a plain model into a correctly sharded FSDP2 model."""
+
+from fsdpkit.sharding.apply import ShardPlan, shard
+from fsdpkit.sharding.blocks import BlockDetectionError, detect_blocks
+from fsdpkit.sharding.grads import clip_grad_norm, gradient_sync
+from fsdpkit.sharding.policy import make_grad_scaler, resolve_precision
+
+__all__ = [
+    "BlockDetectionError",
+    "ShardPlan",
+    "clip_grad_norm",
+    "detect_blocks",
+    "gradient_sync",
+    "make_grad_scaler",
+    "resolve_precision",
+    "shard",
+]

@@ -1,0 +1,48 @@
+"""Meta-device models: allocate only local shards and fill them deterministically.
+
+See [Note: per-parameter init] in fsdpkit.init: each rank computes the full initial
+value of one parameter at a time and keeps only its own slice, so the result equals
+a normal build with the same seed at any world size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from fsdpkit.init import init_buffers, initial_value
+
+
+def is_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def _local_slice(full: torch.Tensor, param: DTensor) -> torch.Tensor:
+    shape, offset = compute_local_shape_and_global_offset(
+        full.shape, param.device_mesh, param.placements
+    )
+    index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+    return full[index]
+
+
+def materialize(
+    model: nn.Module, *, seed: int, param_device: torch.device, buffer_device: torch.device
+) -> None:
+    """Allocate the (sharded) meta model on ``param_device`` and initialize it."""
+    model.to_empty(device=param_device)
+    if buffer_device != param_device:  # CPU offload on a GPU: buffers stay on the GPU
+        for module in model.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[key] = buf.to(buffer_device)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = initial_value(model, name=name, shape=param.shape, seed=seed, dtype=param.dtype)
+            if isinstance(param, DTensor):
+                local = param.to_local()
+                local.copy_(_local_slice(full, param).to(local.device))
+            else:
+                param.copy_(full.to(param.device))
+        init_buffers(model)

@@ -1,0 +1,110 @@
+"""Shared pieces of the tests: a tiny Llama, deterministic batches, a plain train loop.
+
+The same ``train`` runs the unsharded single-process reference and every sharded
+variant, so parity tests compare like with like.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fsdpkit.init import init_weights
+from fsdpkit.models.llama import Llama, LlamaConfig
+from fsdpkit.sharding import clip_grad_norm, gradient_sync
+
+TINY = LlamaConfig(
+    vocab_size=128, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32
+)
+SEQ = 16
+GLOBAL_BATCH = 4
+
+
+def build(cfg: LlamaConfig = TINY, *, seed: int = 0, meta: bool = False) -> Llama:
+    if meta:
+        with torch.device("meta"):
+            return Llama(cfg)
+    torch.manual_seed(123)  # must not matter: init_weights overrides
+    model = Llama(cfg)
+    init_weights(model, seed=seed)
+    return model
+
+
+def global_batches(steps: int, *, vocab: int = 128, micro: int = 1, seed: int = 7) -> torch.Tensor:
+    """(steps, micro, GLOBAL_BATCH, SEQ + 1) token ids."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (steps, micro, GLOBAL_BATCH, SEQ + 1), generator=g)
+
+
+def local(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    per = batch.shape[0] // world
+    return batch[rank * per : (rank + 1) * per]
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def train(
+    model: nn.Module,
+    batches: torch.Tensor,
+    *,
+    rank: int = 0,
+    world: int = 1,
+    dp_world: int | None = None,
+    lr: float = 2e-3,
+    clip: float = 1.0,
+    scaler: Any = None,
+    keep_unsharded: bool = False,
+) -> dict[str, list[float]]:
+    """AdamW steps over ``batches``; returns per-step global mean loss and grad norm.
+
+    ``dp_world`` is the number of data-parallel ranks sharing the global batch
+    (world size for every strategy here)."""
+    dp = dp_world or world
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.1, foreach=True
+    )
+    losses, norms = [], []
+    for step in batches:
+        micro = step.shape[0]
+        total = torch.zeros(())
+        for i in range(micro):
+            tokens = local(step[i], rank, dp)
+            with gradient_sync(model, enabled=i == micro - 1, keep_unsharded=keep_unsharded):
+                loss = lm_loss(model, tokens) / micro
+                (scaler.scale(loss) if scaler else loss).backward()
+            total += loss.detach().float()
+        if scaler:
+            scaler.unscale_(opt)
+        norms.append(clip_grad_norm(model, clip))
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        if world > 1:
+            dist.all_reduce(total)
+            total /= world
+        losses.append(float(total))
+    return {"loss": losses, "norm": norms}
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded parameters (collective on sharded models)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = t.detach().float().cpu().clone()
+    return out
+
+
+def untied(cfg: LlamaConfig = TINY) -> LlamaConfig:
+    return replace(cfg, tie_embeddings=False)
