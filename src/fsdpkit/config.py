@@ -22,13 +22,15 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
+from fsdpkit.errors import UserError
+
 Strategy = Literal["full", "grad_op", "hybrid", "hybrid_grad_op", "replicate"]
 PrecisionMode = Literal["auto", "fp32", "bf16", "bf16-pure", "fp16"]
 ACMode = Literal["none", "full", "every"]
 Schedule = Literal["cosine", "constant", "linear"]
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config value is wrong; the message names the key and the fix."""
 
 

@@ -9,8 +9,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fsdpkit.errors import UserError
 
-class MeshError(ValueError):
+
+class MeshError(UserError, ValueError):
     """The requested mesh does not fit the world size."""
 
 

@@ -14,10 +14,12 @@ from collections import defaultdict
 
 from torch import nn
 
+from fsdpkit.errors import UserError
+
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
-class BlockDetectionError(ValueError):
+class BlockDetectionError(UserError, ValueError):
     """No block class could be chosen, or a named class does not exist."""
 
 

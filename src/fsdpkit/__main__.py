@@ -1,0 +1,7 @@
+"""``python -m fsdpkit`` is the ``fsdpkit`` command."""
+
+import sys
+
+from fsdpkit.cli import main
+
+sys.exit(main())
