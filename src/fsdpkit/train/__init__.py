@@ -1,0 +1,1 @@
+"""The training job behind ``fsdpkit train``: one worker per rank."""

@@ -1,0 +1,213 @@
+"""The training loop of one rank: steps, evaluation, metrics, checkpoints, summary.
+
+Gradient accumulation reduces gradients only on the last micro-batch
+(``gradient_sync``); the grad norm is the true global norm; the logged loss is the
+mean over all data-parallel ranks. Rank 0 writes metrics and shows progress.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdpkit.config import RunConfig
+from fsdpkit.launch import DistEnv
+from fsdpkit.sharding import clip_grad_norm, gradient_sync
+from fsdpkit.train.generate import sample
+from fsdpkit.train.progress import Progress
+from fsdpkit.train.session import Session, build_session, write_run_dir
+from fsdpkit.train.telemetry import (
+    device_peak_flops,
+    peak_memory_kind,
+    peak_memory_mib,
+)
+
+log = logging.getLogger(__name__)
+
+
+class StepError(RuntimeError):
+    """A step failed (collective timeout, a peer died...); says at which step."""
+
+
+@dataclass
+class Summary:
+    steps: int = 0
+    final_loss: float | None = None
+    val_losses: list[float] = field(default_factory=list)
+    tokens_per_s: float = 0.0
+    peak_mem_mib: float = 0.0
+    sample_text: str | None = None
+
+
+def _global_mean(value: torch.Tensor) -> float:
+    if dist.get_world_size() > 1:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= dist.get_world_size()
+    return float(value)
+
+
+def train_step(s: Session) -> tuple[float, float]:
+    """One optimizer step over ``grad_accum`` micro-batches; returns (loss, grad norm).
+    The scheduler steps too, so read the step's LR before calling this."""
+    accum = s.cfg.train.grad_accum
+    total = torch.zeros((), device=s.device)
+    for i in range(accum):
+        tokens = s.loader.next_batch().to(s.device, non_blocking=True)
+        with gradient_sync(
+            s.model, enabled=i == accum - 1, keep_unsharded=s.cfg.parallel.accum_keep_unsharded
+        ):
+            loss = s.loss_fn(s.model, tokens) / accum
+            (s.scaler.scale(loss) if s.scaler else loss).backward()
+        total += loss.detach().float()
+    if s.scaler:
+        s.scaler.unscale_(s.optimizer)
+    norm = clip_grad_norm(s.model, s.cfg.train.grad_clip)
+    if s.scaler:
+        s.scaler.step(s.optimizer)
+        s.scaler.update()
+    else:
+        s.optimizer.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    s.scheduler.step()
+    return _global_mean(total), norm
+
+
+@torch.no_grad()
+def evaluate(s: Session) -> float | None:
+    """Mean validation loss over the fixed validation batches of every rank."""
+    if not s.val:
+        return None
+    s.model.eval()
+    total = torch.zeros((), device=s.device)
+    for tokens in s.val:
+        total += s.loss_fn(s.model, tokens.to(s.device)).float()
+    s.model.train()
+    return _global_mean(total / len(s.val))
+
+
+def _record(
+    s: Session, *, step: int, loss: float, norm: float, lr: float, dt: float
+) -> dict[str, Any]:
+    cfg = s.cfg
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len * cfg.train.grad_accum
+    tokens_per_s = tokens * s.env.world_size / dt
+    peak = device_peak_flops(
+        device_type=s.env.device_type, low_precision=s.precision.name != "fp32"
+    )
+    mfu = None
+    if peak and s.llama is not None:
+        flops = s.model.flops_per_token(cfg.data.seq_len)  # type: ignore[operator]
+        mfu = flops * tokens_per_s / s.env.world_size / peak
+    mem = torch.tensor([peak_memory_mib(s.env.device_type)], device=s.device)
+    mems = [torch.zeros(1, device=s.device) for _ in range(s.env.world_size)]
+    dist.all_gather(mems, mem)
+    return {
+        "step": step,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": norm,
+        "tokens_per_s": tokens_per_s,
+        "mfu": mfu,
+        "peak_mem_mib": [round(float(m), 1) for m in mems],
+        "peak_mem_kind": peak_memory_kind(s.env.device_type),
+        "step_time_s": dt,
+    }
+
+
+def _stop_requested(flag: Any) -> bool:
+    """All ranks agree: stop if any rank got SIGTERM."""
+    if flag is None:
+        return False
+    mine = torch.tensor([1.0 if flag() else 0.0])
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return bool(mine.item())
+
+
+def _maybe_eval(s: Session, *, step: int, progress: Progress, summary: Summary) -> None:
+    every = s.cfg.train.eval_every
+    if every and (step % every == 0 or step == s.cfg.train.steps):
+        val = evaluate(s)
+        if val is not None:
+            summary.val_losses.append(val)
+            progress.message(f"step {step}: validation loss {val:.4f}")
+            s.metrics.write({"step": step, "val_loss": val})
+
+
+def _maybe_checkpoint(s: Session, *, step: int, progress: Progress) -> None:
+    if s.checkpointer is None:
+        return
+    if s.checkpointer.maybe_save(step, s.app_state(), final=step == s.cfg.train.steps):
+        blocking = s.checkpointer.last_blocking_s
+        progress.message(f"step {step}: checkpoint saved ({blocking:.2f}s blocking)")
+
+
+def _run_steps(s: Session, *, progress: Progress, summary: Summary, stop_flag: Any) -> None:
+    cfg = s.cfg
+    rates = []
+    while s.state.step < cfg.train.steps:
+        t0 = time.perf_counter()
+        lr = float(s.scheduler.get_last_lr()[0])
+        try:
+            loss, norm = train_step(s)
+        except Exception as exc:
+            raise StepError(f"step {s.state.step + 1} failed: {type(exc).__name__}: {exc}") from exc
+        s.state.step += 1
+        step = s.state.step
+        dt = time.perf_counter() - t0
+        if step % cfg.logging.log_every == 0 or step == cfg.train.steps:
+            record = _record(s, step=step, loss=loss, norm=norm, lr=lr, dt=dt)
+            s.metrics.write(record)
+            rates.append(record["tokens_per_s"])
+            summary.peak_mem_mib = max(record["peak_mem_mib"])
+            progress.update(step=step, loss=loss, tokens_per_s=record["tokens_per_s"])
+        summary.final_loss = loss
+        _maybe_eval(s, step=step, progress=progress, summary=summary)
+        _maybe_checkpoint(s, step=step, progress=progress)
+        if _stop_requested(stop_flag):
+            s.checkpointer.save(step, s.app_state(), blocking=True)
+            progress.message(f"SIGTERM: checkpointed step {step}, exiting")
+            break
+    steady = rates[1:] or rates
+    summary.tokens_per_s = sum(steady) / len(steady) if steady else 0.0
+    summary.steps = s.state.step
+
+
+def run(cfg: RunConfig, env: DistEnv) -> Summary:
+    """Train on this rank (collective: every rank runs it)."""
+    s = build_session(cfg, env)
+    write_run_dir(s)
+    resumed = s.checkpointer.resume(s.app_state()) if s.checkpointer else None
+    lead = env.rank == 0
+    progress = Progress(
+        total=cfg.train.steps, start=s.state.step, mode=cfg.logging.progress, enabled=lead
+    )
+    progress.message(f"fsdpkit: {env.world_size} ranks ({env.device_type}), {s.plan.describe()}")
+    if resumed is not None:
+        progress.message(f"resumed from step {resumed}")
+    summary = Summary()
+    stop_flag = None
+    if s.checkpointer is not None and cfg.checkpoint.save_on_sigterm:
+        from fsdpkit.checkpoint import install_sigterm_flag
+
+        stop_flag = install_sigterm_flag()
+    _run_steps(s, progress=progress, summary=summary, stop_flag=stop_flag)
+    if s.checkpointer is not None:
+        s.checkpointer.wait()
+    progress.close()
+    if s.llama is not None and cfg.train.sample_tokens and s.state.step == cfg.train.steps:
+        summary.sample_text = sample(
+            s.model,
+            s.tokenizer,
+            prompt="def ",
+            max_new_tokens=cfg.train.sample_tokens,
+            context=cfg.data.seq_len,
+            device=s.device,
+            seed=cfg.train.seed,
+        )
+    return summary

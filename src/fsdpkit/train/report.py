@@ -1,0 +1,32 @@
+"""The end-of-run summary table (formats what the loop measured; computes nothing)."""
+
+from __future__ import annotations
+
+from fsdpkit.config import RunConfig
+from fsdpkit.train.loop import Summary
+
+
+def format_summary(summary: Summary, *, cfg: RunConfig) -> str:
+    val = summary.val_losses
+    rows = [
+        ("steps", f"{summary.steps}"),
+        (
+            "final train loss",
+            f"{summary.final_loss:.4f}" if summary.final_loss is not None else "-",
+        ),
+        ("final validation loss", f"{val[-1]:.4f}" if val else "-"),
+        ("best validation loss", f"{min(val):.4f}" if val else "-"),
+        ("tokens/s (all ranks)", f"{summary.tokens_per_s:,.0f}"),
+        ("peak memory per rank", f"{summary.peak_mem_mib:,.0f} MiB"),
+        ("run directory", cfg.logging.run_dir),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = ["", "summary", "-" * (width + 20)]
+    lines += [f"{k.ljust(width)}  {v}" for k, v in rows]
+    if summary.sample_text:
+        lines += ["", "sample:", summary.sample_text.strip()[:600]]
+    return "\n".join(lines)
+
+
+def print_summary(summary: Summary, *, cfg: RunConfig) -> None:
+    print(format_summary(summary, cfg=cfg), flush=True)

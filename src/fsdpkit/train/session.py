@@ -1,0 +1,183 @@
+"""Everything one rank needs to train, built in the order FSDP2 requires.
+
+process group -> mesh -> tokenizer and data -> model (meta) -> shard -> weights
+(init or ``init_from``) -> optimizer -> scheduler -> scaler -> checkpointer.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdpkit.config import RunConfig, mesh_shape, to_toml
+from fsdpkit.data import (
+    PackedLoader,
+    Tokenizer,
+    build_tokenizer,
+    load_token_stream,
+    split_tokens,
+    validation_batches,
+)
+from fsdpkit.launch import DistEnv
+from fsdpkit.mesh import build_mesh
+from fsdpkit.models.factory import LossFn, build_model
+from fsdpkit.models.llama import LlamaConfig
+from fsdpkit.sharding import ShardPlan, make_grad_scaler, resolve_precision, shard
+from fsdpkit.sharding.policy import Precision
+from fsdpkit.train.optim import build_optimizer, build_scheduler
+from fsdpkit.train.state import TrainerState
+from fsdpkit.train.telemetry import MetricsWriter
+
+
+@dataclass
+class Session:
+    cfg: RunConfig
+    env: DistEnv
+    mesh: DeviceMesh
+    device: torch.device
+    run_dir: Path
+    tokenizer: Tokenizer
+    loader: PackedLoader
+    val: list[torch.Tensor]
+    model: nn.Module
+    loss_fn: LossFn
+    llama: LlamaConfig | None
+    plan: ShardPlan
+    precision: Precision
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler | None
+    state: TrainerState
+    checkpointer: Any
+    metrics: MetricsWriter
+
+    @property
+    def dp_rank(self) -> int:
+        return self.env.rank
+
+    def app_state(self) -> dict[str, Any]:
+        """What a checkpoint holds (DCP Statefuls)."""
+        from fsdpkit.checkpoint import ModelOptimizerState
+
+        return {
+            "app": ModelOptimizerState(self.model, self.optimizer),
+            "scheduler": self.scheduler,
+            "trainer": self.state,
+        }
+
+
+def init_process_group(cfg: RunConfig, env: DistEnv) -> torch.device:
+    """gloo on CPU, NCCL on GPUs; the configured collective timeout."""
+    if env.device_type == "cuda":
+        torch.cuda.set_device(env.local_rank)
+        device = torch.device("cuda", env.local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if env.device_type == "cuda" else "gloo",
+            timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s),
+            device_id=device if env.device_type == "cuda" else None,
+        )
+    return device
+
+
+def _data(cfg: RunConfig, env: DistEnv) -> tuple[Tokenizer, PackedLoader, list[torch.Tensor]]:
+    tokenizer = build_tokenizer(cfg.data)
+    train_tokens, val_tokens = split_tokens(
+        load_token_stream(cfg.data, tokenizer), val_fraction=cfg.data.val_fraction
+    )
+    seq, batch = cfg.data.seq_len, cfg.train.micro_batch_size
+    loader = PackedLoader(
+        train_tokens,
+        seq_len=seq,
+        micro_batch_size=batch,
+        dp_rank=env.rank,
+        dp_world=env.world_size,
+        seed=cfg.train.seed,
+    )
+    val = validation_batches(
+        val_tokens,
+        seq_len=seq,
+        micro_batch_size=batch,
+        dp_rank=env.rank,
+        dp_world=env.world_size,
+        max_batches=cfg.train.eval_batches,
+    )
+    return tokenizer, loader, val
+
+
+def build_session(cfg: RunConfig, env: DistEnv) -> Session:
+    """Set up this rank; collective (every rank must call it)."""
+    device = init_process_group(cfg, env)
+    replicate, shard_deg = mesh_shape(
+        cfg, world_size=env.world_size, local_world_size=env.local_world_size
+    )
+    mesh = build_mesh(replicate=replicate, shard=shard_deg, device_type=env.device_type)
+    tokenizer, loader, val = _data(cfg, env)
+    built = build_model(
+        cfg.model, vocab_size=tokenizer.vocab_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed
+    )
+    model = built.module
+    if not cfg.model.meta_init or cfg.model.factory:
+        model.to(device)
+    plan = shard(model, cfg, mesh=mesh)
+    if cfg.model.init_from:
+        from fsdpkit.checkpoint import load_hf_weights
+
+        load_hf_weights(model, Path(cfg.model.init_from))
+    precision = resolve_precision(cfg.precision, device_type=env.device_type)
+    optimizer = build_optimizer(model, cfg.train)
+    scaler = make_grad_scaler(precision)
+    run_dir = Path(cfg.logging.run_dir)
+    return Session(
+        cfg=cfg,
+        env=env,
+        mesh=mesh,
+        device=device,
+        run_dir=run_dir,
+        tokenizer=tokenizer,
+        loader=loader,
+        val=val,
+        model=model,
+        loss_fn=built.loss_fn,
+        llama=built.llama,
+        plan=plan,
+        precision=precision,
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, cfg.train),
+        scaler=scaler,
+        state=TrainerState(loader=loader, scaler=scaler),
+        checkpointer=_checkpointer(cfg, env, run_dir=run_dir, mesh=(replicate, shard_deg)),
+        metrics=MetricsWriter(run_dir / "metrics.jsonl", enabled=env.rank == 0),
+    )
+
+
+def _checkpointer(cfg: RunConfig, env: DistEnv, *, run_dir: Path, mesh: tuple[int, int]) -> Any:
+    """None when the run neither saves nor resumes (checkpoint.every = 0, resume = never)."""
+    if cfg.checkpoint.every == 0 and cfg.checkpoint.resume == "never":
+        return None
+    from fsdpkit.checkpoint import Checkpointer
+
+    meta = {
+        "world_size": env.world_size,
+        "mesh": {"replicate": mesh[0], "shard": mesh[1]},
+        "strategy": cfg.parallel.strategy,
+        "config": cfg.to_dict(),
+    }
+    return Checkpointer(run_dir=run_dir, cfg=cfg.checkpoint, run_meta=meta)
+
+
+def write_run_dir(session: Session) -> None:
+    """Resolved config (re-runnable with ``fsdpkit train config.toml``), rank 0 only."""
+    if session.env.rank != 0:
+        return
+    session.run_dir.mkdir(parents=True, exist_ok=True)
+    (session.run_dir / "config.toml").write_text(to_toml(session.cfg))

@@ -1,0 +1,58 @@
+"""Run the ``fsdpkit`` CLI as a user would: a subprocess with a hard timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).parent
+
+
+def fsdpkit(
+    *args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m fsdpkit *args``; tests/e2e is on PYTHONPATH for factory modules."""
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        [str(HERE), *filter(None, [full_env.get("PYTHONPATH")])]
+    )
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
+        full_env.pop(key, None)
+    return subprocess.run(
+        [sys.executable, "-m", "fsdpkit", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """Per-step training records of a run (evaluation records left out)."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in metrics(run_dir)]
+
+
+# Small and fast: the tests check behaviour, not learning quality.
+FAST = [
+    "train.steps=12",
+    "train.eval_every=6",
+    "train.sample_tokens=0",
+    "data.max_bytes=300000",
+    "data.seq_len=64",
+    "model.n_layers=2",
+    "model.dim=64",
+    "model.ffn_dim=128",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "checkpoint.resume=never",
+]

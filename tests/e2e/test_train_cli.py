@@ -1,0 +1,136 @@
+"""``fsdpkit train`` end to end, through a subprocess, as a user runs it."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from clirun import FAST, fsdpkit, losses
+
+pytestmark = pytest.mark.e2e
+
+FIELDS = {
+    "step",
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "mfu",
+    "peak_mem_mib",
+    "peak_mem_kind",
+    "step_time_s",
+}
+
+
+def test_resolved_config_reproduces_the_run(tmp_path: Path) -> None:
+    first = fsdpkit("train", *FAST, f"logging.run_dir={tmp_path / 'a'}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    config = tmp_path / "a" / "config.toml"
+    again = fsdpkit("train", str(config), f"logging.run_dir={tmp_path / 'b'}", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    assert len(losses(tmp_path / "a")) == 12
+
+
+def test_torchrun_join_matches_spawn(tmp_path: Path) -> None:
+    spawned = fsdpkit(
+        "train", "--nproc", "2", *FAST, f"logging.run_dir={tmp_path / 's'}", cwd=tmp_path
+    )
+    assert spawned.returncode == 0, spawned.stderr[-3000:]
+    joined = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "fsdpkit",
+            "train",
+            *FAST,
+            f"logging.run_dir={tmp_path / 'j'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert joined.returncode == 0, joined.stderr[-3000:]
+    assert losses(tmp_path / "j") == losses(tmp_path / "s")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_nodes_on_one_machine_match_single_node(tmp_path: Path) -> None:
+    single = fsdpkit(
+        "train", "--nproc", "2", *FAST, f"logging.run_dir={tmp_path / 'one'}", cwd=tmp_path
+    )
+    assert single.returncode == 0, single.stderr[-3000:]
+    endpoint = f"127.0.0.1:{_free_port()}"
+    args = [
+        "train",
+        "--nnodes",
+        "2",
+        "--nproc",
+        "1",
+        "--rdzv-endpoint",
+        endpoint,
+        *FAST,
+        f"logging.run_dir={tmp_path / 'two'}",
+    ]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "fsdpkit", *args],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outs = [n.communicate(timeout=240) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], [o[1][-2000:] for o in outs]
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-6)
+
+
+def test_awkward_data_size_gives_every_rank_the_same_batches(tmp_path: Path) -> None:
+    data = tmp_path / "odd.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog. " * 157 + "x" * 13)
+    result = fsdpkit(
+        "train",
+        "--nproc",
+        "3",
+        *FAST,
+        f"data.path={data}",
+        "data.seq_len=32",
+        "train.steps=40",
+        f"logging.run_dir={tmp_path / 'r'}",
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(losses(tmp_path / "r")) == 40
+
+
+def test_user_factory_model_trains(tmp_path: Path) -> None:
+    result = fsdpkit(
+        "train",
+        *FAST,
+        "model.factory=factories:token_mlp",
+        "train.steps=30",
+        "train.lr=1e-2",
+        f"logging.run_dir={tmp_path / 'f'}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "3 x ResidualMLP units" in result.stdout
+    got = losses(tmp_path / "f")
+    assert sum(got[-5:]) / 5 < sum(got[:5]) / 5 - 0.5
