@@ -142,6 +142,7 @@ def _default_run_id(opts: SpawnOptions) -> str:
 def spawn(argv: list[str], opts: SpawnOptions) -> int:
     """Run ``python -m fsdpkit train *argv`` on ``opts.nproc`` local workers; the exit
     code is 0, 2 for a user error on any rank, 1 for anything else."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -166,6 +167,13 @@ def spawn(argv: list[str], opts: SpawnOptions) -> int:
             elastic_launch(config, sys.executable)("-m", "fsdpkit", "train", *argv)
         except ChildFailedError as exc:
             return _report_failure(Path(errors), exc)
+        except SignalException as exc:
+            print(
+                f"fsdpkit train: stopped by {exc.sigval.name}; workers checkpointed the "
+                "current step if checkpointing is configured.",
+                file=sys.stderr,
+            )
+            return 128 + int(exc.sigval)
         finally:
             os.environ.pop(ERROR_DIR_VAR, None)
     return 0

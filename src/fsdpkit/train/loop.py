@@ -184,6 +184,7 @@ def run(cfg: RunConfig, env: DistEnv) -> Summary:
     write_run_dir(s)
     resumed = s.checkpointer.resume(s.app_state()) if s.checkpointer else None
     lead = env.rank == 0
+    s.metrics.start(resumed_step=resumed or 0)
     progress = Progress(
         total=cfg.train.steps, start=s.state.step, mode=cfg.logging.progress, enabled=lead
     )

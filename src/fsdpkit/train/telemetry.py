@@ -66,6 +66,18 @@ class MetricsWriter:
         self.path = path
         self.enabled = enabled
 
+    def start(self, *, resumed_step: int) -> None:
+        """Drop records past the resumed step (a fresh run keeps none), so a restarted
+        or re-run job leaves one consistent history."""
+        if not self.enabled or not self.path.exists():
+            return
+        kept = [
+            line
+            for line in self.path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= resumed_step
+        ]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
