@@ -1,0 +1,156 @@
+"""Offline export of a checkpoint's model weights: HF safetensors or one torch file.
+
+Runs in one process without a process group, reading the DCP checkpoint directly.
+HF export streams: it loads one output shard's tensors at a time (DCP reads only those
+byte ranges), so peak memory is one shard (``max_shard_bytes``), not the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from fsdpkit.checkpoint.errors import CheckpointError
+from fsdpkit.checkpoint.hf import EMBED, HEAD, hf_config, llama_config
+from fsdpkit.checkpoint.layout import quiet_single_process, read_meta, verify
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+INDEX = "model.safetensors.index.json"
+
+
+def dcp_tensors(ckpt: Path) -> dict[str, TensorStorageMetadata]:
+    """Every tensor in a DCP checkpoint (reads ``.metadata``: a pickle, trusted input)."""
+    md = FileSystemReader(str(ckpt)).read_metadata()
+    return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def model_prefix(meta: dict[str, Any], keys: list[str]) -> str:
+    """Prefix of the model's weights among the checkpoint keys (e.g. ``app.model.``)."""
+    prefix = meta.get("state", {}).get("model_prefix")
+    if prefix:
+        return str(prefix)
+    for key in keys:
+        if key.endswith(EMBED):
+            return key[: -len(EMBED)]
+    raise CheckpointError(
+        "cannot find the model's weights in this checkpoint (no ModelOptimizerState "
+        "recorded and no *.model.embed_tokens.weight key)."
+    )
+
+
+def model_tensors(ckpt: Path) -> dict[str, tuple[str, TensorStorageMetadata]]:
+    """Model weights: HF-style name -> (checkpoint key, metadata), in natural order."""
+    meta = read_meta(ckpt)
+    tensors = dcp_tensors(ckpt)
+    prefix = model_prefix(meta, list(tensors))
+    names = {k[len(prefix) :]: (k, v) for k, v in tensors.items() if k.startswith(prefix)}
+    return dict(sorted(names.items(), key=lambda kv: _natural(kv[0])))
+
+
+def _natural(name: str) -> list[Any]:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _read(ckpt: Path, items: dict[str, tuple[str, TensorStorageMetadata]]) -> dict[str, Any]:
+    """Load just these tensors from the DCP checkpoint, keyed by their HF names."""
+    sd = {key: torch.empty(md.size, dtype=md.properties.dtype) for key, md in items.values()}
+    with quiet_single_process():
+        dcp.load(sd, storage_reader=FileSystemReader(str(ckpt)), no_dist=True)
+    return {name: sd[key] for name, (key, _) in items.items()}
+
+
+def _shards(
+    items: dict[str, tuple[str, TensorStorageMetadata]], *, itemsize: int | None, limit: int
+) -> list[dict[str, tuple[str, TensorStorageMetadata]]]:
+    shards: list[dict[str, tuple[str, TensorStorageMetadata]]] = [{}]
+    size = 0
+    for name, (key, md) in items.items():
+        nbytes = md.size.numel() * (itemsize or md.properties.dtype.itemsize)
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][name] = (key, md)
+        size += nbytes
+    return shards
+
+
+def _check_target(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(
+            f"export target {out} already exists and is not an empty directory; choose a "
+            "new or empty directory."
+        )
+
+
+def _export_hf(ckpt: Path, out: Path, *, dtype: torch.dtype | None, max_shard_bytes: int) -> Path:
+    items = model_tensors(ckpt)
+    cfg = llama_config(read_meta(ckpt).get("run", {}), {n: md.size for n, (_, md) in items.items()})
+    if HEAD not in items:  # saved once as the embedding ([Note: tied weights])
+        cfg = dataclasses.replace(cfg, tie_embeddings=True)
+    if cfg.tie_embeddings:
+        items.pop(HEAD, None)
+    _check_target(out)
+    out.mkdir(parents=True, exist_ok=True)
+    itemsize = dtype.itemsize if dtype is not None else None
+    shards = _shards(items, itemsize=itemsize, limit=max_shard_bytes)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards, start=1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {n: t.to(dtype or t.dtype).contiguous() for n, t in _read(ckpt, shard).items()}
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(tensors, fname))
+        del tensors
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    saved_dtype = next(iter(items.values()))[1].properties.dtype
+    config = hf_config(cfg, dtype=dtype or saved_dtype)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _export_torch(ckpt: Path, out: Path, *, dtype: torch.dtype | None) -> Path:
+    target = out / "model.pt" if out.is_dir() else out
+    if target.exists():
+        raise CheckpointError(f"export target {target} already exists; choose a new file name.")
+    tensors = {n: t.to(dtype or t.dtype) for n, t in _read(ckpt, model_tensors(ckpt)).items()}
+    for alias, name in read_meta(ckpt).get("state", {}).get("tied", {}).items():
+        tensors.setdefault(alias, tensors[name])  # loadable with load_state_dict(strict=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(tensors, target)
+    return target
+
+
+def export(
+    ckpt_path: str | Path,
+    out: str | Path,
+    *,
+    fmt: str = "hf",
+    dtype: str | None = None,
+    max_shard_bytes: int = 5 << 30,
+) -> Path:
+    """Write a checkpoint's model weights as HF safetensors (``fmt="hf"``: shards,
+    ``model.safetensors.index.json``, ``config.json``) or one torch file (``fmt="torch"``:
+    a state dict loadable with ``torch.load(..., weights_only=True)``). ``dtype``:
+    bf16, fp16, fp32 or None (as saved). Returns the path written."""
+    ckpt = Path(ckpt_path)
+    report = verify(ckpt)
+    if not report.ok:
+        raise CheckpointError(f"cannot export: {report.describe()}")
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}.")
+    torch_dtype = DTYPES[dtype] if dtype else None
+    if fmt == "hf":
+        return _export_hf(ckpt, Path(out), dtype=torch_dtype, max_shard_bytes=max_shard_bytes)
+    if fmt == "torch":
+        return _export_torch(ckpt, Path(out), dtype=torch_dtype)
+    raise CheckpointError(f"unknown export format {fmt!r}; choose hf or torch.")

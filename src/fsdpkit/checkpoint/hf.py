@@ -1,0 +1,158 @@
+"""Hugging Face interop: the LlamaConfig of a checkpoint, and loading HF safetensors
+into an already-sharded model.
+
+fsdpkit's Llama uses HF ``LlamaForCausalLM`` parameter names and HF's rotate-half RoPE,
+so weights map one-to-one with no renaming or permutation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from fsdpkit.checkpoint.errors import CheckpointError, describe_failure
+from fsdpkit.checkpoint.state import tied_aliases
+from fsdpkit.models.llama import LlamaConfig, preset
+
+EMBED = "model.embed_tokens.weight"
+HEAD = "lm_head.weight"
+_OVERRIDES = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _from_run(run: dict[str, Any]) -> LlamaConfig:
+    """The model shape recorded with the run: ``run["model"]`` (a LlamaConfig dict) if
+    the loop stored it, else the resolved config's preset + overrides."""
+    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+    if isinstance(run.get("model"), dict):
+        return LlamaConfig(**{k: v for k, v in run["model"].items() if k in fields})
+    model_cfg = run.get("config", {}).get("model", {})
+    if model_cfg.get("factory"):
+        raise CheckpointError(
+            f"this checkpoint holds a custom model (model.factory = {model_cfg['factory']!r}); "
+            "HF export supports fsdpkit's built-in Llama presets only. Export with "
+            "--format torch instead."
+        )
+    name = model_cfg.get("preset", "tiny")
+    overrides = {k: model_cfg[k] for k in _OVERRIDES if model_cfg.get(k) is not None}
+    seq_len = run.get("config", {}).get("data", {}).get("seq_len") or 0
+    # as the training loop builds it: the RoPE table covers at least the sequence length
+    overrides["max_seq_len"] = max(preset(name).max_seq_len, seq_len)
+    return preset(name, **overrides)
+
+
+def llama_config(run: dict[str, Any], shapes: dict[str, torch.Size]) -> LlamaConfig:
+    """LlamaConfig of a checkpoint: the run's config, with the sizes that the tensors
+    themselves determine (vocab from the tokenizer, depth, widths) taken from them."""
+    if EMBED not in shapes:
+        raise CheckpointError(
+            f"the checkpoint has no {EMBED}: not an fsdpkit Llama. Use --format torch."
+        )
+    cfg = _from_run(run)
+    layers = {int(m.group(1)) for k in shapes if (m := _LAYER.match(k))}
+    vocab, dim = shapes[EMBED]
+    ffn = shapes.get("model.layers.0.mlp.gate_proj.weight", torch.Size([cfg.ffn_dim]))[0]
+    try:
+        cfg = dataclasses.replace(
+            cfg, vocab_size=vocab, dim=dim, n_layers=len(layers) or cfg.n_layers, ffn_dim=ffn
+        )
+    except ValueError as exc:
+        raise CheckpointError(f"the checkpoint's shapes contradict its config: {exc}") from None
+    k_rows = shapes.get("model.layers.0.self_attn.k_proj.weight", torch.Size([0]))[0]
+    if layers and k_rows != cfg.n_kv_heads * cfg.head_dim:
+        raise CheckpointError(
+            f"k_proj has {k_rows} rows but the config says {cfg.n_kv_heads} kv heads x "
+            f"{cfg.head_dim}; the recorded config does not match the weights."
+        )
+    return cfg
+
+
+def hf_config(cfg: LlamaConfig, *, dtype: torch.dtype) -> dict[str, Any]:
+    """``config.json`` for ``transformers.LlamaForCausalLM`` (4.x and 5.x field names)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "initializer_range": cfg.init_std,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "use_cache": True,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "pretraining_tp": 1,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _check_hf(
+    sd: dict[str, Any], available: dict[str, Any], path: Path, *, aliases: dict[str, str]
+) -> dict[str, torch.Tensor]:
+    wanted = {k: v for k, v in sd.items() if k not in aliases}
+    missing = [k for k in wanted if k not in available]
+    if missing:
+        raise CheckpointError(
+            f"{path} lacks {len(missing)} weight(s) the model needs (e.g. {missing[:3]}); "
+            "it was exported from a different architecture or is incomplete. Point "
+            "model.init_from at a matching HF Llama directory."
+        )
+    for key, value in wanted.items():
+        md = available[key]
+        if isinstance(md, TensorStorageMetadata) and tuple(md.size) != tuple(value.shape):
+            raise CheckpointError(
+                f"{path}: {key} has shape {tuple(md.size)} but the model expects "
+                f"{tuple(value.shape)}; the model config does not match these weights."
+            )
+    return wanted
+
+
+def load_hf_weights(model: nn.Module, path: str | Path) -> None:
+    """Fill an already-sharded (or plain) model from an HF safetensors directory.
+
+    Collective when distributed: every rank reads only the slices of its own shards
+    (HuggingFaceStorageReader + DCP), so no rank ever holds the full model. Weights are
+    cast to the parameters' dtype. Tied heads may be absent from the files."""
+    path = Path(path)
+    if not path.is_dir() or not any(path.glob("*.safetensors")):
+        raise CheckpointError(
+            f"model.init_from = {str(path)!r} is not a directory of .safetensors files. "
+            "Point it at an HF model directory (e.g. the output of `fsdpkit ckpt export`)."
+        )
+    sd = get_model_state_dict(model)
+    aliases = tied_aliases(model)  # [Note: tied weights]: read once, share
+    available = HuggingFaceStorageReader(str(path)).read_metadata().state_dict_metadata
+    wanted = _check_hf(sd, available, path, aliases=aliases)
+    try:
+        dcp.load(wanted, storage_reader=HuggingFaceStorageReader(str(path)))
+    except BaseException as exc:  # DCP raises CheckpointException, a BaseException
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        raise CheckpointError(
+            f"reading HF weights from {path} failed: {describe_failure(exc)}. Check that the "
+            "files are complete (re-download or re-export them)."
+        ) from None
+    for alias, name in aliases.items():
+        sd[alias] = sd[name]
+    set_model_state_dict(model, sd)
