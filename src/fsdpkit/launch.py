@@ -14,6 +14,7 @@ cause once (the first rank that failed for a reason other than a lost peer).
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ERROR_DIR_VAR = "FSDPKIT_ERROR_DIR"
 # Messages of ranks that failed only because another rank went away first.
@@ -80,6 +82,29 @@ def joined_env() -> DistEnv | None:
     )
 
 
+def rendezvous_store(env: DistEnv, *, timeout: datetime.timedelta) -> Any:
+    """The c10d store for ``init_process_group``, namespaced by restart attempt.
+
+    [Note: restart attempts]
+    After the elastic agent restarts workers (``--max-restarts``), the store it serves
+    still holds the previous attempt's peer addresses; gloo would dial dead ports
+    ("Connection refused"). Prefixing every key with the attempt number gives each
+    attempt a clean namespace on the same store.
+    """
+    from torch.distributed import PrefixStore
+    from torch.distributed.rendezvous import _create_c10d_store
+
+    store = _create_c10d_store(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        env.rank,
+        env.world_size,
+        timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return PrefixStore(f"fsdpkit/attempt-{attempt}", store)
+
+
 def default_nproc() -> int:
     """Number of GPUs, or 2 CPU ranks on a machine without GPUs."""
     import torch
@@ -92,8 +117,15 @@ def write_error(exc: BaseException, *, rank: int, user: bool) -> None:
     message = str(exc) if user else _describe_crash(exc)
     directory = os.environ.get(ERROR_DIR_VAR)
     if directory:
-        record = {"rank": rank, "time": time.time(), "user": user, "message": message}
-        Path(directory, f"rank-{rank}.json").write_text(json.dumps(record))
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        record = {
+            "rank": rank,
+            "attempt": attempt,
+            "time": time.time(),
+            "user": user,
+            "message": message,
+        }
+        Path(directory, f"rank-{rank}-attempt-{attempt}.json").write_text(json.dumps(record))
     elif rank == 0 or not user:
         print(f"fsdpkit train: rank {rank}: error: {message}", file=sys.stderr, flush=True)
 
@@ -108,7 +140,8 @@ def _describe_crash(exc: BaseException) -> str:
 
 
 def root_cause(directory: Path) -> dict[str, object] | None:
-    """The failure to show: earliest primary error, else the earliest of all."""
+    """The failure to show: of the last restart attempt, the earliest primary error,
+    else the earliest of all."""
     records = []
     for path in directory.glob("rank-*.json"):
         try:
@@ -117,7 +150,10 @@ def root_cause(directory: Path) -> dict[str, object] | None:
             continue
     if not records:
         return None
-    records.sort(key=lambda r: r["time"])
+    last = max(int(r.get("attempt", 0)) for r in records)
+    records = sorted(
+        (r for r in records if int(r.get("attempt", 0)) == last), key=lambda r: r["time"]
+    )
     primary = [r for r in records if not any(k in str(r["message"]).lower() for k in _SECONDARY)]
     return (primary or records)[0]
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from clirun import FAST, fsdpkit, losses
+from clirun import FAST, fsdpkit, losses, metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -23,6 +23,22 @@ FIELDS = {
     "peak_mem_kind",
     "step_time_s",
 }
+
+
+@pytest.mark.slow
+def test_default_run_trains_and_loss_falls(tmp_path: Path) -> None:
+    result = fsdpkit("train", cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "default"
+    records = metrics(run_dir)
+    assert len(records) == 300
+    assert set(records[0]) >= FIELDS
+    assert records[0]["mfu"] is None  # CPU: no invented peak
+    first = sum(r["loss"] for r in records[:10]) / 10
+    last = sum(r["loss"] for r in records[-10:]) / 10
+    assert last < first - 1.0, (first, last)
+    assert "summary" in result.stdout and "sample:" in result.stdout
+    assert (run_dir / "config.toml").is_file()
 
 
 def test_resolved_config_reproduces_the_run(tmp_path: Path) -> None:

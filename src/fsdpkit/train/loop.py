@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdpkit.checkpoint import any_rank
 from fsdpkit.config import RunConfig
 from fsdpkit.launch import DistEnv
 from fsdpkit.sharding import clip_grad_norm, gradient_sync
@@ -120,15 +121,6 @@ def _record(
     }
 
 
-def _stop_requested(flag: Any) -> bool:
-    """All ranks agree: stop if any rank got SIGTERM."""
-    if flag is None:
-        return False
-    mine = torch.tensor([1.0 if flag() else 0.0])
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return bool(mine.item())
-
-
 def _maybe_eval(s: Session, *, step: int, progress: Progress, summary: Summary) -> None:
     every = s.cfg.train.eval_every
     if every and (step % every == 0 or step == s.cfg.train.steps):
@@ -169,8 +161,9 @@ def _run_steps(s: Session, *, progress: Progress, summary: Summary, stop_flag: A
         summary.final_loss = loss
         _maybe_eval(s, step=step, progress=progress, summary=summary)
         _maybe_checkpoint(s, step=step, progress=progress)
-        if _stop_requested(stop_flag):
-            s.checkpointer.save(step, s.app_state(), blocking=True)
+        if stop_flag is not None and any_rank(stop_flag(), device=s.device):
+            if s.checkpointer.last_step != step:
+                s.checkpointer.save(step, s.app_state(), blocking=True)
             progress.message(f"SIGTERM: checkpointed step {step}, exiting")
             break
     steady = rates[1:] or rates

@@ -25,7 +25,7 @@ from fsdpkit.data import (
     split_tokens,
     validation_batches,
 )
-from fsdpkit.launch import DistEnv
+from fsdpkit.launch import DistEnv, rendezvous_store
 from fsdpkit.mesh import build_mesh
 from fsdpkit.models.factory import LossFn, build_model
 from fsdpkit.models.llama import LlamaConfig
@@ -64,12 +64,13 @@ class Session:
 
     def app_state(self) -> dict[str, Any]:
         """What a checkpoint holds (DCP Statefuls)."""
-        from fsdpkit.checkpoint import ModelOptimizerState
+        from fsdpkit.checkpoint import ModelOptimizerState, RankLocal, RNGState
 
         return {
             "app": ModelOptimizerState(self.model, self.optimizer),
             "scheduler": self.scheduler,
             "trainer": self.state,
+            "rng": RankLocal(RNGState()),
         }
 
 
@@ -81,9 +82,13 @@ def init_process_group(cfg: RunConfig, env: DistEnv) -> torch.device:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
         dist.init_process_group(
             backend="nccl" if env.device_type == "cuda" else "gloo",
-            timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s),
+            store=rendezvous_store(env, timeout=timeout),
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
             device_id=device if env.device_type == "cuda" else None,
         )
     return device
@@ -155,12 +160,21 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         scheduler=build_scheduler(optimizer, cfg.train),
         scaler=scaler,
         state=TrainerState(loader=loader, scaler=scaler),
-        checkpointer=_checkpointer(cfg, env, run_dir=run_dir, mesh=(replicate, shard_deg)),
+        checkpointer=_checkpointer(
+            cfg, env, run_dir=run_dir, mesh=(replicate, shard_deg), llama=built.llama
+        ),
         metrics=MetricsWriter(run_dir / "metrics.jsonl", enabled=env.rank == 0),
     )
 
 
-def _checkpointer(cfg: RunConfig, env: DistEnv, *, run_dir: Path, mesh: tuple[int, int]) -> Any:
+def _checkpointer(
+    cfg: RunConfig,
+    env: DistEnv,
+    *,
+    run_dir: Path,
+    mesh: tuple[int, int],
+    llama: LlamaConfig | None,
+) -> Any:
     """None when the run neither saves nor resumes (checkpoint.every = 0, resume = never)."""
     if cfg.checkpoint.every == 0 and cfg.checkpoint.resume == "never":
         return None
@@ -171,6 +185,7 @@ def _checkpointer(cfg: RunConfig, env: DistEnv, *, run_dir: Path, mesh: tuple[in
         "mesh": {"replicate": mesh[0], "shard": mesh[1]},
         "strategy": cfg.parallel.strategy,
         "config": cfg.to_dict(),
+        "model": llama.to_dict() if llama is not None else None,
     }
     return Checkpointer(run_dir=run_dir, cfg=cfg.checkpoint, run_meta=meta)
 

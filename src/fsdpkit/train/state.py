@@ -1,7 +1,8 @@
-"""The loop's own resumable state: step, data position, RNG streams, grad scaler.
+"""The loop's own resumable state: step, data position, grad scaler.
 
-It is a DCP ``Stateful`` so a checkpoint saves it beside the model and optimizer, and
-a resumed run continues bit-exactly (same batches, same random numbers).
+It is a DCP ``Stateful`` saved beside the model and optimizer. Everything in it is the
+same on every rank (DCP stores such replicated values once); per-rank RNG streams
+are saved separately under ``RankLocal`` (see fsdpkit.checkpoint.state).
 """
 
 from __future__ import annotations
@@ -22,13 +23,7 @@ class TrainerState:
         self.scaler = scaler
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {
-            "step": self.step,
-            "data": self.loader.state_dict(),
-            "rng_cpu": torch.get_rng_state(),
-        }
-        if torch.cuda.is_available():
-            state["rng_cuda"] = torch.cuda.get_rng_state()
+        state: dict[str, Any] = {"step": self.step, "data": self.loader.state_dict()}
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
         return state
@@ -36,8 +31,5 @@ class TrainerState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.loader.load_state_dict({k: int(v) for k, v in state["data"].items()})
-        torch.set_rng_state(state["rng_cpu"])
-        if "rng_cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["rng_cuda"])
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
