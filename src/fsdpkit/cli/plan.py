@@ -1,0 +1,138 @@
+"""``fsdpkit plan``: per-rank memory, traffic and a fit verdict before launch.
+
+    fsdpkit plan run.toml --world-size 64 --device-mem h100
+    fsdpkit plan model.preset=llama3-8b data.seq_len=8192 train.micro_batch_size=2 \\
+        activations.mode=full --world-size 8 --device-mem 80GiB
+    fsdpkit plan run.toml --world-size 8 --device-mem h100 --trace      # run the real code
+    fsdpkit plan run.toml --world-size 64 --device-mem a100-80gb --recommend
+    fsdpkit plan run.toml --world-size 8 --device-mem 80GiB --json      # for scripts
+
+Takes the same config as ``fsdpkit train``. ``--device-mem`` is a size (80GiB, 40GB),
+a known device (h100, h200, a100-40gb, a100-80gb, l4, cpu, ...) or NAME:SIZE. The
+exit code is 0 whenever a plan was made; read "fits" in the JSON to gate a launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from fsdpkit import config as configuration
+from fsdpkit.planner import DEFAULT_MARGIN, Device, parse_device, plan
+from fsdpkit.planner.devices import DEVICES
+from fsdpkit.planner.report import (
+    format_plan,
+    format_recommendation,
+    plan_dict,
+    recommendation_dict,
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="per-rank memory and traffic of a config before launch; --recommend settings",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "items",
+        nargs="*",
+        metavar="CONFIG.toml | key=value",
+        help="optional TOML config file, then dotted overrides (as for fsdpkit train)",
+    )
+    p.add_argument("--world-size", type=int, default=1, help="ranks in the job (default 1)")
+    p.add_argument(
+        "--device-mem",
+        default=None,
+        metavar="SIZE|NAME",
+        help=f"device memory: a size (80GiB) or a device ({', '.join(DEVICES)}); "
+        "NAME:SIZE overrides the memory",
+    )
+    p.add_argument("--device", default=None, metavar="NAME", help="device name (same names)")
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=8,
+        help="ranks per machine: hybrid shard_degree default, link speeds (default 8)",
+    )
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=DEFAULT_MARGIN,
+        help=f"share of device memory kept free (default {DEFAULT_MARGIN})",
+    )
+    p.add_argument("--trace", action="store_true", help="run one fake step of the real code")
+    p.add_argument("--recommend", action="store_true", help="search settings that fit")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(func=run)
+
+
+def _split_items(items: list[str]) -> tuple[str | None, list[str]]:
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return None, items
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _device(args: argparse.Namespace) -> Device | None:
+    """From --device / --device-mem; a CPU without a size gets this machine's RAM."""
+    if args.device and args.device_mem:
+        text = args.device_mem
+        spec = text if ":" in text or not text[:1].isdigit() else f"{args.device}:{text}"
+        device = parse_device(spec)
+    elif args.device or args.device_mem:
+        device = parse_device(
+            args.device or args.device_mem, what="--device" if args.device else "--device-mem"
+        )
+    else:
+        return None
+    if device.kind == "cpu" and device.memory is None:
+        device = Device(device.name, "cpu", _host_memory(), bf16=False, tflops=device.tflops)
+    return device
+
+
+def _vocab(cfg: configuration.RunConfig) -> int | None:
+    """The tokenizer's vocabulary, as train would take it (None: use the preset's)."""
+    if cfg.model.vocab_size is not None or cfg.data.tokenizer is None:
+        return None
+    from fsdpkit.data.tokenizer import build_tokenizer
+
+    return build_tokenizer(cfg.data).vocab_size
+
+
+def run(args: argparse.Namespace) -> int:
+    path, overrides = _split_items(args.items)
+    cfg = configuration.load(path, overrides)
+    device = _device(args)
+    common: dict[str, Any] = {
+        "world_size": args.world_size,
+        "device": device,
+        "ranks_per_node": args.ranks_per_node,
+        "vocab_size": _vocab(cfg),
+    }
+    result = plan(cfg, trace=args.trace, margin=args.margin, **common)
+    rec = None
+    if args.recommend:
+        from fsdpkit.planner.recommend import recommend
+
+        common.pop("device")
+        rec = recommend(cfg, device=result.scenario.device, margin=args.margin, **common)
+    if args.json:
+        out: dict[str, Any] = {"plan": plan_dict(result)}
+        if rec is not None:
+            out["recommendation"] = recommendation_dict(rec)
+        json.dump(out, sys.stdout, indent=2, default=str)
+        print()
+        return 0
+    print(format_plan(result))
+    if rec is not None:
+        print()
+        print(format_recommendation(rec))
+    return 0

@@ -1,0 +1,292 @@
+"""Analytic per-rank memory: one training step of FSDP2 replayed over the shapes.
+
+No tensors, no process group: the step is walked the way FSDP2 (torch 2.13) and
+autograd run it, unit by unit, and every allocation and free goes into a ``Ledger``
+that keeps the peak. What is modeled, and why (see docs/planner.md for the proofs):
+
+- Model states: fp32 sharded parameters (the master copy; FSDP2 casts only the
+  all-gathered copy), AdamW's two fp32 states, and fp32 sharded gradients that appear
+  unit by unit during backward (the previous step's ``zero_grad`` set them to None):
+  16 bytes per parameter / shard degree at the optimizer step (ZeRO-3 arithmetic).
+- Unsharded parameters: the root unit for the whole forward; each block unit from its
+  pre-forward until its post-forward reshard (never, for the last unit when resharding
+  is True, and for every unit under grad_op); in backward the current unit plus the
+  all-gather output of the one prefetched. In forward FSDP2 keeps the previous
+  all-gather's flat output until the next unit's copy-out (``all_gather_state``).
+- Reduce-scatter: the flat input (reduce dtype) allocated after the unit's unsharded
+  grads are copied in, kept until the next unit's post-backward.
+- Activations, logits, loss and temporaries: [Note: block event model] in blockmem.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from fsdpkit.planner.blockmem import (
+    ACT,
+    GRAD,
+    TEMP,
+    Sizes,
+    block_backward,
+    block_forward,
+    block_recompute,
+    embedding_backward,
+    head_backward,
+    head_forward,
+    loss_backward,
+    loss_forward,
+)
+from fsdpkit.planner.ledger import Ledger, Summary, summarize
+from fsdpkit.planner.result import MemoryPlan
+from fsdpkit.planner.scenario import Scenario
+from fsdpkit.planner.shapes import Unit, units
+from fsdpkit.sharding.policy import unit_reshard_after_forward
+
+COLL, UNSH = "collective_buffers", "unsharded_params"
+
+
+def sizes(sc: Scenario) -> Sizes:
+    m = sc.model
+    return Sizes(
+        n=sc.tokens,
+        d=m.dim,
+        f=m.ffn_dim,
+        heads=m.n_heads,
+        kv_heads=m.n_kv_heads,
+        head_dim=m.head_dim,
+        vocab=m.vocab_size,
+        e=sc.param_bytes,
+    )
+
+
+@functools.cache
+def _forward_summary(s: Sizes, keep: bool) -> Summary:
+    return summarize(block_forward(s, keep=keep))
+
+
+@functools.cache
+def _backward_summary(s: Sizes, recompute: bool, sdpa_workspace: int) -> Summary:
+    events = block_recompute(s) if recompute else []
+    events += block_backward(s, sdpa_workspace=sdpa_workspace)
+    if recompute and s.cast:
+        events.append((ACT, -s.nde))  # the checkpointed input (fp32: freed as xf above)
+    return summarize(events)
+
+
+def effective_reshard(raf: bool | int, *, shard: int) -> bool | int:
+    """What FSDP2 makes of ``reshard_after_forward``: an int equal to the shard group
+    is True, 1 is False."""
+    if isinstance(raf, bool):
+        return raf
+    return True if raf == shard else False if raf == 1 else raf
+
+
+def checkpointed(sc: Scenario, layer: int) -> bool:
+    """Mirror of fsdpkit.sharding.activations.checkpointed_blocks."""
+    if sc.ac_mode == "full":
+        return True
+    return sc.ac_mode == "every" and layer % sc.ac_every == sc.ac_every - 1
+
+
+class _Step:
+    """One steady-state step; each method is a region of it."""
+
+    def __init__(self, sc: Scenario) -> None:
+        self.sc = sc
+        self.s = sizes(sc)
+        self.led = Ledger()
+        self.root, self.units = units(sc.model, shard=sc.shard, blocks_per_unit=sc.blocks_per_unit)
+        self.host_states = sc.offload and sc.device.kind == "gpu"
+        self.held: dict[str, int] = {}  # unit -> bytes of its unsharded params on the device
+        self.prefetched: dict[str, int] = {}  # unit -> bytes of its all-gather output
+        self.accumulated: dict[str, int] = {}  # unit -> bytes of no-sync accumulated grads
+        self.fwd_flat = 0  # forward all-gather output kept until the next copy-out
+        self.rs_state = 0  # reduce-scatter input kept until the next post-backward
+        # Flash-attention backward on CUDA accumulates dq in fp32 and keeps a softmax
+        # row sum (FA2 in PyTorch); the CPU kernel needs neither.
+        gpu = sc.device.kind == "gpu"
+        self.sdpa_workspace = self.s.nqe * 4 // self.s.e + 4 * self.s.n * self.s.heads if gpu else 0
+        # gloo (CPU ranks) all-gathers into a temporary of the output's size and
+        # reduce-scatters a clone of the input; NCCL needs neither.
+        self.gloo = not gpu and sc.shard > 1
+
+    # ------------------------------------------------------------ unit mechanics
+
+    def reshard_of(self, index: int | None) -> bool | int:
+        """Resharding of block unit ``index`` (None = root) as fsdpkit.shard sets it."""
+        raf = unit_reshard_after_forward(
+            self.sc.reshard_after_forward, index=index, n_units=len(self.units)
+        )
+        return effective_reshard(raf, shard=self.sc.shard)
+
+    def unshard(self, u: Unit, *, forward: bool) -> None:
+        """All-gather (or finish a prefetched one) and copy out into the parameters."""
+        full = u.gathered * self.s.e
+        flat = self.prefetched.pop(u.name, 0)
+        if not flat and self.sc.shard > 1:
+            flat = full
+            self.all_gather(flat)
+        if forward:  # the previous forward all-gather output dies at this copy-out
+            self.led.add(COLL, -self.fwd_flat)
+            self.fwd_flat = flat
+        self.led.add(UNSH, full - self.held.pop(u.name, 0))
+        self.held[u.name] = full
+        if not forward:
+            self.led.add(COLL, -flat)
+
+    def prefetch(self, u: Unit) -> None:
+        """Backward prefetch: issue the all-gather of the unit backward needs next."""
+        full = u.gathered * self.s.e
+        needed = self.held.get(u.name, 0) < full and u.name not in self.prefetched
+        if needed and self.sc.shard > 1:
+            self.prefetched[u.name] = full
+            self.all_gather(full)
+
+    def all_gather(self, flat: int) -> None:
+        """FSDP2's flat output, plus gloo's transient copy of it."""
+        self.led.add(COLL, flat)
+        if self.gloo:
+            self.led.apply([(COLL, flat), (COLL, -flat)])
+
+    def reshard_after_forward(self, u: Unit, raf: bool | int) -> None:
+        if raf is False:
+            return
+        keep = 0 if raf is True else self.held[u.name] // int(raf)
+        self.led.add(UNSH, keep - self.held[u.name])
+        self.held[u.name] = keep
+
+    def post_backward(self, u: Unit, *, sync: bool) -> None:
+        """Reshard, then reduce-scatter the unit's grads (or keep them, no-sync)."""
+        e, rb = self.s.e, self.sc.reduce_bytes
+        new_grads = u.numel * e
+        if not sync:
+            self._accumulate(u, new_grads)
+            if not self.sc.keep_unsharded:
+                self.led.add(UNSH, -self.held.pop(u.name))
+            return
+        self.led.add(COLL, -self.rs_state)  # the previous unit's input is released
+        self.led.add(UNSH, -self.held.pop(u.name))
+        self.led.add(COLL, u.gathered * rb)  # copy-in, then the grads are freed
+        self.led.add(GRAD, -new_grads - self.accumulated.pop(u.name, 0))
+        self.rs_state = u.gathered * rb
+        out = u.sharded * rb
+        gloo = u.gathered * rb if self.gloo else 0  # gloo reduces a clone of the input
+        if rb == 4:
+            self.led.apply([("gradients", out), (COLL, gloo), (COLL, -gloo)])
+        else:  # reduced in bf16, then cast to the fp32 sharded grad
+            self.led.apply([(COLL, out + gloo), (COLL, -gloo)])
+            self.led.apply([("gradients", u.sharded * 4), (COLL, -out)])
+        if self.host_states:  # copied to the host right away
+            self.led.add("gradients", -u.sharded * 4)
+
+    def _accumulate(self, u: Unit, new_grads: int) -> None:
+        """No-sync micro-batch: grads stay unsharded, in the reduce dtype."""
+        if u.name in self.accumulated:
+            self.led.add(GRAD, -new_grads)  # added into the existing accumulator
+        elif self.s.e != self.sc.reduce_bytes:
+            self.accumulated[u.name] = u.numel * self.sc.reduce_bytes
+            self.led.apply([(GRAD, self.accumulated[u.name]), (GRAD, -new_grads)])
+        else:
+            self.accumulated[u.name] = new_grads
+
+    # ------------------------------------------------------------------ regions
+
+    def persistent(self) -> None:
+        """Sharded params and optimizer states (device or host), buffers, the batch."""
+        led, m = self.led, self.sc.model
+        sharded = sum(u.sharded for u in [self.root, *self.units])
+        if not self.host_states:
+            led.add("sharded_params", 4 * sharded)
+            led.add("optimizer_states", 8 * sharded)
+        led.add("buffers_inputs", 2 * m.max_seq_len * m.head_dim * 4)  # RoPE tables
+        led.add("buffers_inputs", self.sc.micro_batch * (self.sc.seq_len + 1) * 8)  # tokens
+
+    def forward(self) -> None:
+        led, s = self.led, self.s
+        led.at("forward", "root unit all-gather and embedding")
+        if self.held.get(self.root.name, 0) < self.root.gathered * s.e:
+            self.unshard(self.root, forward=True)
+        rope = 2 * self.sc.seq_len * self.sc.model.head_dim * s.e if s.cast else 0
+        led.apply([("buffers_inputs", rope), (ACT, s.nde)])
+        for j, u in enumerate(self.units):
+            led.at("forward", f"forward of {u.name}")
+            if self.held.get(u.name, 0) < u.gathered * s.e:
+                self.unshard(u, forward=True)
+            for b in range(u.blocks):
+                keep = not checkpointed(self.sc, j * self.sc.blocks_per_unit + b)
+                led.apply_summary(_forward_summary(s, keep))
+            self.reshard_after_forward(u, self.reshard_of(j))
+        led.at("forward", "final norm and output head")
+        led.apply(head_forward(s))
+        led.add(COLL, -self.fwd_flat)  # the root's post-forward frees the last one
+        self.fwd_flat = 0
+        self.reshard_after_forward(self.root, self.reshard_of(None))
+        led.at("forward", "loss (logits.float(), log-softmax)")
+        led.apply(loss_forward(s))
+
+    def backward(self, *, sync: bool) -> None:
+        led, s = self.led, self.s
+        led.at("backward", "loss backward (log-softmax grad)")
+        led.apply(loss_backward(s))
+        led.at("backward", "output head backward")
+        if self.held.get(self.root.name, 0) < self.root.gathered * s.e:
+            self.unshard(self.root, forward=False)
+        if self.units:
+            self.prefetch(self.units[-1])
+        led.apply(head_backward(s))
+        for j in reversed(range(len(self.units))):
+            self.unit_backward(j, sync=sync)
+        led.at("backward", "embedding backward and root reduce-scatter")
+        led.apply(embedding_backward(s, tied=self.sc.model.tie_embeddings))
+        self.post_backward(self.root, sync=sync)
+        rope = 2 * self.sc.seq_len * self.sc.model.head_dim * s.e if s.cast else 0
+        led.apply([("buffers_inputs", -rope), (COLL, -self.rs_state)])
+        self.rs_state = 0
+
+    def unit_backward(self, j: int, *, sync: bool) -> None:
+        led, s, u = self.led, self.s, self.units[j]
+        led.at("backward", f"backward of {u.name}")
+        if self.held.get(u.name, 0) < u.gathered * s.e:
+            self.unshard(u, forward=False)
+        if j > 0:
+            self.prefetch(self.units[j - 1])
+        for b in reversed(range(u.blocks)):
+            ckpt = checkpointed(self.sc, j * self.sc.blocks_per_unit + b)
+            led.apply_summary(_backward_summary(s, ckpt, self.sdpa_workspace))
+        self.post_backward(u, sync=sync)
+
+    def optimizer(self) -> None:
+        """Grad clipping (scalars) and AdamW as fsdpkit.train builds it: foreach, with
+        the 2-D weights in one group, whose step allocates sqrt(v) for all of them."""
+        self.led.at("optimizer step", "AdamW step (foreach)")
+        if not self.host_states:
+            temp = 4 * sum(u.matrix_sharded for u in [self.root, *self.units])
+            self.led.apply([(TEMP, temp), (TEMP, -temp)])
+
+
+def model_states(sc: Scenario) -> dict[str, int]:
+    """Sharded parameters, gradients and AdamW states per rank: 4 + 4 + 8 bytes per
+    (padded) local parameter element — ZeRO's 16 bytes per parameter / shard degree."""
+    root, blocks = units(sc.model, shard=sc.shard, blocks_per_unit=sc.blocks_per_unit)
+    local = sum(u.sharded for u in [root, *blocks])
+    return {"sharded_params": 4 * local, "gradients": 4 * local, "optimizer_states": 8 * local}
+
+
+def analytic_memory(sc: Scenario) -> MemoryPlan:
+    """Per-rank memory of one steady-state step of ``sc``, from shapes alone."""
+    step = _Step(sc)
+    step.persistent()
+    micro = [0] if sc.grad_accum == 1 else [0, sc.grad_accum - 1]
+    for index in micro:
+        step.forward()
+        step.backward(sync=index == sc.grad_accum - 1)
+    step.optimizer()
+    states = model_states(sc)
+    host = sum(states.values()) if step.host_states else 0
+    return MemoryPlan(
+        mode="analytic",
+        peak=step.led.peak,
+        phase_peaks=dict(step.led.phase_peaks),
+        model_states=states,
+        host_bytes=host,
+    )

@@ -1,0 +1,278 @@
+"""Tensor lifetimes inside one decoder block, its loss head, as alloc/free events.
+
+[Note: block event model]
+The memory of a block's forward and backward is written out op by op for the
+built-in Llama block (fsdpkit.models.llama): each op allocates its output, saved
+tensors stay until the backward node that saved them has run, everything else dies
+at its last use, and gradients flowing into a tensor used twice are accumulated in
+place (autograd's InputBuffer steals a sole-owner buffer). An event is
+(category, +/- bytes); the analytic planner replays them into its ledger, so the
+peak inside a block (and what is live at that moment) falls out of the sum rather
+than a fudge factor. The saved set per block is
+
+    4*N*d*4 + 6*N*d*e + 4*N*f*e + 8*N + 4*N*heads   (+ 2*d*4 when e != 4)
+
+bytes for N tokens in compute dtype e: fp32 norm internals (input, normalized), the
+q/k/v/output of attention (k and v after GQA repeat), and the four SwiGLU tensors.
+Each number here was checked against the CPU allocator on real runs (bench/).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ACT, TEMP, GRAD, LOGITS = "activations", "temporaries", "unsharded_grads", "logits_loss"
+Event = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Byte sizes of the tensors of one micro-batch through one block."""
+
+    n: int
+    """Tokens in the micro-batch (batch x seq)."""
+    d: int
+    f: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    e: int
+    """Bytes per element of the compute dtype."""
+
+    @property
+    def cast(self) -> bool:
+        """Whether .float() / .to(dtype) in the norms and loss make copies."""
+        return self.e != 4
+
+    @property
+    def nd4(self) -> int:
+        return self.n * self.d * 4
+
+    @property
+    def nde(self) -> int:
+        return self.n * self.d * self.e
+
+    @property
+    def nqe(self) -> int:
+        return self.n * self.heads * self.head_dim * self.e
+
+    @property
+    def nke(self) -> int:
+        return self.n * self.kv_heads * self.head_dim * self.e
+
+    @property
+    def nfe(self) -> int:
+        return self.n * self.f * self.e
+
+    @property
+    def nv4(self) -> int:
+        return self.n * self.vocab * 4
+
+    @property
+    def nve(self) -> int:
+        return self.n * self.vocab * self.e
+
+
+def saved_per_block(s: Sizes) -> int:
+    """Bytes a block keeps for backward without checkpointing, its input included
+    when it is saved (fp32) — see [Note: block event model]."""
+    norms = 2 * (2 * s.nd4 + s.nde + 4 * s.n + (4 * s.d if s.cast else 0))
+    attn = s.nqe + 2 * s.nqe + s.nqe + 4 * s.n * s.heads
+    return norms + attn + 4 * s.nfe
+
+
+def _norm_forward(s: Sizes, *, keep: bool) -> list[Event]:
+    """RMSNorm in fp32: xf=x.float(), x*rsqrt(mean(x^2)+eps), weight*xn, .to(e)."""
+    if not keep:
+        return _norm_forward_unsaved(s)
+    ev: list[Event] = [(ACT, s.nd4)] if s.cast else []
+    ev += [(TEMP, s.nd4), (TEMP, 4 * s.n), (TEMP, -s.nd4), (TEMP, 4 * s.n), (TEMP, -4 * s.n)]
+    ev += [(ACT, 4 * s.n), (TEMP, -4 * s.n), (ACT, s.nd4)]
+    ev += [(ACT, 4 * s.d)] if s.cast else []
+    return ev + ([(TEMP, s.nd4), (ACT, s.nde), (TEMP, -s.nd4)] if s.cast else [(ACT, s.nd4)])
+
+
+def _norm_forward_unsaved(s: Sizes) -> list[Event]:
+    """The same under checkpointing: nothing is saved, each tensor dies with its name."""
+    ev: list[Event] = [(TEMP, s.nd4)] if s.cast else []
+    ev += [(TEMP, s.nd4), (TEMP, -s.nd4), (TEMP, s.nd4)]  # x^2 (dies at mean), xn
+    ev += [(TEMP, -s.nd4)] if s.cast else []  # xf rebound to xn
+    ev += [(TEMP, s.nd4)]  # weight * xn
+    if s.cast:
+        ev += [(ACT, s.nde), (TEMP, -s.nd4)]
+    else:
+        ev += [(ACT, s.nd4), (TEMP, -s.nd4)]
+    return [*ev, (TEMP, -s.nd4)]  # xn dies at return
+
+
+def _rope_forward(size: int) -> list[Event]:
+    """(x*cos + rotate_half(x)*sin): returns the rotated copy; x dies afterwards."""
+    return [
+        (TEMP, size), (TEMP, size // 2), (TEMP, size), (TEMP, -(size // 2)),
+        (TEMP, size), (TEMP, -size), (ACT, size), (TEMP, -2 * size), (TEMP, -size),
+    ]  # fmt: skip
+
+
+def _attn_forward(s: Sizes, *, keep: bool) -> list[Event]:
+    rep = s.heads // s.kv_heads
+    ev: list[Event] = [(TEMP, s.nqe), (TEMP, s.nke), (TEMP, s.nke)]
+    # q, k = rope(q), rope(k): the raw q lives until both are computed
+    ev += _rope_forward(s.nqe)[:-1] + _rope_forward(s.nke) + [(TEMP, -s.nqe)]
+    if rep > 1:  # repeat_interleave copies k and v to every query head
+        ev += [(ACT, s.nqe), (ACT, -s.nke), (ACT, s.nqe), (TEMP, -s.nke)]
+    else:  # v itself is saved by attention
+        ev += [(TEMP, -s.nke), (ACT, s.nke)]
+    ev += [(ACT, s.nqe + 4 * s.n * s.heads)]  # attention output + logsumexp
+    if not keep:
+        ev += [(ACT, -(4 * s.nqe + 4 * s.n * s.heads))]
+    ev += [(TEMP, s.nde), (ACT, s.nde), (TEMP, -s.nde)]  # o_proj, residual add -> x1
+    return ev
+
+
+def _mlp_forward(s: Sizes, *, keep: bool) -> list[Event]:
+    """gate, silu, up, product (all saved), down_proj, residual add -> block output."""
+    if keep:
+        return [(ACT, 4 * s.nfe), (TEMP, s.nde), (ACT, s.nde), (TEMP, -s.nde)]
+    f = s.nfe  # unsaved: gate dies into silu, silu and up into the product
+    return [
+        (TEMP, f), (TEMP, f), (TEMP, -f), (TEMP, f), (TEMP, f), (TEMP, -2 * f),
+        (TEMP, s.nde), (TEMP, -f), (ACT, s.nde), (TEMP, -s.nde),
+    ]  # fmt: skip
+
+
+def block_forward(s: Sizes, *, keep: bool) -> list[Event]:
+    """Forward of one block whose input (N*d*e, counted by the caller) is live.
+
+    ``keep`` = autograd saves for backward (no checkpointing). Ends with the output
+    live; the input is freed unless something saved it (fp32 alias, or the checkpoint).
+    """
+    y_norm = s.nde if s.cast else s.nd4
+    ev = _norm_forward(s, keep=keep) + _attn_forward(s, keep=keep)
+    if not keep:
+        ev += [(ACT, -y_norm)]  # norm1 output: only q/k/v projections used it
+    ev += _norm_forward(s, keep=keep) + _mlp_forward(s, keep=keep)
+    if not keep:
+        ev += [(ACT, -y_norm - s.nde)]  # norm2 output and x1
+    elif s.cast:
+        ev += [(ACT, -s.nde), (ACT, -s.nde)]  # x (not saved in low precision) and x1
+    return ev
+
+
+def block_recompute(s: Sizes) -> list[Event]:
+    """Checkpointed block, in backward: its forward again with everything saved; the
+    input stays (the checkpoint holds it) and the recomputed output is dropped."""
+    ev = block_forward(s, keep=True)
+    if s.cast:
+        ev = [*ev[:-2], (ACT, -s.nde)]  # keep x, free x1
+    return [*ev, (ACT, -s.nde)]
+
+
+def _norm_backward(s: Sizes) -> list[Event]:
+    """Backward of RMSNorm with the output's grad (N*d*e) live; ends with the
+    input's grad accumulated in place into the residual grad, saved tensors freed."""
+    ev: list[Event] = [(TEMP, s.nd4), (TEMP, -s.nde)] if s.cast else []
+    ev += [(TEMP, s.nd4), (TEMP, -s.nd4), (GRAD, s.d * s.e)]  # weight grad: (g*xn).sum
+    ev += [(TEMP, s.nd4), (TEMP, -s.nd4), (ACT, -s.nd4)]  # grad of xn; xn released
+    ev += [(ACT, -4 * s.d)] if s.cast else []
+    ev += [(TEMP, s.nd4), (TEMP, s.nd4), (TEMP, -s.nd4), (TEMP, -s.nd4)]  # grad of xf, of r
+    ev += [(ACT, -4 * s.n), (TEMP, s.nd4)]  # rsqrt released; mean's expanded grad
+    ev += [(TEMP, 3 * s.nd4), (TEMP, -4 * s.nd4)]  # pow: g*(2*x.pow(1)), folded into xf's
+    ev += [(ACT, -s.nd4)]  # xf released (in fp32 the input itself)
+    if s.cast:
+        ev += [(TEMP, s.nde), (TEMP, -s.nd4)]  # ToCopyBackward to the input dtype
+    return [*ev, (TEMP, -s.nde)]  # accumulated in place into the residual grad
+
+
+def _mlp_backward(s: Sizes) -> list[Event]:
+    """down, (silu*up), up, silu, gate — autograd runs the later-created node first."""
+    dfe = s.d * s.f * s.e
+    y = s.nde if s.cast else s.nd4
+    return [
+        (TEMP, s.nfe), (GRAD, dfe), (ACT, -s.nfe),
+        (TEMP, 2 * s.nfe), (TEMP, -s.nfe), (ACT, -2 * s.nfe),
+        (TEMP, s.nde), (GRAD, dfe), (TEMP, -s.nfe),
+        (TEMP, s.nfe), (TEMP, -s.nfe), (ACT, -s.nfe),
+        (TEMP, s.nde), (GRAD, dfe), (TEMP, -s.nfe), (ACT, -y), (TEMP, -s.nde),
+    ]  # fmt: skip
+
+
+def _rope_backward(size: int) -> list[Event]:
+    """Grad through x*cos + cat(-x2, x1)*sin, the rotated grad (``size``) live; leaves
+    the input's grad and frees the incoming one."""
+    return [
+        (TEMP, size), (TEMP, size), (TEMP, size // 2), (TEMP, -size),
+        (TEMP, size), (TEMP, -(size // 2)), (TEMP, -size),
+        (TEMP, size), (TEMP, -size), (TEMP, -size),
+    ]  # fmt: skip
+
+
+def _attn_backward(s: Sizes, *, sdpa_workspace: int) -> list[Event]:
+    rep = s.heads // s.kv_heads
+    q, kv = s.nqe, s.nke
+    wq, wkv = s.d * s.heads * s.head_dim * s.e, s.d * s.kv_heads * s.head_dim * s.e
+    ev: list[Event] = [(TEMP, q), (GRAD, wq)]  # o_proj: grad of attention output
+    ev += [(TEMP, 3 * q + sdpa_workspace), (TEMP, -sdpa_workspace), (TEMP, -q)]
+    ev += [(ACT, -(q + (2 * q if rep > 1 else 2 * kv) + q + 4 * s.n * s.heads))]
+    if rep > 1:  # sum the repeated heads back: v first, then k
+        ev += [(TEMP, kv), (TEMP, -q), (TEMP, kv), (TEMP, -q)]
+    ev += _rope_backward(kv) + _rope_backward(q)
+    y = s.nde if s.cast else s.nd4
+    ev += [(TEMP, s.nde), (GRAD, wkv), (TEMP, -kv)]  # v_proj
+    ev += [(TEMP, s.nde), (GRAD, wkv), (TEMP, -kv), (TEMP, -s.nde)]  # k_proj, accumulated
+    ev += [(TEMP, s.nde), (GRAD, wq), (TEMP, -q), (TEMP, -s.nde), (ACT, -y)]  # q_proj
+    return ev
+
+
+def block_backward(s: Sizes, *, sdpa_workspace: int = 0) -> list[Event]:
+    """Backward of one block with its saved tensors live (kept or recomputed) and the
+    output's grad (N*d*e, counted by the caller) live; ends with the input's grad in
+    the same buffer, all saved tensors freed and the weight grads (GRAD) allocated."""
+    return (
+        _mlp_backward(s)
+        + _norm_backward(s)
+        + _attn_backward(s, sdpa_workspace=sdpa_workspace)
+        + _norm_backward(s)
+    )
+
+
+def head_forward(s: Sizes) -> list[Event]:
+    """Final norm and the output head, with the last block's output (counted by the
+    caller) live: in low precision it dies here, in fp32 the norm saves it."""
+    ev = _norm_forward(s, keep=True)
+    ev += [(ACT, -s.nde)] if s.cast else []
+    return [*ev, (LOGITS, s.nve)]
+
+
+def loss_forward(s: Sizes) -> list[Event]:
+    """cross_entropy(logits.float(), targets) inside a helper: the fp32 copy and
+    log_softmax's output (saved) coexist with the logits; when the helper returns
+    only the saved log-probabilities remain."""
+    ev: list[Event] = [(LOGITS, s.nv4)] if s.cast else []
+    ev += [(LOGITS, s.nv4), (TEMP, 8 * s.n)]  # log_softmax; the flattened targets
+    return [*ev, (LOGITS, -(s.nv4 if s.cast else 0) - s.nve), (TEMP, -8 * s.n)]
+
+
+def loss_backward(s: Sizes) -> list[Event]:
+    """nll_loss's dense grad, log_softmax's grad, then the cast back to the logits'
+    dtype: ends with the logits' grad (N*V*e) live."""
+    ev: list[Event] = [(LOGITS, 2 * s.nv4), (LOGITS, -2 * s.nv4)]
+    return ev + ([(LOGITS, s.nve), (LOGITS, -s.nv4)] if s.cast else [])
+
+
+def head_backward(s: Sizes) -> list[Event]:
+    """Output head (grad of its input, then of the weight), then the final norm:
+    ends with the last block output's grad (N*d*e) live, the head weight grad kept."""
+    w = s.vocab * s.d * s.e
+    y = s.nde if s.cast else s.nd4
+    ev: list[Event] = [(TEMP, s.nde), (GRAD, w), (LOGITS, -s.nve), (ACT, -y)]
+    return ev + _norm_backward(s) + [(TEMP, s.nde)]
+
+
+def embedding_backward(s: Sizes, *, tied: bool, workspace: int = 0) -> list[Event]:
+    """Dense embedding grad (V*d*e); a tied weight adds it into the head's grad.
+    Frees the incoming grad of the embedding output."""
+    w = s.vocab * s.d * s.e
+    ev: list[Event] = [(TEMP, workspace), (GRAD, w), (TEMP, -workspace)]
+    ev += [(GRAD, -w)] if tied else []
+    return [*ev, (TEMP, -s.nde)]

@@ -1,0 +1,61 @@
+"""Communication per rank per optimizer step: what FSDP2 all-gathers and reduces.
+
+Volumes are the bytes each rank sends (and receives) with ring-style algorithms:
+an all-gather or reduce-scatter of a buffer of B bytes over G ranks moves
+B*(G-1)/G per rank, an all-reduce 2*B*(G-1)/G. Per micro-batch every unit is
+all-gathered before its forward unless it is still unsharded, and again before its
+backward if it was resharded after forward (an int ``reshard_after_forward`` k
+all-gathers within k ranks). Gradients are reduce-scattered (and, for HSDP /
+replicate, all-reduced across replicas) only on the last micro-batch.
+"""
+
+from __future__ import annotations
+
+from fsdpkit.planner.analytic import effective_reshard
+from fsdpkit.planner.result import CommVolume
+from fsdpkit.planner.scenario import Scenario
+from fsdpkit.planner.shapes import Unit, units
+from fsdpkit.sharding.policy import unit_reshard_after_forward
+
+
+def _ring(nbytes: int, group: int) -> int:
+    return nbytes * (group - 1) // group if group > 1 else 0
+
+
+def _reshard(sc: Scenario, index: int | None, n_units: int) -> bool | int:
+    raf = unit_reshard_after_forward(sc.reshard_after_forward, index=index, n_units=n_units)
+    return effective_reshard(raf, shard=sc.shard)
+
+
+def _gathers(sc: Scenario, u: Unit, raf: bool | int, *, first: bool) -> tuple[int, int]:
+    """(bytes, calls) of all-gathers of one unit in one micro-batch."""
+    full = u.gathered * sc.param_bytes
+    held_over = sc.keep_unsharded and not first  # not resharded after the last backward
+    volume, calls = (0, 0) if held_over else (_ring(full, sc.shard), 1)
+    if raf is True:
+        volume, calls = volume + _ring(full, sc.shard), calls + 1
+    elif raf is not False:
+        volume, calls = volume + _ring(full, int(raf)), calls + 1
+    return volume, calls if sc.shard > 1 else 0
+
+
+def comm_volume(sc: Scenario) -> CommVolume:
+    """Per-rank collective traffic of one optimizer step of ``sc``."""
+    root, blocks = units(sc.model, shard=sc.shard, blocks_per_unit=sc.blocks_per_unit)
+    indexed: list[tuple[int | None, Unit]] = [(None, root), *enumerate(blocks)]
+    gather = calls = 0
+    for micro in range(sc.grad_accum):
+        for index, u in indexed:
+            v, c = _gathers(sc, u, _reshard(sc, index, len(blocks)), first=micro == 0)
+            gather, calls = gather + v, calls + c
+    rb = sc.reduce_bytes
+    scatter = sum(_ring(u.gathered * rb, sc.shard) for _, u in indexed)
+    reduce = sum(2 * _ring(u.sharded * rb, sc.replicate) for _, u in indexed)
+    calls += len(indexed) * ((sc.shard > 1) + (sc.replicate > 1))
+    host = 0
+    if sc.offload and sc.device.kind == "gpu":  # shards up per all-gather, grads down once
+        host = sum(u.sharded * 4 for _, u in indexed) * (1 + 2 * sc.grad_accum)
+    return CommVolume(
+        all_gather=gather, reduce_scatter=scatter, all_reduce=reduce, calls=calls,
+        host_transfer=host,
+    )  # fmt: skip

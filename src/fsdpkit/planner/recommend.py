@@ -1,0 +1,248 @@
+"""``recommend()``: search the settings that trade memory for speed, rank what fits.
+
+Searched, keeping the global batch (micro-batch x accumulation per rank) fixed:
+parallel.strategy with every useful hybrid shard degree, reshard_after_forward
+(the strategy's default, or an int = ranks per node to reshard inside a node),
+activation checkpointing (none, every 2nd block, every block), CPU offload (GPUs),
+and the micro-batch size. Each candidate is planned analytically; those that fit
+are ranked by an estimated step time — a relative cost, not a prediction:
+
+    step = max(compute + recompute, communication) + offload transfers
+
+compute = 6 x dense params + 12 x layers x heads x head_dim x seq FLOPs per token at
+40% of the device's peak, derated for small micro-batches (x (1 + 256 / tokens per
+micro-batch): fewer tokens per matmul run further below peak); recompute = a third
+of the checkpointed blocks' share;
+communication = all-gather + reduce-scatter bytes over the shard group's link (NVLink
+inside a node, the network across) + replica all-reduce + 50 us per collective,
+overlapped with compute as FSDP2 prefetching does; offload = host copies over PCIe
+plus the CPU AdamW step (16 bytes per local parameter at host memory speed).
+Ranking adds 2% per changed key, so the config as given wins a near tie.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+from fsdpkit.config import RunConfig
+from fsdpkit.errors import UserError
+from fsdpkit.planner.api import DEFAULT_MARGIN, plan_scenario
+from fsdpkit.planner.devices import Device
+from fsdpkit.planner.result import Plan
+from fsdpkit.planner.scenario import PlanError, Scenario, scenario
+
+MFU = 0.40
+"""Assumed model FLOPs utilization, for ranking only."""
+LATENCY_S = 50e-6
+HOST_MEMORY_GBPS = 20.0
+SMALL_BATCH_TOKENS = 256
+"""Tokens per micro-batch at which matmul efficiency is taken to halve (ranking only)."""
+CHANGE_PENALTY = 0.02
+"""Relative cost added per changed config key when ranking."""
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Estimated seconds per optimizer step, by cause (for ranking and explaining)."""
+
+    compute_s: float
+    recompute_s: float
+    comm_s: float
+    """Collective time; overlapped with compute."""
+    offload_s: float
+
+    @property
+    def total_s(self) -> float:
+        return max(self.compute_s + self.recompute_s, self.comm_s) + self.offload_s
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration of the search: what changes, its plan and its cost."""
+
+    changes: dict[str, object]
+    """Dotted config keys -> values that differ from the input config."""
+    config: RunConfig
+    plan: Plan
+    cost: StepCost
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.plan.fits)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The search result; ``best`` is None when nothing fits."""
+
+    best: Candidate | None
+    ranked: tuple[Candidate, ...]
+    """Configurations that fit, cheapest first (at most ``top``)."""
+    current: Candidate | None
+    """The input configuration as given (None if it is invalid at this world size)."""
+    cheaper_unfit: Candidate | None
+    """The cheapest configuration that does not fit, if cheaper than ``best``."""
+    considered: int
+    fitting: int
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _hybrid_degrees(world: int, per_node: int) -> list[int]:
+    """Shard degrees worth trying for HSDP: powers of two up to a node, node multiples."""
+    return [
+        d
+        for d in _divisors(world)
+        if 1 < d < world and ((d <= per_node and d & (d - 1) == 0) or d % per_node == 0)
+    ]
+
+
+def _strategies(world: int, per_node: int) -> list[dict[str, object]]:
+    out: list[dict[str, object]] = [
+        {"parallel.strategy": s, "parallel.shard_degree": None}
+        for s in ("full", "grad_op", "replicate")
+    ]
+    for d in _hybrid_degrees(world, per_node):
+        for s in ("hybrid", "hybrid_grad_op"):
+            out.append({"parallel.strategy": s, "parallel.shard_degree": d})
+    return out
+
+
+def _reshards(strategy: dict[str, object], world: int, per_node: int) -> list[object]:
+    shard = strategy["parallel.shard_degree"] or world
+    options: list[object] = [None]
+    reshards = strategy["parallel.strategy"] in ("full", "hybrid")
+    if reshards and 1 < per_node < int(shard) and int(shard) % per_node == 0:  # type: ignore[call-overload]
+        options.append(per_node)
+    return options
+
+
+def _grid(cfg: RunConfig, *, world: int, per_node: int, gpu: bool) -> list[dict[str, object]]:
+    total = cfg.train.micro_batch_size * cfg.train.grad_accum
+    micros = [m for m in _divisors(total)][-4:]
+    acs = [("none", 2), ("every", 2), ("full", 2)]
+    grid = []
+    for strat in _strategies(world, per_node):
+        for raf, (ac, every), micro in itertools.product(
+            _reshards(strat, world, per_node), acs, micros
+        ):
+            for offload in (False, True) if gpu and raf is None else (False,):
+                grid.append(
+                    strat
+                    | {"parallel.reshard_after_forward": raf, "offload.params": offload}
+                    | {"activations.mode": ac, "activations.every": every}
+                    | {"train.micro_batch_size": micro, "train.grad_accum": total // micro}
+                )
+    return grid
+
+
+def apply_changes(cfg: RunConfig, changes: dict[str, object]) -> RunConfig:
+    """``cfg`` with dotted keys replaced (no validation: scenario() validates)."""
+    sections: dict[str, dict[str, object]] = {}
+    for key, value in changes.items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+    updated = {s: replace(getattr(cfg, s), **v) for s, v in sections.items()}
+    return replace(cfg, **updated)  # type: ignore[arg-type]
+
+
+def _diff(cfg: RunConfig, changes: dict[str, object]) -> dict[str, object]:
+    current = cfg.to_dict()
+    return {k: v for k, v in changes.items() if current[k.split(".")[0]][k.split(".")[1]] != v}
+
+
+def step_cost(sc: Scenario, p: Plan) -> StepCost:
+    """Estimated step time of a planned scenario (see the module docstring)."""
+    m, dev = sc.model, sc.device
+    head = 0 if m.tie_embeddings else m.vocab_size * m.dim
+    dense = m.num_params() - head
+    attn = 12 * m.n_layers * m.n_heads * m.head_dim * sc.seq_len
+    compute = sc.tokens * sc.grad_accum * (6 * dense + attn) / (dev.tflops * 1e12 * MFU)
+    compute *= 1 + SMALL_BATCH_TOKENS / sc.tokens
+    if sc.ac_mode == "full":
+        share = 1.0
+    else:
+        share = (m.n_layers // sc.ac_every) / m.n_layers if sc.ac_mode == "every" else 0.0
+    blocks = (m.num_params() - m.vocab_size * m.dim - head - m.dim) / dense
+    recompute = compute * share * blocks / 3
+    shard_link = dev.intra_gbps if sc.shard <= sc.ranks_per_node else dev.inter_gbps
+    replica_link = dev.intra_gbps if sc.world_size <= sc.ranks_per_node else dev.inter_gbps
+    c = p.comm
+    comm = (c.all_gather + c.reduce_scatter) / (shard_link * 1e9)
+    comm += c.all_reduce / (replica_link * 1e9) + c.calls * LATENCY_S
+    offload = 0.0
+    if sc.offload and dev.kind == "gpu":
+        local = sum(p.memory.model_states.values())
+        offload = c.host_transfer / (dev.host_gbps * 1e9) + local / (HOST_MEMORY_GBPS * 1e9)
+    return StepCost(compute, recompute, comm, offload)
+
+
+@dataclass(frozen=True)
+class _Search:
+    world: int
+    device: Device
+    margin: float
+    per_node: int
+    vocab: int | None
+
+
+def _candidate(cfg: RunConfig, changes: dict[str, object], search: _Search) -> Candidate | None:
+    new = apply_changes(cfg, changes)
+    try:
+        sc = scenario(
+            new,
+            world_size=search.world,
+            device=search.device,
+            ranks_per_node=search.per_node,
+            vocab_size=search.vocab,
+        )
+    except UserError:
+        return None  # e.g. offload with grad_op: not a valid configuration
+    p = plan_scenario(sc, margin=search.margin)
+    return Candidate(_diff(cfg, changes), new, p, step_cost(sc, p))
+
+
+def recommend(
+    cfg: RunConfig,
+    *,
+    world_size: int,
+    device: Device,
+    margin: float = DEFAULT_MARGIN,
+    ranks_per_node: int = 8,
+    vocab_size: int | None = None,
+    top: int = 5,
+) -> Recommendation:
+    """Search strategy, mesh, resharding, checkpointing, offload and micro-batch for
+    ``cfg`` on ``world_size`` ranks of ``device``; rank what fits by estimated step
+    time. ``Recommendation.best.changes`` are the config keys to set."""
+    if device.memory is None:
+        raise PlanError(
+            "--recommend needs the device memory to search what fits: pass --device-mem "
+            "with a size (80GiB) or a known device (h100, a100-40gb, ...)."
+        )
+    search = _Search(world_size, device, margin, ranks_per_node, vocab_size)
+    current = _candidate(cfg, {}, search)
+    grid = _grid(cfg, world=world_size, per_node=ranks_per_node, gpu=device.kind == "gpu")
+    found = [_candidate(cfg, changes, search) for changes in grid]
+    candidates = [c for c in found if c is not None]
+    key = lambda c: (  # noqa: E731
+        c.cost.total_s * (1 + CHANGE_PENALTY * len(c.changes)),
+        c.plan.memory.peak.bytes,
+    )
+    fitting = sorted((c for c in candidates if c.fits), key=key)
+    unfit = sorted((c for c in candidates if not c.fits), key=key)
+    best = fitting[0] if fitting else None
+    cheaper = None
+    if unfit and (best is None or unfit[0].cost.total_s < best.cost.total_s):
+        cheaper = unfit[0]
+    return Recommendation(
+        best=best,
+        ranked=tuple(fitting[:top]),
+        current=current,
+        cheaper_unfit=cheaper,
+        considered=len(candidates),
+        fitting=len(fitting),
+    )

@@ -1,0 +1,248 @@
+"""Plans and recommendations as text, JSON-ready dicts and TOML lines.
+
+Formatting only: every number here was computed by the planner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fsdpkit.planner.recommend import Candidate, Recommendation
+from fsdpkit.planner.result import CATEGORIES, PHASES, MemoryPlan, Plan
+from fsdpkit.planner.scenario import Scenario
+
+GiB, MiB = 1024**3, 1024**2
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    if n == 0:
+        return "0"
+    if abs(n) >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / MiB:.1f} MiB"
+
+
+def describe_scenario(sc: Scenario) -> str:
+    m = sc.model
+    mesh = {
+        "full": f"full shard over {sc.shard}",
+        "grad_op": f"grad_op shard over {sc.shard}",
+        "replicate": f"replicate x{sc.replicate}",
+    }.get(sc.strategy, f"{sc.strategy} {sc.replicate} replicas x shard {sc.shard}")
+    ac = {"none": "no AC", "full": "AC every block"}.get(sc.ac_mode, f"AC 1/{sc.ac_every} blocks")
+    params = (
+        f"{m.num_params() / 1e9:.2f}B" if m.num_params() >= 1e8 else f"{m.num_params() / 1e6:.1f}M"
+    )
+    return (
+        f"{params} params ({m.n_layers} layers, d={m.dim}, vocab {m.vocab_size}); "
+        f"{sc.world_size} ranks: {mesh}, reshard_after_forward={sc.reshard_after_forward}; "
+        f"{sc.precision}; {sc.micro_batch} x {sc.seq_len} tokens x {sc.grad_accum} accumulation; "
+        f"{ac}{'; CPU offload' if sc.offload else ''}"
+    )
+
+
+def _device_line(p: Plan) -> str:
+    dev = p.scenario.device
+    if p.device_bytes is None:
+        return f"device: {dev.name} (memory unknown: no fit verdict; pass --device-mem)"
+    return (
+        f"device: {dev.name}, {fmt_bytes(p.device_bytes)}; usable {fmt_bytes(p.usable_bytes)} "
+        f"after {fmt_bytes(dev.runtime_reserve)} runtime reserve and {p.margin:.0%} margin"
+    )
+
+
+def _verdict(p: Plan) -> str:
+    if p.fits is None or p.headroom is None:
+        return ""
+    if p.fits:
+        return f"FITS ({fmt_bytes(p.headroom)} to spare)"
+    return f"DOES NOT FIT ({fmt_bytes(-p.headroom)} over)"
+
+
+def _breakdown_rows(main: MemoryPlan, other: MemoryPlan | None) -> list[str]:
+    head = f"  {'':<46}{main.mode:>14}" + (f"{other.mode:>14}" if other else "")
+    rows = [head]
+    for key, label in CATEGORIES.items():
+        a = main.peak.breakdown.get(key, 0)
+        b = other.peak.breakdown.get(key, 0) if other else 0
+        if a or b:
+            rows.append(
+                f"  {label:<46}{fmt_bytes(a):>14}" + (f"{fmt_bytes(b):>14}" if other else "")
+            )
+    total = f"  {'peak':<46}{fmt_bytes(main.peak.bytes):>14}"
+    return [*rows, total + (f"{fmt_bytes(other.peak.bytes):>14}" if other else "")]
+
+
+def format_plan(p: Plan) -> str:
+    """The human report of one plan."""
+    mem, sc = p.memory, p.scenario
+    where = f"{mem.peak.phase}: {mem.peak.where}" if mem.peak.where else mem.peak.phase
+    lines = [
+        f"fsdpkit plan ({mem.mode}, {p.elapsed_s * 1000:.0f} ms): {describe_scenario(sc)}",
+        _device_line(p),
+        "",
+        f"per-rank memory at the peak ({where}):",
+        *_breakdown_rows(mem, p.other),
+        f"  {_verdict(p)}" if p.fits is not None else "",
+        "peak by phase: "
+        + " | ".join(
+            f"{ph} {fmt_bytes(mem.phase_peaks[ph])}" for ph in PHASES if ph in mem.phase_peaks
+        ),
+        _states_line(mem, sc),
+        _comm_line(p),
+    ]
+    if mem.host_bytes:
+        lines.append(f"host memory per rank (CPU offload): {fmt_bytes(mem.host_bytes)}")
+    notes = [*sc.notes, *mem.notes]
+    lines += [f"note: {n}" for n in notes]
+    return "\n".join(line for line in lines if line is not None)
+
+
+def _states_line(mem: MemoryPlan, sc: Scenario) -> str:
+    s = mem.model_states
+    where = "host" if mem.host_bytes else "device"
+    return (
+        f"model states per rank ({where}): params {fmt_bytes(s['sharded_params'])} + grads "
+        f"{fmt_bytes(s['gradients'])} + AdamW {fmt_bytes(s['optimizer_states'])} = "
+        f"{fmt_bytes(sum(s.values()))} (16 bytes/param / shard {sc.shard})"
+    )
+
+
+def _comm_line(p: Plan) -> str:
+    c = p.comm
+    line = (
+        f"communication per rank per step: all-gather {fmt_bytes(c.all_gather)}, "
+        f"reduce-scatter {fmt_bytes(c.reduce_scatter)}, all-reduce {fmt_bytes(c.all_reduce)} "
+        f"({c.calls} collectives)"
+    )
+    if c.host_transfer:
+        line += f"; host<->device {fmt_bytes(c.host_transfer)}"
+    return line
+
+
+def plan_dict(p: Plan) -> dict[str, Any]:
+    """A JSON-ready dict of a plan (bytes as integers)."""
+    sc = p.scenario
+    out: dict[str, Any] = {
+        "scenario": {
+            **{k: v for k, v in dataclasses.asdict(sc).items() if k not in ("model", "device")},
+            "model": sc.model.to_dict(),
+            "params": sc.model.num_params(),
+            "device": dataclasses.asdict(sc.device),
+        },
+        "memory": dataclasses.asdict(p.memory),
+        "comm": dataclasses.asdict(p.comm) | {"total": p.comm.total},
+        "device_bytes": p.device_bytes,
+        "usable_bytes": p.usable_bytes,
+        "margin": p.margin,
+        "fits": p.fits,
+        "headroom": p.headroom,
+        "elapsed_s": p.elapsed_s,
+    }
+    if p.other is not None:
+        out["analytic"] = dataclasses.asdict(p.other)
+    return out
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return str(value)
+
+
+def toml_lines(changes: dict[str, object]) -> str:
+    """The config lines to set, grouped by section; a value of None means "remove
+    this key" (back to its default)."""
+    sections: dict[str, list[str]] = {}
+    for key, value in changes.items():
+        section, name = key.split(".")
+        line = f"# remove {name} (default)" if value is None else f"{name} = {_toml_value(value)}"
+        sections.setdefault(section, []).append(line)
+    return "\n".join(f"[{s}]\n" + "\n".join(lines) for s, lines in sections.items())
+
+
+def _label(c: Candidate) -> str:
+    changes = ", ".join(
+        f"{k}={_toml_value(v)}" for k, v in c.changes.items() if v is not None
+    )  # fmt: skip
+    return changes or "your configuration as is"
+
+
+def _cost(c: Candidate) -> str:
+    k = c.cost
+    return (
+        f"~{k.total_s:.2f} s/step (compute {k.compute_s:.2f} + recompute {k.recompute_s:.2f}, "
+        f"comm {k.comm_s:.2f} overlapped"
+        + (f", offload {k.offload_s:.2f}" if k.offload_s else "")
+        + ")"
+    )
+
+
+def _peak(c: Candidate) -> str:
+    m = c.plan.memory
+    return f"peak {fmt_bytes(m.peak.bytes)} at {m.peak.phase}: {m.peak.where}"
+
+
+def explain(rec: Recommendation) -> list[str]:
+    """Why the recommendation is what it is, one sentence per line."""
+    usable = rec.current.plan.usable_bytes if rec.current else None
+    lines = [f"searched {rec.considered} configurations; {rec.fitting} fit in {fmt_bytes(usable)}."]
+    if rec.current is not None:
+        verdict = "fits" if rec.current.fits else "does not fit"
+        lines.append(f"yours {verdict}: {_peak(rec.current)}, {_cost(rec.current)}.")
+    if rec.best is None:
+        lines.append(
+            "nothing fits: more ranks, a shorter sequence or a smaller micro-batch are "
+            "needed (or tensor/pipeline parallelism, which fsdpkit does not do)."
+        )
+    else:
+        lines.append(f"pick: {_label(rec.best)} — {_peak(rec.best)}, {_cost(rec.best)}.")
+    if rec.cheaper_unfit is not None:
+        c = rec.cheaper_unfit
+        need = fmt_bytes(c.plan.memory.peak.bytes)
+        lines.append(f"faster but does not fit: {_label(c)} ({_cost(c)}) needs {need}.")
+    return lines
+
+
+def format_recommendation(rec: Recommendation) -> str:
+    lines = ["recommendation:", *[f"  {line}" for line in explain(rec)]]
+    if rec.ranked:
+        lines.append("ranked (fitting, fastest first):")
+        for i, c in enumerate(rec.ranked, 1):
+            lines.append(f"  {i}. {_label(c)}: {fmt_bytes(c.plan.memory.peak.bytes)}, {_cost(c)}")
+    if rec.best is not None and rec.best.changes:
+        lines += ["", "set in your config (TOML):", toml_lines(rec.best.changes)]
+    elif rec.best is not None:
+        lines += ["", "keep your configuration: it is the fastest that fits."]
+    return "\n".join(lines)
+
+
+def _candidate_dict(c: Candidate | None) -> dict[str, Any] | None:
+    if c is None:
+        return None
+    return {
+        "changes": c.changes,
+        "peak_bytes": c.plan.memory.peak.bytes,
+        "peak_phase": c.plan.memory.peak.phase,
+        "peak_where": c.plan.memory.peak.where,
+        "fits": c.fits,
+        "cost": dataclasses.asdict(c.cost) | {"total_s": c.cost.total_s},
+        "toml": toml_lines(c.changes),
+    }
+
+
+def recommendation_dict(rec: Recommendation) -> dict[str, Any]:
+    return {
+        "best": _candidate_dict(rec.best),
+        "ranked": [_candidate_dict(c) for c in rec.ranked],
+        "current": _candidate_dict(rec.current),
+        "cheaper_unfit": _candidate_dict(rec.cheaper_unfit),
+        "considered": rec.considered,
+        "fitting": rec.fitting,
+        "explanation": explain(rec),
+    }

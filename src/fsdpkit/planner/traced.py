@@ -1,0 +1,196 @@
+"""Traced per-rank memory: the real model code, one real step, no devices.
+
+[Note: traced planning]
+The model is built under ``FakeTensorMode`` (tensors with shapes, no storage),
+sharded by ``fsdpkit.shard`` on a mesh of the "fake" process group (every collective
+returns at once, at any world size, in this one process), and one steady-state
+training step (``fsdpkit.planner.step``) runs under torch's ``FSDPMemTracker``, which
+counts every tensor storage as it is created and freed. What it measures is rank 0 of
+that world. Limits, all measured on torch 2.13:
+
+- The device is modeled as the CPU: a fake "cuda" device fails inside ``fully_shard``.
+  CPU and GPU differ in a few op workspaces (attention backward, embedding backward),
+  which the analytic planner adds for GPUs and this mode does not.
+- The mesh is built outside ``FakeTensorMode``. Gradient clipping runs tensor by
+  tensor: fake tracing of ``clip_grad_norm_(foreach=True)`` on DTensor gradients
+  counts a copy of every gradient (seen at world size 1), the real kernel does not.
+  The optimizer is the trainer's foreach AdamW, which traces exactly.
+- Collective-internal buffers of a real backend are invisible to the tracker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.fsdp._fully_shard import _fully_shard as _fully_shard_module
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from fsdpkit.config import RunConfig
+from fsdpkit.mesh import build_mesh
+from fsdpkit.models.llama import Llama
+from fsdpkit.planner.analytic import model_states
+from fsdpkit.planner.result import CATEGORIES, MemoryPlan, PeakPoint
+from fsdpkit.planner.scenario import PlanError, Scenario
+from fsdpkit.planner.step import train_step
+from fsdpkit.sharding import shard
+from fsdpkit.train.optim import build_optimizer
+
+_CATEGORY = {
+    "Sharded Param": "sharded_params",
+    "Unsharded Param": "unsharded_params",
+    "Buffer": "buffers_inputs",
+    "Inputs": "buffers_inputs",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "unsharded_grads",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "All Gather": "collective_buffers",
+    "Reduce Scatter": "collective_buffers",
+    "OptState": "optimizer_states",
+}
+
+
+def _breakdown(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
+    out = dict.fromkeys(CATEGORIES, 0)
+    for per_device in snapshot.values():
+        for ref, nbytes in per_device.items():
+            key = _CATEGORY.get(getattr(ref, "value", str(ref)))
+            if key is not None:
+                out[key] += nbytes
+    return out
+
+
+class _PhaseRecorder:
+    """Per-phase peaks from one tracker: at each phase end, read the running peak and
+    restart it from the current total (the tracker itself keeps one global peak)."""
+
+    def __init__(self, tracker: FSDPMemTracker) -> None:
+        self.tracker = tracker
+        self.peaks: dict[str, tuple[int, str, dict[str, int]]] = {}
+
+    def __call__(self, phase: str) -> None:
+        peak = self.tracker.get_tracker_snapshot("peak")
+        total = sum(d.get("Total", 0) for d in peak.values())
+        if total > self.peaks.get(phase, (-1, "", {}))[0]:
+            self.peaks[phase] = (total, _where(self.tracker, total), _breakdown(peak))
+        current = self.tracker.get_tracker_snapshot("current")
+        # Private state of MemTracker: restart the running peak at the current total.
+        self.tracker._peak_mem = {dev: snap.get("Total", 0) for dev, snap in current.items()}
+        self.tracker._peak_mem_snap = copy.deepcopy(current)
+        if phase == "backward":  # next micro-batch's forward is a new iteration to it
+            self.tracker.reset_mod_stats()
+
+
+def _where(tracker: FSDPMemTracker, total: int) -> str:
+    """The innermost FSDP module whose own peak is this peak ("" if none is)."""
+    names = [
+        stats.mod_fqn
+        for stats in tracker.memory_tracking.values()
+        if total in stats.local_peak.values()
+    ]
+    if not names:
+        return ""
+    name = max(names, key=lambda n: n.count("."))
+    inner = name.split(".", 1)[1] if "." in name else ""  # drop the root's class name
+    return f"backward of {inner.removeprefix('model.')}" if inner else "root unit"
+
+
+def _run_config(cfg: RunConfig, sc: Scenario) -> RunConfig:
+    """``cfg`` with the precision the plan resolved (auto means bf16 for a GPU even
+    though the trace runs on the CPU)."""
+    out = copy.deepcopy(cfg)
+    out.precision.mode = sc.precision  # type: ignore[assignment]
+    return out
+
+
+@contextlib.contextmanager
+def _real_submeshes() -> Iterator[None]:
+    """An int ``reshard_after_forward`` makes ``fully_shard`` build a sub-mesh from the
+    mesh's rank tensor, which must not become a fake tensor: run that one helper
+    with fake mode paused."""
+    original = _fully_shard_module._get_post_forward_mesh_info
+
+    def real(*args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily():
+            return original(*args, **kwargs)
+
+    _fully_shard_module._get_post_forward_mesh_info = real
+    try:
+        yield
+    finally:
+        _fully_shard_module._get_post_forward_mesh_info = original
+
+
+def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
+    mesh = build_mesh(
+        replicate=sc.replicate, shard=sc.shard, device_type="cpu", world_size=sc.world_size
+    )
+    with FakeTensorMode():
+        model = Llama(sc.model)
+        with _real_submeshes():
+            shard(model, _run_config(cfg, sc), mesh=mesh)
+        opt = build_optimizer(model, cfg.train)  # the trainer's AdamW (foreach)
+        for p in model.parameters():  # steady state: AdamW states exist already
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        shape = (sc.micro_batch, sc.seq_len + 1)
+        batches = [
+            torch.randint(0, sc.model.vocab_size, shape) for _ in range(min(sc.grad_accum, 2))
+        ]
+        tracker = FSDPMemTracker(model, opt)
+        tracker.track_inputs(tuple(batches))
+        recorder = _PhaseRecorder(tracker)
+        with tracker:
+            train_step(
+                model, opt, batches, keep_unsharded=sc.keep_unsharded, foreach=False, mark=recorder
+            )
+    return recorder
+
+
+def traced_memory(cfg: RunConfig, sc: Scenario) -> MemoryPlan:
+    """Per-rank memory of ``sc`` measured on one fake step (see [Note: traced planning]).
+
+    Starts and destroys its own "fake" process group, so it must run in a process
+    without one (the ``fsdpkit plan`` CLI, a test, a script).
+    """
+    if dist.is_initialized():
+        raise PlanError(
+            "traced planning starts its own fake process group, but one is already "
+            "initialized in this process; run the plan outside the training job."
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=sc.world_size)
+    try:
+        recorder = _trace(cfg, sc)
+    finally:
+        dist.destroy_process_group()
+    return _memory_plan(sc, recorder)
+
+
+def _memory_plan(sc: Scenario, recorder: _PhaseRecorder) -> MemoryPlan:
+    phase, (total, where, breakdown) = max(recorder.peaks.items(), key=lambda kv: kv[1][0])
+    states = model_states(sc)
+    host_states = sc.offload and sc.device.kind == "gpu"
+    notes: tuple[str, ...] = ()
+    if sc.device.kind == "cpu" and sc.shard > 1:
+        notes = ("gloo's collective temporaries are invisible to the tracker (analytic has them)",)
+    if host_states:  # the trace runs on the CPU: take the offloaded states off the device
+        for key in ("sharded_params", "gradients", "optimizer_states"):
+            total -= breakdown[key]
+            breakdown[key] = 0
+        notes = (*notes, "CPU offload: sharded params, grads and AdamW states are on the host")
+    return MemoryPlan(
+        mode="traced",
+        peak=PeakPoint(total, phase, where, breakdown),
+        phase_peaks={k: v[0] for k, v in recorder.peaks.items()},
+        model_states=states,
+        host_bytes=sum(states.values()) if host_states else 0,
+        notes=notes,
+    )
