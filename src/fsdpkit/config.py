@@ -132,6 +132,12 @@ class ParallelConfig:
     (fewer all-gathers, but full parameters stay in memory)."""
     timeout_s: float = 600.0
     """Collective timeout in seconds; a rank stuck longer fails the run with the step."""
+    auto: bool = False
+    """Let the planner choose strategy, mesh, resharding, activation checkpointing, offload
+    and micro-batch size for this world size and device (as `fsdpkit plan --recommend`)."""
+    device_mem: str | None = None
+    """Device memory per rank for parallel.auto: a size (80GiB), a device name (h100) or
+    NAME:SIZE; empty = detected (GPU memory, or host memory / local ranks on CPU)."""
 
 
 @dataclass

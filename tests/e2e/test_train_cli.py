@@ -150,3 +150,25 @@ def test_user_factory_model_trains(tmp_path: Path) -> None:
     assert "3 x ResidualMLP units" in result.stdout
     got = losses(tmp_path / "f")
     assert sum(got[-5:]) / 5 < sum(got[:5]) / 5 - 0.5
+
+
+def test_parallel_auto_applies_the_planners_choice(tmp_path: Path) -> None:
+    # The default tiny model needs ~69 MiB per rank as configured: on a 60 MiB "device"
+    # the planner must change something (checkpointing, micro-batch...) to fit.
+    result = fsdpkit(
+        "train",
+        "parallel.auto=true",
+        "parallel.device_mem=cpu:60MiB",
+        "train.steps=3",
+        "train.sample_tokens=0",
+        "checkpoint.resume=never",
+        f"logging.run_dir={tmp_path / 'auto'}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    chosen = result.stdout.split("parallel.auto chose ", 1)[1].splitlines()[0]
+    assert "=" in chosen, result.stdout[:2000]
+    resolved = (tmp_path / "auto" / "config.toml").read_text()
+    for item in chosen.split():
+        key, value = item.split("=", 1)
+        assert f"{key.split('.')[1]} = {value}" in resolved, (item, resolved)

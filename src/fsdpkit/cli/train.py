@@ -16,6 +16,7 @@ import sys
 import warnings
 
 from fsdpkit import config as configuration
+from fsdpkit.cli.autoconfig import auto_overrides
 from fsdpkit.errors import UserError
 from fsdpkit.launch import DistEnv, SpawnOptions, default_nproc, joined_env, spawn, write_error
 
@@ -76,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = configuration.load(path, overrides)
     env = joined_env()
     if env is not None:
-        _work(cfg, env)  # never returns
+        auto = auto_overrides(cfg, world_size=env.world_size, local_world_size=env.local_world_size)
+        _work(configuration.load(path, overrides + auto) if auto else cfg, env)  # never returns
     nproc = args.nproc or default_nproc()
     if nproc < 1:
         raise UserError(f"--nproc must be >= 1, got {nproc}.")
@@ -85,6 +87,10 @@ def run(args: argparse.Namespace) -> int:
             f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, the same on every node "
             "(a port on the first node that all nodes can reach)."
         )
+    auto = auto_overrides(cfg, world_size=nproc * args.nnodes, local_world_size=nproc)
+    if auto:
+        print(f"fsdpkit train: parallel.auto chose {' '.join(auto[:-1]) or 'the config as given'}")
+        cfg = configuration.load(path, overrides + auto)
     configuration.validate_for_world(cfg, world_size=nproc * args.nnodes, local_world_size=nproc)
     opts = SpawnOptions(
         nproc=nproc,
@@ -93,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         rdzv_endpoint=args.rdzv_endpoint,
         max_restarts=args.max_restarts,
     )
-    return spawn(args.items, opts)
+    return spawn(args.items + auto, opts)
 
 
 def _work(cfg: configuration.RunConfig, env: DistEnv) -> None:

@@ -24,6 +24,7 @@ from fsdpkit.sharding.policy import (
     offload_policy,
     reshard_after_forward,
     resolve_precision,
+    unit_reshard_after_forward,
 )
 
 log = logging.getLogger(__name__)
@@ -98,19 +99,17 @@ def shard(model: nn.Module, cfg: RunConfig, *, mesh: DeviceMesh) -> ShardPlan:
             )
     units = _units(blocks, cfg.parallel.blocks_per_unit)
     for i, unit in enumerate(units):
-        # The last unit is needed again at once by backward: keep it unsharded.
-        unit_raf = False if (i == len(units) - 1 and raf is True) else raf
         fully_shard(
             unit,
             mesh=mesh,
-            reshard_after_forward=unit_raf,
+            reshard_after_forward=unit_reshard_after_forward(raf, index=i, n_units=len(units)),
             mp_policy=precision.policy(),
             offload_policy=offload,
         )
     fully_shard(
         model,
         mesh=mesh,
-        reshard_after_forward=raf,
+        reshard_after_forward=unit_reshard_after_forward(raf, index=None, n_units=len(units)),
         mp_policy=precision.policy(),
         offload_policy=offload,
     )

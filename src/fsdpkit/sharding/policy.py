@@ -67,6 +67,18 @@ def reshard_after_forward(cfg: ParallelConfig) -> bool | int:
     return cfg.strategy in ("full", "hybrid")
 
 
+def unit_reshard_after_forward(raf: bool | int, *, index: int | None, n_units: int) -> bool | int:
+    """Resharding of block unit ``index`` (None = the root unit).
+
+    The root (embedding, head) and the last block are needed again at once by
+    backward, so with ``raf`` True they stay unsharded (as torchtitan does for the last
+    block and FSDP2 by default for a root); other units follow ``raf``.
+    """
+    if raf is True and (index is None or index == n_units - 1):
+        return False
+    return raf
+
+
 def make_grad_scaler(precision: Precision) -> torch.amp.GradScaler | None:
     """A scaler that unscales sharded (DTensor) gradients and agrees across ranks on
     inf/NaN, or None when the preset does not need one."""
