@@ -7,9 +7,9 @@ overrides; joined workers (torchrun) compute the same deterministic choice.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from fsdpkit.cli.configargs import tokenizer_vocab
 from fsdpkit.config import RunConfig
 from fsdpkit.errors import UserError
 
@@ -24,7 +24,7 @@ def _detected_device() -> str:
 
 
 def _device(cfg: RunConfig, *, local_world_size: int) -> Any:
-    from fsdpkit.planner import parse_device
+    from fsdpkit.planner.devices import host_memory_bytes, parse_device
 
     text = cfg.parallel.device_mem or _detected_device()
     if text:
@@ -34,8 +34,8 @@ def _device(cfg: RunConfig, *, local_world_size: int) -> Any:
             if cfg.parallel.device_mem:
                 raise
             return parse_device(text.split(":", 1)[1], what="parallel.device_mem")
-    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return parse_device(f"cpu:{host // max(local_world_size, 1)}", what="parallel.device_mem")
+    share = host_memory_bytes() // max(local_world_size, 1)
+    return parse_device(f"cpu:{share}", what="parallel.device_mem")
 
 
 def auto_overrides(cfg: RunConfig, *, world_size: int, local_world_size: int) -> list[str]:
@@ -50,6 +50,7 @@ def auto_overrides(cfg: RunConfig, *, world_size: int, local_world_size: int) ->
         world_size=world_size,
         device=_device(cfg, local_world_size=local_world_size),
         ranks_per_node=local_world_size,
+        vocab_size=tokenizer_vocab(cfg),
     )
     if rec.best is None:
         raise UserError(

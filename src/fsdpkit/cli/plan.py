@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
 from fsdpkit import config as configuration
+from fsdpkit.cli.configargs import add_config_items, split_items, tokenizer_vocab
 from fsdpkit.planner import DEFAULT_MARGIN, Device, parse_device, plan
-from fsdpkit.planner.devices import DEVICES
+from fsdpkit.planner.devices import DEVICES, host_memory_bytes
 from fsdpkit.planner.report import (
     format_plan,
     format_recommendation,
@@ -38,12 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "items",
-        nargs="*",
-        metavar="CONFIG.toml | key=value",
-        help="optional TOML config file, then dotted overrides (as for fsdpkit train)",
-    )
+    add_config_items(p, example="as for fsdpkit train")
     p.add_argument("--world-size", type=int, default=1, help="ranks in the job (default 1)")
     p.add_argument(
         "--device-mem",
@@ -71,16 +66,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _split_items(items: list[str]) -> tuple[str | None, list[str]]:
-    if items and "=" not in items[0]:
-        return items[0], items[1:]
-    return None, items
-
-
-def _host_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def _device(args: argparse.Namespace) -> Device | None:
     """From --device / --device-mem; a CPU without a size gets this machine's RAM."""
     if args.device and args.device_mem:
@@ -94,28 +79,19 @@ def _device(args: argparse.Namespace) -> Device | None:
     else:
         return None
     if device.kind == "cpu" and device.memory is None:
-        device = Device(device.name, "cpu", _host_memory(), bf16=False, tflops=device.tflops)
+        device = Device(device.name, "cpu", host_memory_bytes(), bf16=False, tflops=device.tflops)
     return device
 
 
-def _vocab(cfg: configuration.RunConfig) -> int | None:
-    """The tokenizer's vocabulary, as train would take it (None: use the preset's)."""
-    if cfg.model.vocab_size is not None or cfg.data.tokenizer is None:
-        return None
-    from fsdpkit.data.tokenizer import build_tokenizer
-
-    return build_tokenizer(cfg.data).vocab_size
-
-
 def run(args: argparse.Namespace) -> int:
-    path, overrides = _split_items(args.items)
+    path, overrides = split_items(args.items)
     cfg = configuration.load(path, overrides)
     device = _device(args)
     common: dict[str, Any] = {
         "world_size": args.world_size,
         "device": device,
         "ranks_per_node": args.ranks_per_node,
-        "vocab_size": _vocab(cfg),
+        "vocab_size": tokenizer_vocab(cfg),
     }
     result = plan(cfg, trace=args.trace, margin=args.margin, **common)
     rec = None

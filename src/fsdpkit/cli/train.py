@@ -17,6 +17,7 @@ import warnings
 
 from fsdpkit import config as configuration
 from fsdpkit.cli.autoconfig import auto_overrides
+from fsdpkit.cli.configargs import add_config_items, split_items
 from fsdpkit.errors import UserError
 from fsdpkit.launch import DistEnv, SpawnOptions, default_nproc, joined_env, spawn, write_error
 
@@ -28,12 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "items",
-        nargs="*",
-        metavar="CONFIG.toml | key=value",
-        help="optional TOML config file, then dotted overrides (train.steps=50)",
-    )
+    add_config_items(p, example="train.steps=50")
     p.add_argument(
         "--nproc",
         type=int,
@@ -63,17 +59,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _split_items(items: list[str]) -> tuple[str | None, list[str]]:
-    if items and "=" not in items[0]:
-        return items[0], items[1:]
-    return None, items
-
-
 def run(args: argparse.Namespace) -> int:
     if args.help_config:
         print(configuration.describe())
         return 0
-    path, overrides = _split_items(args.items)
+    path, overrides = split_items(args.items)
     cfg = configuration.load(path, overrides)
     env = joined_env()
     if env is not None:

@@ -11,6 +11,7 @@ throughput and bandwidth figures are nominal and only used to *rank* configurati
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from dataclasses import dataclass, replace
 
@@ -112,6 +113,11 @@ def _lookup(name: str, *, what: str) -> Device:
         f"{what} = {name!r} is not a known device.{hint} Known: {', '.join(DEVICES)}; "
         "or give the memory itself, e.g. --device-mem 80GiB."
     )
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory (a CPU rank's "device" memory is a share of it)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def parse_device(text: str, *, what: str = "--device-mem") -> Device:
