@@ -25,6 +25,41 @@ SEQ = 16
 GLOBAL_BATCH = 4
 
 
+class ResidualMLP(nn.Module):
+    """A non-transformer block: LayerNorm -> MLP with a residual."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class MLPNet(nn.Module):
+    """Token embedding -> residual MLP blocks -> head: no attention, no shared names."""
+
+    def __init__(self, vocab: int = 128, dim: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(ResidualMLP(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def build_mlp(*, seed: int = 0) -> MLPNet:
+    model = MLPNet()
+    init_weights(model, seed=seed)
+    return model
+
+
 def build(cfg: LlamaConfig = TINY, *, seed: int = 0, meta: bool = False) -> Llama:
     if meta:
         with torch.device("meta"):
@@ -68,8 +103,15 @@ def train(
     ``dp_world`` is the number of data-parallel ranks sharing the global batch
     (world size for every strategy here)."""
     dp = dp_world or world
+    # eps=1e-6: with the default 1e-8, Adam turns gradients at rounding-noise level
+    # (~1e-9) into near-full-lr updates whose sign depends on summation order, which
+    # moved single elements by ~1e-5 in 10 steps; that is Adam, not sharding.
     opt = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.1, foreach=True
+        [p for p in model.parameters() if p.requires_grad],
+        lr=lr,
+        weight_decay=0.1,
+        eps=1e-6,
+        foreach=True,
     )
     losses, norms = [], []
     for step in batches:

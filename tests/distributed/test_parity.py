@@ -22,7 +22,7 @@ from fsdpkit.config import (
     mesh_shape,
 )
 from fsdpkit.testing import run_ranks
-from support import TINY, build, full_state, global_batches, train, untied
+from support import TINY, build, build_mlp, full_state, global_batches, train, untied
 
 pytestmark = pytest.mark.distributed
 
@@ -52,6 +52,7 @@ VARIANTS: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {
     ),
     "full-raf-int-2": (4, {"parallel": ParallelConfig(reshard_after_forward=2)}, {}),
     "meta-init-4": (4, {}, {"meta": True}),
+    "non-transformer": (2, {}, {"mlp": True}),
 }
 
 
@@ -66,7 +67,7 @@ def _run_variant(rank: int, world: int, name: str) -> dict[str, Any]:
     _, sections, opts = VARIANTS[name]
     cfg = RunConfig(**sections)
     model_cfg = untied() if opts.get("untied") else TINY
-    model = build(model_cfg, meta=opts.get("meta", False))
+    model = build_mlp() if opts.get("mlp") else build(model_cfg, meta=opts.get("meta", False))
     if opts.get("frozen"):
         _freeze(model)
     replicate, shard_deg = mesh_shape(cfg, world_size=world, local_world_size=world)
@@ -86,6 +87,7 @@ def _run_variant(rank: int, world: int, name: str) -> dict[str, Any]:
     out["params"] = full_state(model)
     out["local_numel"] = local_numel
     out["units"] = plan.units
+    out["block_class"] = plan.block_class
     return out
 
 
@@ -93,14 +95,14 @@ def _group(rank: int, world: int, names: list[str]) -> dict[str, Any]:
     return {n: _run_variant(rank, world, n) for n in names}
 
 
-_REFERENCE: dict[tuple[bool, bool, int], dict[str, Any]] = {}
+_REFERENCE: dict[tuple[bool, bool, int, bool], dict[str, Any]] = {}
 
 
-def _reference(*, untied_head: bool, frozen: bool, micro: int) -> dict[str, Any]:
-    key = (untied_head, frozen, micro)
+def _reference(*, untied_head: bool, frozen: bool, micro: int, mlp: bool = False) -> dict[str, Any]:
+    key = (untied_head, frozen, micro, mlp)
     if key not in _REFERENCE:
         torch.set_num_threads(1)
-        model = build(untied() if untied_head else TINY)
+        model = build_mlp() if mlp else build(untied() if untied_head else TINY)
         if frozen:
             _freeze(model)
         ref = train(model, global_batches(STEPS, micro=micro))
@@ -132,6 +134,7 @@ def test_matches_unsharded_reference(results: dict[str, Any], name: str) -> None
         untied_head=bool(opts.get("untied")),
         frozen=bool(opts.get("frozen")),
         micro=opts.get("micro", 1),
+        mlp=bool(opts.get("mlp")),
     )
     low_precision = "precision" in sections
     loss_tol = 2e-2 if low_precision else 1e-5
@@ -172,3 +175,8 @@ def test_frozen_params_get_no_grad_or_state(results: dict[str, Any]) -> None:
         if ".self_attn.q_proj" in key or ".self_attn.k_proj" in key:
             torch.testing.assert_close(value, init[key], rtol=0, atol=0)
             torch.testing.assert_close(ref["params"][key], init[key], rtol=0, atol=0)
+
+
+def test_non_transformer_blocks_are_detected(results: dict[str, Any]) -> None:
+    assert results["non-transformer"]["block_class"] == "ResidualMLP"
+    assert results["non-transformer"]["units"] == 4

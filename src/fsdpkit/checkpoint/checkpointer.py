@@ -104,6 +104,11 @@ class Checkpointer:
         self.last_total_s = 0.0
 
     @property
+    def in_flight(self) -> bool:
+        """Whether an async save is still being written (steps overlap it)."""
+        return self._pending is not None and not self._pending.done()
+
+    @property
     def last_step(self) -> int | None:
         """Step of the last checkpoint saved (or started, async) or resumed; lets the loop
         skip a SIGTERM save of a step that ``maybe_save`` just saved."""

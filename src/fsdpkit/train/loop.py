@@ -118,6 +118,7 @@ def _record(
         "peak_mem_mib": [round(float(m), 1) for m in mems],
         "peak_mem_kind": peak_memory_kind(s.env.device_type),
         "step_time_s": dt,
+        "checkpoint_in_flight": bool(s.checkpointer and s.checkpointer.in_flight),
     }
 
 
@@ -136,6 +137,7 @@ def _maybe_checkpoint(s: Session, *, step: int, progress: Progress) -> None:
         return
     if s.checkpointer.maybe_save(step, s.app_state(), final=step == s.cfg.train.steps):
         blocking = s.checkpointer.last_blocking_s
+        s.metrics.write({"step": step, "checkpoint_blocking_s": blocking})
         progress.message(f"step {step}: checkpoint saved ({blocking:.2f}s blocking)")
 
 
