@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import inspect
 import itertools
+import math
 import textwrap
 import tomllib
 import types
@@ -428,9 +429,28 @@ def validate(cfg: RunConfig) -> None:
     ]:
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, got {value}.")
+    _validate_floats(cfg)
     if not 0.0 <= cfg.data.val_fraction < 0.5:
         raise ConfigError(f"data.val_fraction must be in [0, 0.5), got {cfg.data.val_fraction}.")
     _validate_combinations(cfg)
+
+
+def _validate_floats(cfg: RunConfig) -> None:
+    for section in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            value = getattr(getattr(cfg, section.name), f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{f.name} must be a finite number, got {value}.")
+    t = cfg.train
+    for key, value, low, high in [
+        ("train.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0),
+        ("train.beta1", t.beta1, 0.0, 0.999999),
+        ("train.beta2", t.beta2, 0.0, 0.999999),
+    ]:
+        if not low <= value <= high:
+            raise ConfigError(f"{key} must be in [{low}, {high:g}], got {value}.")
+    if t.weight_decay < 0:
+        raise ConfigError(f"train.weight_decay must be >= 0, got {t.weight_decay}.")
 
 
 def _validate_combinations(cfg: RunConfig) -> None:

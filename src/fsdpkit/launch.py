@@ -61,7 +61,9 @@ def _slurm_to_torch_env() -> None:
     env["RANK"] = env["SLURM_PROCID"]
     env["WORLD_SIZE"] = env["SLURM_NTASKS"]
     env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-    env["LOCAL_WORLD_SIZE"] = env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]
+    # SLURM_TASKS_PER_NODE is always set ("8(x2)" = 8 on each of 2 nodes).
+    per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "1")
+    env["LOCAL_WORLD_SIZE"] = per_node.split("(")[0].split(",")[0]
 
 
 def joined_env() -> DistEnv | None:

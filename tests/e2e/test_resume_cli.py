@@ -8,12 +8,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,20 @@ ARGS = [
     "checkpoint.resume=auto",
     "logging.progress=lines",
 ]
+
+
+@pytest.fixture
+def launched() -> Iterator[list[subprocess.Popen[str]]]:
+    """Launchers started by a test; killed with their workers if the test fails."""
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            for pid in _children(proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.kill()
+            proc.communicate()
 
 
 def _start(run_dir: Path, *extra: str) -> subprocess.Popen[str]:
@@ -57,7 +73,10 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen[str]) -> Non
 
 
 def _children(pid: int) -> list[int]:
-    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
     return [int(p) for p in text.split()]
 
 
@@ -67,10 +86,13 @@ def _reference(tmp_path: Path) -> list[float]:
     return losses(tmp_path / "ref")
 
 
-def test_sigterm_checkpoints_and_rerun_resumes_bit_exactly(tmp_path: Path) -> None:
+def test_sigterm_checkpoints_and_rerun_resumes_bit_exactly(
+    tmp_path: Path, launched: list[subprocess.Popen[str]]
+) -> None:
     reference = _reference(tmp_path)
     run_dir = tmp_path / "preempted"
     proc = _start(run_dir)
+    launched.append(proc)
     _wait_for_step(run_dir, 12, proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
@@ -84,10 +106,13 @@ def test_sigterm_checkpoints_and_rerun_resumes_bit_exactly(tmp_path: Path) -> No
     assert losses(run_dir) == reference
 
 
-def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tmp_path: Path) -> None:
+def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(
+    tmp_path: Path, launched: list[subprocess.Popen[str]]
+) -> None:
     reference = _reference(tmp_path)
     run_dir = tmp_path / "killed"
     proc = _start(run_dir, "--max-restarts", "1")
+    launched.append(proc)
     _wait_for_step(run_dir, 12, proc)
     workers = _children(proc.pid)
     assert len(workers) == 2, workers

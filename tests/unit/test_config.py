@@ -66,6 +66,11 @@ def test_overrides_are_typed() -> None:
         (["parallel.shard_degree=2"], "only used by hybrid"),
         (["steps=3"], "section.field"),
         (["train.steps"], "key=value"),
+        (["train.min_lr_ratio=-1"], "train.min_lr_ratio"),
+        (["train.lr=nan"], "finite"),
+        (["parallel.timeout_s=inf"], "finite"),
+        (["train.beta2=1.5"], "train.beta2"),
+        (["train.weight_decay=-0.1"], "train.weight_decay"),
     ],
 )
 def test_bad_values_name_the_key(overrides: list[str], needle: str) -> None:

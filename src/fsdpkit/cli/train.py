@@ -21,6 +21,8 @@ from fsdpkit.cli.configargs import add_config_items, split_items
 from fsdpkit.errors import UserError
 from fsdpkit.launch import DistEnv, SpawnOptions, default_nproc, joined_env, spawn, write_error
 
+PREEMPTED_EXIT = 128 + 15  # like a process ended by SIGTERM
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -64,12 +66,11 @@ def run(args: argparse.Namespace) -> int:
         print(configuration.describe())
         return 0
     path, overrides = split_items(args.items)
-    cfg = configuration.load(path, overrides)
     env = joined_env()
     if env is not None:
-        auto = auto_overrides(cfg, world_size=env.world_size, local_world_size=env.local_world_size)
-        _work(configuration.load(path, overrides + auto) if auto else cfg, env)  # never returns
-    nproc = args.nproc or default_nproc()
+        _work(path, overrides, env)  # never returns
+    cfg = configuration.load(path, overrides)
+    nproc = default_nproc() if args.nproc is None else args.nproc
     if nproc < 1:
         raise UserError(f"--nproc must be >= 1, got {nproc}.")
     if args.nnodes > 1 and not args.rdzv_endpoint:
@@ -92,16 +93,27 @@ def run(args: argparse.Namespace) -> int:
     return spawn(args.items + auto, opts)
 
 
-def _work(cfg: configuration.RunConfig, env: DistEnv) -> None:
+def _worker_config(path: str | None, overrides: list[str], env: DistEnv) -> configuration.RunConfig:
+    """The config as the launcher resolved it (parallel.auto is deterministic)."""
+    cfg = configuration.load(path, overrides)
+    auto = auto_overrides(cfg, world_size=env.world_size, local_world_size=env.local_world_size)
+    if auto:
+        cfg = configuration.load(path, overrides + auto)
+    configuration.validate_for_world(
+        cfg, world_size=env.world_size, local_world_size=env.local_world_size
+    )
+    return cfg
+
+
+def _work(path: str | None, overrides: list[str], env: DistEnv) -> None:
     """Worker body: train, print the summary on rank 0, and leave with os._exit (gloo
-    can abort during interpreter shutdown otherwise)."""
+    can abort during interpreter shutdown otherwise). A run stopped early by SIGTERM
+    exits 143 so schedulers do not take it for finished."""
     code = 0
     # The built-in loss never modifies logits in place, which is what this warns about.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     try:
-        configuration.validate_for_world(
-            cfg, world_size=env.world_size, local_world_size=env.local_world_size
-        )
+        cfg = _worker_config(path, overrides, env)
         from fsdpkit.train.loop import run as train
         from fsdpkit.train.report import print_summary
 
@@ -109,6 +121,7 @@ def _work(cfg: configuration.RunConfig, env: DistEnv) -> None:
         if env.rank == 0:
             print_summary(summary, cfg=cfg)
         _shutdown()
+        code = PREEMPTED_EXIT if summary.steps < cfg.train.steps else 0
     except UserError as exc:
         write_error(exc, rank=env.rank, user=True)
         code = 2

@@ -50,6 +50,12 @@ def llama_config(cfg: ModelConfig, *, vocab_size: int, seq_len: int) -> LlamaCon
         for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings")
         if getattr(cfg, key) is not None
     }
+    if cfg.vocab_size is not None and cfg.vocab_size < vocab_size:
+        raise ModelError(
+            f"model.vocab_size = {cfg.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({vocab_size}): token ids would index past the embedding. Remove model.vocab_size "
+            f"or set it to at least {vocab_size}."
+        )
     overrides["vocab_size"] = cfg.vocab_size or vocab_size
     try:
         overrides["max_seq_len"] = max(preset(cfg.preset).max_seq_len, seq_len)

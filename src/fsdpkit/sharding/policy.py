@@ -79,12 +79,13 @@ def unit_reshard_after_forward(raf: bool | int, *, index: int | None, n_units: i
     return raf
 
 
-def make_grad_scaler(precision: Precision) -> torch.amp.GradScaler | None:
+def make_grad_scaler(
+    precision: Precision, *, device_type: str = "cpu"
+) -> torch.amp.GradScaler | None:
     """A scaler that unscales sharded (DTensor) gradients and agrees across ranks on
     inf/NaN, or None when the preset does not need one."""
     if not precision.scaler:
         return None
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return ShardedGradScaler(device=device)
+    return ShardedGradScaler(device=device_type)

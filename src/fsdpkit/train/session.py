@@ -29,7 +29,8 @@ from fsdpkit.launch import DistEnv, rendezvous_store
 from fsdpkit.mesh import build_mesh
 from fsdpkit.models.factory import LossFn, build_model
 from fsdpkit.models.llama import LlamaConfig
-from fsdpkit.sharding import ShardPlan, make_grad_scaler, resolve_precision, shard
+from fsdpkit.sharding import ShardPlan, detect_blocks, make_grad_scaler, resolve_precision, shard
+from fsdpkit.sharding.materialize import is_meta
 from fsdpkit.sharding.policy import Precision
 from fsdpkit.train.optim import build_optimizer, build_scheduler
 from fsdpkit.train.state import TrainerState
@@ -74,6 +75,14 @@ class Session:
         }
 
 
+def _backend(cfg: RunConfig, env: DistEnv) -> str:
+    """gloo on CPU; NCCL on GPUs, plus gloo for CPU tensors when parameters are offloaded
+    (clipping and the fp16 scaler reduce CPU DTensors then; NCCL alone cannot)."""
+    if env.device_type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cfg.offload.params else "nccl"
+
+
 def init_process_group(cfg: RunConfig, env: DistEnv) -> torch.device:
     """gloo on CPU, NCCL on GPUs; the configured collective timeout."""
     if env.device_type == "cuda":
@@ -84,7 +93,7 @@ def init_process_group(cfg: RunConfig, env: DistEnv) -> torch.device:
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
         dist.init_process_group(
-            backend="nccl" if env.device_type == "cuda" else "gloo",
+            backend=_backend(cfg, env),
             store=rendezvous_store(env, timeout=timeout),
             rank=env.rank,
             world_size=env.world_size,
@@ -120,18 +129,21 @@ def _data(cfg: RunConfig, env: DistEnv) -> tuple[Tokenizer, PackedLoader, list[t
 
 
 def build_session(cfg: RunConfig, env: DistEnv) -> Session:
-    """Set up this rank; collective (every rank must call it)."""
-    device = init_process_group(cfg, env)
-    replicate, shard_deg = mesh_shape(
-        cfg, world_size=env.world_size, local_world_size=env.local_world_size
-    )
-    mesh = build_mesh(replicate=replicate, shard=shard_deg, device_type=env.device_type)
+    """Set up this rank; collective (every rank must call it). Data, model and block
+    choice are checked before the process group starts, so bad input fails every rank
+    alike without any collective."""
     tokenizer, loader, val = _data(cfg, env)
     built = build_model(
         cfg.model, vocab_size=tokenizer.vocab_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed
     )
     model = built.module
-    if not cfg.model.meta_init or cfg.model.factory:
+    detect_blocks(model, class_names=cfg.parallel.block_classes or None)
+    device = init_process_group(cfg, env)
+    replicate, shard_deg = mesh_shape(
+        cfg, world_size=env.world_size, local_world_size=env.local_world_size
+    )
+    mesh = build_mesh(replicate=replicate, shard=shard_deg, device_type=env.device_type)
+    if not is_meta(model):  # fully_shard moves the shards; this only puts buffers in place
         model.to(device)
     plan = shard(model, cfg, mesh=mesh)
     if cfg.model.init_from:
@@ -140,7 +152,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         load_hf_weights(model, Path(cfg.model.init_from))
     precision = resolve_precision(cfg.precision, device_type=env.device_type)
     optimizer = build_optimizer(model, cfg.train)
-    scaler = make_grad_scaler(precision)
+    scaler = make_grad_scaler(precision, device_type=env.device_type)
     run_dir = Path(cfg.logging.run_dir)
     return Session(
         cfg=cfg,

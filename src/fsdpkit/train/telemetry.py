@@ -59,6 +59,14 @@ def peak_memory_kind(device_type: str) -> str:
     return "cuda_max_allocated" if device_type == "cuda" else "cpu_max_rss"
 
 
+def _step_of(line: str) -> int | None:
+    """The step of a metrics line; None for a torn line (a killed writer leaves one)."""
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):
+        return None
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step to ``metrics.jsonl`` (rank 0 only)."""
 
@@ -74,7 +82,7 @@ class MetricsWriter:
         kept = [
             line
             for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= resumed_step
+            if _step_of(line) is not None and _step_of(line) <= resumed_step  # type: ignore[operator]
         ]
         self.path.write_text("".join(line + "\n" for line in kept))
 
