@@ -15,10 +15,10 @@ HERE = Path(__file__).parent
 def fsdpkit(
     *args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m fsdpkit *args``; tests/e2e is on PYTHONPATH for factory modules."""
+    """``python -m fsdpkit *args``; tests/e2e and tests are on PYTHONPATH (factories)."""
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(
-        [str(HERE), *filter(None, [full_env.get("PYTHONPATH")])]
+        [str(HERE), str(HERE.parent), *filter(None, [full_env.get("PYTHONPATH")])]
     )
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
         full_env.pop(key, None)

@@ -147,7 +147,7 @@ def test_user_factory_model_trains(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "3 x ResidualMLP units" in result.stdout
+    assert "4 x ResidualMLP units" in result.stdout
     got = losses(tmp_path / "f")
     assert sum(got[-5:]) / 5 < sum(got[:5]) / 5 - 0.5
 
