@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 from fsdpkit.errors import UserError
 
 
@@ -17,3 +20,17 @@ def describe_failure(exc: BaseException) -> str:
         rank, (err, _) = sorted(failures.items(), key=lambda kv: kv[0])[0]
         return f"rank {rank}: {type(err).__name__}: {err}"
     return f"{type(exc).__name__}: {exc}"
+
+
+@contextmanager
+def dcp_errors_as(message: Callable[[str], str]) -> Iterator[None]:
+    """Turn a failing DCP call into one CheckpointError, ``message(one-line cause)``.
+
+    DCP raises CheckpointException, a BaseException, so ``except Exception`` misses it;
+    interrupts and exits still pass through untouched."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:
+        raise CheckpointError(message(describe_failure(exc))) from None

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from fsdpkit.checkpoint.errors import CheckpointError, describe_failure
+from fsdpkit.checkpoint.errors import CheckpointError, dcp_errors_as
 from fsdpkit.checkpoint.state import tied_aliases
 from fsdpkit.models.llama import LlamaConfig, preset
 
@@ -144,15 +144,13 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     aliases = tied_aliases(model)  # [Note: tied weights]: read once, share
     available = HuggingFaceStorageReader(str(path)).read_metadata().state_dict_metadata
     wanted = _check_hf(sd, available, path, aliases=aliases)
-    try:
-        dcp.load(wanted, storage_reader=HuggingFaceStorageReader(str(path)))
-    except BaseException as exc:  # DCP raises CheckpointException, a BaseException
-        if isinstance(exc, KeyboardInterrupt | SystemExit):
-            raise
-        raise CheckpointError(
-            f"reading HF weights from {path} failed: {describe_failure(exc)}. Check that the "
+    with dcp_errors_as(
+        lambda cause: (
+            f"reading HF weights from {path} failed: {cause}. Check that the "
             "files are complete (re-download or re-export them)."
-        ) from None
+        )
+    ):
+        dcp.load(wanted, storage_reader=HuggingFaceStorageReader(str(path)))
     for alias, name in aliases.items():
         sd[alias] = sd[name]
     set_model_state_dict(model, sd)

@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from fsdpkit.checkpoint.errors import CheckpointError, describe_failure
+from fsdpkit.checkpoint.errors import CheckpointError, dcp_errors_as
 from fsdpkit.checkpoint.layout import (
     complete_entries,
     list_entries,
@@ -120,15 +120,15 @@ def load(
 ) -> None:
     """DCP-load ``choice`` into ``state`` in place (reshards to this world size)."""
     target = loadable(state, saved_world=choice.world_size, world_size=world_size)
-    try:
-        with quiet_single_process():
-            dcp.load(target, checkpoint_id=str(choice.path), process_group=group)
-    except BaseException as exc:  # DCP raises CheckpointException, a BaseException
-        if isinstance(exc, KeyboardInterrupt | SystemExit):
-            raise
-        raise CheckpointError(
-            f"loading checkpoint {choice.path} failed: {describe_failure(exc)}. The checkpoint "
-            "does not fit this run's state (different model shape, optimizer or state "
-            "keys?); resume with the configuration it was saved with (`fsdpkit ckpt inspect "
-            f"{choice.path}`), or set checkpoint.resume=never."
-        ) from None
+    with (
+        dcp_errors_as(
+            lambda cause: (
+                f"loading checkpoint {choice.path} failed: {cause}. The checkpoint "
+                "does not fit this run's state (different model shape, optimizer or state keys?); "
+                f"resume with the configuration it was saved with (`fsdpkit ckpt inspect "
+                f"{choice.path}`), or set checkpoint.resume=never."
+            )
+        ),
+        quiet_single_process(),
+    ):
+        dcp.load(target, checkpoint_id=str(choice.path), process_group=group)
