@@ -6,7 +6,7 @@
 World size 1: ``fsdpkit.shard`` on a 1-rank mesh (FSDP2 still keeps fp32 sharded
 params and casts an unsharded bf16 copy, so every term of the plan is exercised but
 the communication). Each row trains two steps with the trainer's step and optimizer
-(fsdpkit.planner.step, fsdpkit.train.optim), resets the CUDA peak before the second
+(fsdpkit.train.step, fsdpkit.train.optim), resets the CUDA peak before the second
 one and compares the steady-state peak of allocated tensor memory with the analytic
 plan (the traced plan models the device as the CPU, so it is printed for reference).
 Exit 1 when an analytic prediction is off by more than 10%. Never run in CI.
@@ -27,12 +27,13 @@ import torch.distributed as dist
 
 from fsdpkit.config import RunConfig, load
 from fsdpkit.mesh import build_mesh
+from fsdpkit.models.factory import next_token_loss
 from fsdpkit.models.llama import Llama
 from fsdpkit.planner import Device, plan
-from fsdpkit.planner.scenario import model_config
-from fsdpkit.planner.step import train_step
+from fsdpkit.planner.scenario import model_shape
 from fsdpkit.sharding import shard
 from fsdpkit.train.optim import build_optimizer
+from fsdpkit.train.step import train_step
 
 GiB = 1024**3
 
@@ -66,7 +67,7 @@ def measure(cfg: RunConfig) -> int:
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     mesh = build_mesh(shard=1, device_type="cuda", world_size=1)
-    shape = model_config(cfg)
+    shape = model_shape(cfg)
     with torch.device("meta"):
         model = Llama(shape)
     shard(model, cfg, mesh=mesh)
@@ -75,10 +76,11 @@ def measure(cfg: RunConfig) -> int:
     batches = [
         torch.randint(0, shape.vocab_size, size, device="cuda") for _ in range(cfg.train.grad_accum)
     ]
-    train_step(model, opt, batches)  # creates the AdamW states
+    kw = {"loss_fn": next_token_loss, "max_norm": cfg.train.grad_clip}
+    train_step(model, opt, batches, **kw)  # creates the AdamW states
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    train_step(model, opt, batches)
+    train_step(model, opt, batches, **kw)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     del model, opt, batches

@@ -1,19 +1,23 @@
 """Planner accuracy: predicted vs measured per-rank peak memory on real CPU ranks.
 
-    python bench/plan_accuracy.py            # the whole matrix (~2-3 min on 2 cores)
+    python bench/plan_accuracy.py            # the whole matrix (~6-10 min on 2 cores)
     python bench/plan_accuracy.py --quick    # the subset the tests use
+    python bench/plan_accuracy.py --only V   # rows whose name starts with V
 
-Every configuration trains real steps with fsdpkit.shard on gloo ranks
-(fsdpkit.testing.run_ranks) and measures the true peak of live CPU tensor memory of a
-steady-state step (c10's process-wide allocator count, see [Note: measuring CPU
-peaks] in fsdpkit.planner.measure); the parent plans the same configuration
-analytically and traced, and prints the table. Targets: analytic within 10%, traced
-within 5% of measured on every row.
+Every configuration trains real steps with the trainer's own model, ``shard()`` and
+step function on gloo ranks (fsdpkit.testing.run_ranks) and measures the true peak of
+live CPU tensor memory of each of ``--steps`` steady-state steps (c10's process-wide
+allocator count, see [Note: measuring CPU peaks] in fsdpkit.planner.measure; the max
+over ranks per step). "typical" is the median step, "worst" the highest. The parent
+plans the same configuration analytically and traced and prints the table.
+Targets: within 3% of the typical step and 5% of the worst one (issue 8); the
+planner's own bound (peak + the late-free spread it reports) should cover the worst.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 from fsdpkit.config import RunConfig, load
 from fsdpkit.planner import plan
 from fsdpkit.planner.measure import measure_step_peaks
-from fsdpkit.planner.scenario import model_config
+from fsdpkit.planner.scenario import model_shape
 from fsdpkit.testing import run_ranks
 
 MODELS = {
@@ -31,6 +35,22 @@ MODELS = {
         "model.dim=384", "model.n_layers=6", "model.n_heads=6", "model.n_kv_heads=2",
         "model.ffn_dim=1024", "model.vocab_size=4096", "data.seq_len=256",
         "train.micro_batch_size=2",
+    ],
+    # large vocabularies: embedding and head hold most parameters (issue 8)
+    "V1": [
+        "model.dim=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+        "model.ffn_dim=256", "model.vocab_size=2000", "model.tie_embeddings=false",
+        "data.seq_len=96", "train.micro_batch_size=2",
+    ],
+    "V2": [
+        "model.dim=256", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+        "model.ffn_dim=512", "model.vocab_size=32000", "model.tie_embeddings=true",
+        "data.seq_len=64", "train.micro_batch_size=2",
+    ],
+    "V3": [
+        "model.dim=192", "model.n_layers=3", "model.n_heads=6", "model.n_kv_heads=2",
+        "model.ffn_dim=512", "model.vocab_size=8000", "model.tie_embeddings=false",
+        "data.seq_len=128", "train.micro_batch_size=2",
     ],
     # a tiny one for bf16
     "T": [
@@ -86,38 +106,67 @@ CASES = [
     Case("S full raf=2", 4, "S", (FULL, "parallel.reshard_after_forward=2")),
     Case("M full +AC", 4, "M", (FULL, AC)),
     Case("T bf16 hybrid +AC", 4, "T", (*HYBRID, BF16, AC)),
+    # issue 8: large vocabularies, world size 3, three blocks per unit
+    Case("V1 bf16 full +AC", 3, "V1", (FULL, BF16, AC)),
+    Case("V1 full", 2, "V1", (FULL,)),
+    Case("V1 full +AC", 3, "V1", (FULL, AC)),
+    Case("V2 full", 2, "V2", (FULL,)),
+    Case("V2 full +AC", 2, "V2", (FULL, AC)),
+    Case("V2 grad_op", 3, "V2", (GRAD_OP,)),
+    Case("V3 full", 3, "V3", (FULL,)),
+    Case("V3 full AC every 2", 2, "V3", (FULL, EVERY)),
+    Case("S full", 3, "S", (FULL,)),
+    Case("S grad_op +AC", 3, "S", (GRAD_OP, AC)),
+    Case("S full 3 blocks/unit", 2, "S", (FULL, "parallel.blocks_per_unit=3")),
+    Case("S full 3 blocks/unit +AC", 3, "S", (FULL, AC, "parallel.blocks_per_unit=3")),
+    Case("M full 3 blocks/unit", 2, "M", (FULL, "parallel.blocks_per_unit=3")),
 ]
 QUICK = [c for c in CASES if c.world == 2 and c.name in ("S full +AC", "S grad_op", "T bf16 full")]
 """The subset tests/distributed/test_planner_accuracy.py checks."""
 
 
-def measure(cases: list[Case]) -> dict[tuple[str, int], int]:
-    """True per-rank peaks (max over ranks), one spawn per world size."""
+def measure(cases: list[Case], *, steps: int) -> dict[tuple[str, int], list[int]]:
+    """True per-rank peaks of ``steps`` steps (per step the max over ranks), one spawn
+    per world size."""
     out = {}
     for world in sorted({c.world for c in cases}):
         group = [c for c in cases if c.world == world]
-        specs = [(c.name, c.config(), model_config(c.config())) for c in group]
-        per_rank = run_ranks(measure_step_peaks, world_size=world, args=(specs,), timeout_s=900)
+        specs = [(c.name, c.config(), model_shape(c.config())) for c in group]
+        per_rank = run_ranks(
+            measure_step_peaks, world_size=world, args=(specs, steps), timeout_s=1800
+        )
         for c in group:
-            out[(c.name, world)] = max(r[c.name] for r in per_rank)
+            out[(c.name, world)] = [max(step) for step in zip(*(r[c.name] for r in per_rank))]
     return out
 
 
 @dataclass(frozen=True)
 class Result:
     case: Case
-    measured: int
+    steps: tuple[int, ...]
+    """Measured peak of each step."""
     analytic: int
     traced: int
+    spread: int
+    """The planner's reported step-to-step spread above its peak."""
     where: str
 
-    def error(self, predicted: int) -> float:
-        return (predicted - self.measured) / self.measured
+    @property
+    def typical(self) -> int:
+        return int(statistics.median(self.steps))
+
+    @property
+    def worst(self) -> int:
+        return max(self.steps)
+
+    def error(self, predicted: int, *, worst: bool = False) -> float:
+        truth = self.worst if worst else self.typical
+        return (predicted - truth) / truth
 
 
-def rows(cases: list[Case]) -> list[Result]:
+def rows(cases: list[Case], *, steps: int) -> list[Result]:
     """Measured, analytic and traced peaks of every case."""
-    measured = measure(cases)
+    measured = measure(cases, steps=steps)
     out = []
     for c in cases:
         traced = plan(c.config(), world_size=c.world, trace=True)
@@ -126,9 +175,10 @@ def rows(cases: list[Case]) -> list[Result]:
         out.append(
             Result(
                 case=c,
-                measured=measured[(c.name, c.world)],
+                steps=tuple(measured[(c.name, c.world)]),
                 analytic=peak.bytes,
                 traced=traced.memory.peak.bytes,
+                spread=traced.other.spread,
                 where=f"{peak.phase}: {peak.where}",
             )
         )
@@ -136,14 +186,18 @@ def rows(cases: list[Case]) -> list[Result]:
 
 
 def table(results: list[Result]) -> str:
-    head = f"{'configuration':<26}{'ws':>3}{'measured':>11}{'analytic':>11}{'err':>7}"
-    head += f"{'traced':>11}{'err':>7}  peak at (analytic)"
+    mib = 2**20
+    head = f"{'configuration':<26}{'ws':>3}{'typical':>10}{'worst':>9}{'analytic':>10}"
+    head += f"{'err':>7}{'(worst)':>8}{'traced':>9}{'err':>7}{'(worst)':>8}{'bound':>7}  peak at"
     lines = [head, "-" * len(head)]
     for r in results:
+        covered = "ok" if r.analytic + r.spread >= r.worst else "BELOW"
         lines.append(
-            f"{r.case.name:<26}{r.case.world:>3}{r.measured / 2**20:>10.2f}M"
-            f"{r.analytic / 2**20:>10.2f}M{r.error(r.analytic):>+7.1%}"
-            f"{r.traced / 2**20:>10.2f}M{r.error(r.traced):>+7.1%}  {r.where}"
+            f"{r.case.name:<26}{r.case.world:>3}{r.typical / mib:>9.2f}M{r.worst / mib:>8.2f}M"
+            f"{r.analytic / mib:>9.2f}M{r.error(r.analytic):>+7.1%}"
+            f"{r.error(r.analytic, worst=True):>+8.1%}{r.traced / mib:>8.2f}M"
+            f"{r.error(r.traced):>+7.1%}{r.error(r.traced, worst=True):>+8.1%}{covered:>7}"
+            f"  {r.where}"
         )
     return "\n".join(lines)
 
@@ -151,17 +205,24 @@ def table(results: list[Result]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only the tests' subset")
+    parser.add_argument("--only", default="", help="rows whose name starts with this")
+    parser.add_argument("--steps", type=int, default=6, help="measured steps per row")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    results = rows(QUICK if args.quick else CASES)
+    cases = [c for c in (QUICK if args.quick else CASES) if c.name.startswith(args.only)]
+    results = rows(cases, steps=args.steps)
     print(table(results))
     worst_a = max(abs(r.error(r.analytic)) for r in results)
     worst_t = max(abs(r.error(r.traced)) for r in results)
+    worst_aw = max(abs(r.error(r.analytic, worst=True)) for r in results)
+    worst_tw = max(abs(r.error(r.traced, worst=True)) for r in results)
     print(
-        f"\nworst error: analytic {worst_a:.1%} (target 10%), traced {worst_t:.1%} (target 5%); "
-        f"{len(results)} configurations in {time.perf_counter() - start:.0f} s"
+        f"\nworst error vs the typical step: analytic {worst_a:.1%}, traced {worst_t:.1%} "
+        f"(target 3%); vs the worst step: analytic {worst_aw:.1%}, traced {worst_tw:.1%} "
+        f"(target 5%); {len(results)} configurations x {args.steps} steps in "
+        f"{time.perf_counter() - start:.0f} s"
     )
-    return 0 if worst_a <= 0.10 and worst_t <= 0.05 else 1
+    return 0 if max(worst_a, worst_t) <= 0.03 and max(worst_aw, worst_tw) <= 0.05 else 1
 
 
 if __name__ == "__main__":

@@ -7,3 +7,7 @@ Subsystems subclass it (ConfigError, MeshError, DataError, CheckpointError...).
 
 class UserError(Exception):
     """Bad input: the message says what is wrong, where, and what to do."""
+
+
+class ConfigError(UserError, ValueError):
+    """A config value is wrong; the message names the key and the fix."""

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdpkit.devices import device_type, local_gpus
+
 ERROR_DIR_VAR = "FSDPKIT_ERROR_DIR"
 # Messages of ranks that failed only because another rank went away first.
 _SECONDARY = (
@@ -72,15 +74,13 @@ def joined_env() -> DistEnv | None:
     env = os.environ
     if "RANK" not in env or "WORLD_SIZE" not in env:
         return None
-    import torch
-
     world = int(env["WORLD_SIZE"])
     return DistEnv(
         rank=int(env["RANK"]),
         world_size=world,
         local_rank=int(env.get("LOCAL_RANK", "0")),
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
-        device_type="cuda" if torch.cuda.is_available() else "cpu",
+        device_type=device_type(),
     )
 
 
@@ -109,9 +109,7 @@ def rendezvous_store(env: DistEnv, *, timeout: datetime.timedelta) -> Any:
 
 def default_nproc() -> int:
     """Number of GPUs, or 2 CPU ranks on a machine without GPUs."""
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+    return local_gpus() or 2
 
 
 def write_error(exc: BaseException, *, rank: int, user: bool) -> None:

@@ -5,20 +5,15 @@ The mesh is always passed explicitly; fsdpkit keeps no global mesh.
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fsdpkit.devices import device_type as local_device_type
 from fsdpkit.errors import UserError
 
 
 class MeshError(UserError, ValueError):
     """The requested mesh does not fit the world size."""
-
-
-def default_device_type() -> str:
-    """cuda (NCCL) when a GPU is visible, else cpu (gloo)."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def build_mesh(
@@ -50,7 +45,7 @@ def build_mesh(
             f"world size is {world}. Choose degrees whose product is {world} "
             "(parallel.shard_degree for hybrid strategies)."
         )
-    dev = device_type or default_device_type()
+    dev = device_type or local_device_type()
     if replicate == 1:
         return init_device_mesh(dev, (shard,), mesh_dim_names=("shard",))
     return init_device_mesh(dev, (replicate, shard), mesh_dim_names=("replicate", "shard"))

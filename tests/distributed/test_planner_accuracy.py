@@ -13,7 +13,7 @@ import pytest
 from fsdpkit.config import RunConfig, load
 from fsdpkit.planner import plan
 from fsdpkit.planner.measure import measure_step_peaks
-from fsdpkit.planner.scenario import model_config
+from fsdpkit.planner.scenario import model_shape
 from fsdpkit.testing import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -36,9 +36,9 @@ def _config(name: str) -> RunConfig:
 
 @pytest.fixture(scope="module")
 def measured() -> dict[str, int]:
-    specs = [(name, _config(name), model_config(_config(name))) for name in CASES]
+    specs = [(name, _config(name), model_shape(_config(name))) for name in CASES]
     per_rank = run_ranks(measure_step_peaks, world_size=2, args=(specs,), timeout_s=300)
-    return {name: max(rank[name] for rank in per_rank) for name in CASES}
+    return {name: max(rank[name][0] for rank in per_rank) for name in CASES}
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -9,6 +9,7 @@ from torch import nn
 from fsdpkit import BlockDetectionError, detect_blocks
 from fsdpkit.config import ActivationsConfig, ParallelConfig, PrecisionConfig
 from fsdpkit.models.llama import Llama, LlamaConfig, preset
+from fsdpkit.sharding import choose_blocks, unit_specs
 from fsdpkit.sharding.activations import checkpointed_blocks
 from fsdpkit.sharding.policy import reshard_after_forward, resolve_precision
 
@@ -107,3 +108,45 @@ def test_meta_and_normal_init_agree_and_flops_are_standard() -> None:
     cfg = SMALL
     dense = cfg.num_params()  # tied: the head's matmul counts, the lookup does not
     assert a.flops_per_token(16) == 6 * dense + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * 16
+
+
+@pytest.mark.parametrize(("dim", "vocab", "tied"), [(128, 2000, False), (256, 32000, True)])
+def test_large_vocabulary_still_picks_decoder_layers(dim: int, vocab: int, tied: bool) -> None:
+    """Embedding and head hold most parameters: the trunk is still the decoder layers
+    (issue 8: every Linear used to become its own unit)."""
+    shape = LlamaConfig(
+        vocab_size=vocab, dim=dim, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=2 * dim,
+        tie_embeddings=tied,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = Llama(shape)
+    choice = choose_blocks(model)
+    assert [type(b).__name__ for b in choice.blocks] == ["DecoderLayer"] * 2
+    assert "repeated trunk" in choice.reason and "% of the parameters" in choice.reason
+
+
+def test_declared_unsplittable_modules_win() -> None:
+    model = TinyResNet()
+    model._no_split_modules = ["Conv2d"]  # type: ignore[assignment]
+    choice = choose_blocks(model)
+    assert choice.class_name == "Conv2d" and "_no_split_modules" in choice.reason
+    assert len(choice.blocks) == 9  # stem + 2 per ResBlock
+
+
+def test_coarsest_repeated_class_without_containers() -> None:
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = ResBlock(4), ResBlock(4)
+            self.head = nn.Linear(4, 4)
+
+    assert choose_blocks(Pair()).class_name == "ResBlock"
+
+
+def test_unit_specs_group_blocks_and_keep_last_and_root_unsharded() -> None:
+    specs = unit_specs(
+        7, parallel=ParallelConfig(blocks_per_unit=3), activations=ActivationsConfig(mode="full")
+    )
+    assert [s.blocks for s in specs] == [(0, 1, 2), (3, 4, 5), (6,), ()]
+    assert [s.reshard_after_forward for s in specs] == [True, True, False, False]
+    assert sum(sum(s.checkpointed) for s in specs) == 7

@@ -17,7 +17,6 @@ from fsdpkit.planner.blockmem import Sizes, block_backward, block_forward, saved
 from fsdpkit.planner.recommend import recommend
 from fsdpkit.planner.report import format_plan, format_recommendation, plan_dict, toml_lines
 from fsdpkit.planner.scenario import scenario
-from fsdpkit.planner.shapes import units
 
 GiB = 1024**3
 # Every dim divisible by the shard degrees used below: no FSDP2 padding.
@@ -60,8 +59,7 @@ def test_model_states_are_16_bytes_per_param_over_shard_degree(
 
 def test_uneven_dims_are_padded_like_fsdp2() -> None:
     # dim 0 of every parameter is padded to a multiple of the shard group size
-    m = scenario(_cfg("model.vocab_size=1001", "model.tie_embeddings=false"), world_size=8).model
-    root, _ = units(m, shard=8, blocks_per_unit=1)
+    root = scenario(_cfg("model.vocab_size=1001", "model.tie_embeddings=false"), world_size=8).root
     assert root.sharded == 126 * 256 + 32 + 126 * 256  # ceil(1001/8) rows, norm, head
     assert root.gathered == 8 * root.sharded
 
@@ -121,7 +119,7 @@ def test_llama3_8b_on_8_h100s() -> None:
 
 def test_communication_volumes() -> None:
     sc = scenario(_cfg(), world_size=4)
-    root, blocks = units(sc.model, shard=4, blocks_per_unit=1)
+    root, blocks = sc.root, sc.units
     p = plan(_cfg(), world_size=4)
     gathered = [u.gathered * 4 for u in [root, *blocks]]
     # forward: every unit; backward: the units resharded after forward (not the root,

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from fsdpkit import config as configuration
-
 
 def add_config_items(parser: argparse.ArgumentParser, *, example: str) -> None:
     parser.add_argument(
@@ -21,12 +19,3 @@ def split_items(items: list[str]) -> tuple[str | None, list[str]]:
     if items and "=" not in items[0]:
         return items[0], items[1:]
     return None, items
-
-
-def tokenizer_vocab(cfg: configuration.RunConfig) -> int | None:
-    """The tokenizer's vocabulary as train takes it (None: the preset's own)."""
-    if cfg.model.vocab_size is not None or cfg.data.tokenizer is None:
-        return None
-    from fsdpkit.data.tokenizer import build_tokenizer
-
-    return build_tokenizer(cfg.data).vocab_size

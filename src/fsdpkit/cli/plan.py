@@ -20,9 +20,9 @@ import sys
 from typing import Any
 
 from fsdpkit import config as configuration
-from fsdpkit.cli.configargs import add_config_items, split_items, tokenizer_vocab
-from fsdpkit.planner import DEFAULT_MARGIN, Device, parse_device, plan
-from fsdpkit.planner.devices import DEVICES, host_memory_bytes
+from fsdpkit.cli.configargs import add_config_items, split_items
+from fsdpkit.devices import DEVICES, device_from
+from fsdpkit.planner import DEFAULT_MARGIN, plan
 from fsdpkit.planner.report import (
     format_plan,
     format_recommendation,
@@ -66,32 +66,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _device(args: argparse.Namespace) -> Device | None:
-    """From --device / --device-mem; a CPU without a size gets this machine's RAM."""
-    if args.device and args.device_mem:
-        text = args.device_mem
-        spec = text if ":" in text or not text[:1].isdigit() else f"{args.device}:{text}"
-        device = parse_device(spec)
-    elif args.device or args.device_mem:
-        device = parse_device(
-            args.device or args.device_mem, what="--device" if args.device else "--device-mem"
-        )
-    else:
-        return None
-    if device.kind == "cpu" and device.memory is None:
-        device = Device(device.name, "cpu", host_memory_bytes(), bf16=False, tflops=device.tflops)
-    return device
-
-
 def run(args: argparse.Namespace) -> int:
     path, overrides = split_items(args.items)
     cfg = configuration.load(path, overrides)
-    device = _device(args)
+    device = device_from(name=args.device, memory=args.device_mem)
     common: dict[str, Any] = {
         "world_size": args.world_size,
         "device": device,
         "ranks_per_node": args.ranks_per_node,
-        "vocab_size": tokenizer_vocab(cfg),
     }
     result = plan(cfg, trace=args.trace, margin=args.margin, **common)
     rec = None

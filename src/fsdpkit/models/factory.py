@@ -43,7 +43,7 @@ class BuiltModel:
     """Shape of a built-in model (None for a user factory)."""
 
 
-def llama_config(cfg: ModelConfig, *, vocab_size: int, seq_len: int) -> LlamaConfig:
+def llama_shape(cfg: ModelConfig, *, vocab_size: int, seq_len: int) -> LlamaConfig:
     """The preset with the config's overrides; vocab from the tokenizer unless given."""
     overrides: dict[str, object] = {
         key: getattr(cfg, key)
@@ -69,7 +69,7 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int, seed: int) -
     if cfg.factory:
         module, loss_fn = _from_factory(cfg.factory, seed=seed)
         return BuiltModel(module=module, loss_fn=loss_fn, llama=None)
-    shape = llama_config(cfg, vocab_size=vocab_size, seq_len=seq_len)
+    shape = llama_shape(cfg, vocab_size=vocab_size, seq_len=seq_len)
     if cfg.meta_init:
         with torch.device("meta"):
             return BuiltModel(module=Llama(shape), loss_fn=next_token_loss, llama=shape)

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsdpkit.models.flops import flops_per_token
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -71,6 +73,20 @@ class LlamaConfig:
         block = attn + mlp + 2 * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return self.vocab_size * self.dim + self.n_layers * block + self.dim + head
+
+    def matmul_params(self) -> int:
+        """Parameters that multiply activations: all but an untied embedding."""
+        return self.num_params() - (0 if self.tie_embeddings else self.vocab_size * self.dim)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (fsdpkit.models.flops)."""
+        return flops_per_token(
+            matmul_params=self.matmul_params(),
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            head_dim=self.head_dim,
+            seq_len=seq_len,
+        )
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -286,10 +302,5 @@ class Llama(nn.Module):
         return torch.empty(shape).normal_(0.0, self.config.init_std, generator=generator)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token, the standard way: 6 x (parameters that do matmuls:
-        blocks, final norm and the output head, not the embedding lookup) plus
-        12 x L x H x Q x T for attention scores."""
-        cfg = self.config
-        dense = cfg.num_params() - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
-        attn = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
-        return 6.0 * dense + attn
+        """Training FLOPs per token (fsdpkit.models.flops)."""
+        return self.config.flops_per_token(seq_len)

@@ -36,11 +36,11 @@ from fsdpkit.planner.blockmem import (
     loss_backward,
     loss_forward,
 )
-from fsdpkit.planner.ledger import Ledger, Summary, summarize
+from fsdpkit.planner.layout import Unit
+from fsdpkit.planner.ledger import EventSummary, Ledger, summarize
 from fsdpkit.planner.result import MemoryPlan
-from fsdpkit.planner.scenario import Scenario
-from fsdpkit.planner.shapes import Unit, units
-from fsdpkit.sharding.policy import unit_reshard_after_forward
+from fsdpkit.planner.scenario import PlanError, Scenario
+from fsdpkit.sharding.policy import effective_reshard
 
 COLL, UNSH = "collective_buffers", "unsharded_params"
 
@@ -60,32 +60,17 @@ def sizes(sc: Scenario) -> Sizes:
 
 
 @functools.cache
-def _forward_summary(s: Sizes, keep: bool) -> Summary:
+def _forward_summary(s: Sizes, keep: bool) -> EventSummary:
     return summarize(block_forward(s, keep=keep))
 
 
 @functools.cache
-def _backward_summary(s: Sizes, recompute: bool, sdpa_workspace: int) -> Summary:
+def _backward_summary(s: Sizes, recompute: bool, sdpa_workspace: int) -> EventSummary:
     events = block_recompute(s) if recompute else []
     events += block_backward(s, sdpa_workspace=sdpa_workspace)
     if recompute and s.cast:
         events.append((ACT, -s.nde))  # the checkpointed input (fp32: freed as xf above)
     return summarize(events)
-
-
-def effective_reshard(raf: bool | int, *, shard: int) -> bool | int:
-    """What FSDP2 makes of ``reshard_after_forward``: an int equal to the shard group
-    is True, 1 is False."""
-    if isinstance(raf, bool):
-        return raf
-    return True if raf == shard else False if raf == 1 else raf
-
-
-def checkpointed(sc: Scenario, layer: int) -> bool:
-    """Mirror of fsdpkit.sharding.activations.checkpointed_blocks."""
-    if sc.ac_mode == "full":
-        return True
-    return sc.ac_mode == "every" and layer % sc.ac_every == sc.ac_every - 1
 
 
 class _Step:
@@ -95,7 +80,7 @@ class _Step:
         self.sc = sc
         self.s = sizes(sc)
         self.led = Ledger()
-        self.root, self.units = units(sc.model, shard=sc.shard, blocks_per_unit=sc.blocks_per_unit)
+        self.root, self.units = sc.root, sc.units
         self.host_states = sc.offload and sc.device.kind == "gpu"
         self.held: dict[str, int] = {}  # unit -> bytes of its unsharded params on the device
         self.prefetched: dict[str, int] = {}  # unit -> bytes of its all-gather output
@@ -112,12 +97,9 @@ class _Step:
 
     # ------------------------------------------------------------ unit mechanics
 
-    def reshard_of(self, index: int | None) -> bool | int:
-        """Resharding of block unit ``index`` (None = root) as fsdpkit.shard sets it."""
-        raf = unit_reshard_after_forward(
-            self.sc.reshard_after_forward, index=index, n_units=len(self.units)
-        )
-        return effective_reshard(raf, shard=self.sc.shard)
+    def reshard_of(self, u: Unit) -> bool | int:
+        """What FSDP2 does with the unit's ``reshard_after_forward`` after forward."""
+        return effective_reshard(u.reshard_after_forward, shard=self.sc.shard)
 
     def unshard(self, u: Unit, *, forward: bool) -> None:
         """All-gather (or finish a prefetched one) and copy out into the parameters."""
@@ -208,19 +190,18 @@ class _Step:
             self.unshard(self.root, forward=True)
         rope = 2 * self.sc.seq_len * self.sc.model.head_dim * s.e if s.cast else 0
         led.apply([("buffers_inputs", rope), (ACT, s.nde)])
-        for j, u in enumerate(self.units):
+        for u in self.units:
             led.at("forward", f"forward of {u.name}")
             if self.held.get(u.name, 0) < u.gathered * s.e:
                 self.unshard(u, forward=True)
-            for b in range(u.blocks):
-                keep = not checkpointed(self.sc, j * self.sc.blocks_per_unit + b)
-                led.apply_summary(_forward_summary(s, keep))
-            self.reshard_after_forward(u, self.reshard_of(j))
+            for ckpt in u.checkpointed:
+                led.apply_summary(_forward_summary(s, not ckpt))
+            self.reshard_after_forward(u, self.reshard_of(u))
         led.at("forward", "final norm and output head")
         led.apply(head_forward(s))
         led.add(COLL, -self.fwd_flat)  # the root's post-forward frees the last one
         self.fwd_flat = 0
-        self.reshard_after_forward(self.root, self.reshard_of(None))
+        self.reshard_after_forward(self.root, self.reshard_of(self.root))
         led.at("forward", "loss (logits.float(), log-softmax)")
         led.apply(loss_forward(s))
 
@@ -250,8 +231,7 @@ class _Step:
             self.unshard(u, forward=False)
         if j > 0:
             self.prefetch(self.units[j - 1])
-        for b in reversed(range(u.blocks)):
-            ckpt = checkpointed(self.sc, j * self.sc.blocks_per_unit + b)
+        for ckpt in reversed(u.checkpointed):
             led.apply_summary(_backward_summary(s, ckpt, self.sdpa_workspace))
         self.post_backward(u, sync=sync)
 
@@ -264,16 +244,28 @@ class _Step:
             self.led.apply([(TEMP, temp), (TEMP, -temp)])
 
 
+def require_decoder_blocks(sc: Scenario) -> None:
+    """The analytic model knows the activations of fsdpkit's decoder layers op by op;
+    units of other modules it cannot replay (the traced planner runs any model)."""
+    if sc.layout.decoder_blocks:
+        return
+    raise PlanError(
+        f"the analytic planner models decoder-layer units, but this run's units are "
+        f"{sc.layout.block_reason or 'different'}. Plan it with --trace (runs the real "
+        "model under fake tensors), or leave parallel.block_classes empty."
+    )
+
+
 def model_states(sc: Scenario) -> dict[str, int]:
     """Sharded parameters, gradients and AdamW states per rank: 4 + 4 + 8 bytes per
     (padded) local parameter element — ZeRO's 16 bytes per parameter / shard degree."""
-    root, blocks = units(sc.model, shard=sc.shard, blocks_per_unit=sc.blocks_per_unit)
-    local = sum(u.sharded for u in [root, *blocks])
+    local = sum(u.sharded for u in [sc.root, *sc.units])
     return {"sharded_params": 4 * local, "gradients": 4 * local, "optimizer_states": 8 * local}
 
 
 def analytic_memory(sc: Scenario) -> MemoryPlan:
     """Per-rank memory of one steady-state step of ``sc``, from shapes alone."""
+    require_decoder_blocks(sc)
     step = _Step(sc)
     step.persistent()
     micro = [0] if sc.grad_accum == 1 else [0, sc.grad_accum - 1]
@@ -289,4 +281,20 @@ def analytic_memory(sc: Scenario) -> MemoryPlan:
         phase_peaks=dict(step.led.phase_peaks),
         model_states=states,
         host_bytes=host,
+        spread=late_free_spread(sc),
     )
+
+
+def late_free_spread(sc: Scenario) -> int:
+    """[Note: late frees]
+    FSDP2 keeps a unit's flat all-gather output until the next unit's copy-out; the
+    collective's work object holds a reference too, and it is dropped by the backend's
+    thread (gloo) or when the stream event is reached (NCCL), not at a fixed point of
+    the step. On some steps one such buffer is therefore still alive at the moment
+    the modeled peak happens: measured on gloo, 1-8 MB on 8 of 28 steps of one
+    configuration (+1.7%). The planner models the typical step and reports, as the
+    spread, the largest all-gather output of any unit: peak + spread bounds the
+    worst step (bench/plan_accuracy.py checks it)."""
+    if sc.shard <= 1:
+        return 0
+    return max(u.gathered for u in [sc.root, *sc.units]) * sc.param_bytes

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 from fsdpkit.config import RunConfig
+from fsdpkit.devices import Device
 from fsdpkit.planner.analytic import analytic_memory
 from fsdpkit.planner.comm import comm_volume
-from fsdpkit.planner.devices import Device
 from fsdpkit.planner.result import MemoryPlan, Plan
 from fsdpkit.planner.scenario import PlanError, Scenario, scenario
 
@@ -30,14 +30,16 @@ def plan_scenario(
     if not 0.0 <= margin < 1.0:
         raise PlanError(f"--margin must be in [0, 1), got {margin}.")
     start = time.perf_counter()
-    memory: MemoryPlan = analytic_memory(sc)
-    other = None
+    other: MemoryPlan | None = None
     if trace:
         if cfg is None:
             raise PlanError("traced planning needs the RunConfig (pass cfg=...)")
         from fsdpkit.planner.traced import traced_memory  # imports torch's fake machinery
 
-        memory, other = traced_memory(cfg, sc), memory
+        memory = traced_memory(cfg, sc)
+        other = analytic_memory(sc) if sc.layout.decoder_blocks else None
+    else:
+        memory = analytic_memory(sc)
     usable = usable_bytes(sc.device, margin=margin)
     return Plan(
         scenario=sc,

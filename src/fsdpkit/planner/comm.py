@@ -11,20 +11,14 @@ replicate, all-reduced across replicas) only on the last micro-batch.
 
 from __future__ import annotations
 
-from fsdpkit.planner.analytic import effective_reshard
+from fsdpkit.planner.layout import Unit
 from fsdpkit.planner.result import CommVolume
 from fsdpkit.planner.scenario import Scenario
-from fsdpkit.planner.shapes import Unit, units
-from fsdpkit.sharding.policy import unit_reshard_after_forward
+from fsdpkit.sharding.policy import effective_reshard
 
 
 def _ring(nbytes: int, group: int) -> int:
     return nbytes * (group - 1) // group if group > 1 else 0
-
-
-def _reshard(sc: Scenario, index: int | None, n_units: int) -> bool | int:
-    raf = unit_reshard_after_forward(sc.reshard_after_forward, index=index, n_units=n_units)
-    return effective_reshard(raf, shard=sc.shard)
 
 
 def _gathers(sc: Scenario, u: Unit, raf: bool | int, *, first: bool) -> tuple[int, int]:
@@ -41,20 +35,20 @@ def _gathers(sc: Scenario, u: Unit, raf: bool | int, *, first: bool) -> tuple[in
 
 def comm_volume(sc: Scenario) -> CommVolume:
     """Per-rank collective traffic of one optimizer step of ``sc``."""
-    root, blocks = units(sc.model, shard=sc.shard, blocks_per_unit=sc.blocks_per_unit)
-    indexed: list[tuple[int | None, Unit]] = [(None, root), *enumerate(blocks)]
+    every: list[Unit] = [sc.root, *sc.units]
     gather = calls = 0
     for micro in range(sc.grad_accum):
-        for index, u in indexed:
-            v, c = _gathers(sc, u, _reshard(sc, index, len(blocks)), first=micro == 0)
+        for u in every:
+            raf = effective_reshard(u.reshard_after_forward, shard=sc.shard)
+            v, c = _gathers(sc, u, raf, first=micro == 0)
             gather, calls = gather + v, calls + c
     rb = sc.reduce_bytes
-    scatter = sum(_ring(u.gathered * rb, sc.shard) for _, u in indexed)
-    reduce = sum(2 * _ring(u.sharded * rb, sc.replicate) for _, u in indexed)
-    calls += len(indexed) * ((sc.shard > 1) + (sc.replicate > 1))
+    scatter = sum(_ring(u.gathered * rb, sc.shard) for u in every)
+    reduce = sum(2 * _ring(u.sharded * rb, sc.replicate) for u in every)
+    calls += len(every) * ((sc.shard > 1) + (sc.replicate > 1))
     host = 0
     if sc.offload and sc.device.kind == "gpu":  # shards up per all-gather, grads down once
-        host = sum(u.sharded * 4 for _, u in indexed) * (1 + 2 * sc.grad_accum)
+        host = sum(u.sharded * 4 for u in every) * (1 + 2 * sc.grad_accum)
     return CommVolume(
         all_gather=gather, reduce_scatter=scatter, all_reduce=reduce, calls=calls,
         host_transfer=host,

@@ -37,7 +37,7 @@ class Ledger:
         for category, nbytes in events:
             self.add(category, nbytes)
 
-    def apply_summary(self, summary: Summary) -> None:
+    def apply_summary(self, summary: EventSummary) -> None:
         """``apply`` of the events ``summary`` was folded from, in one go."""
         if summary.peak > 0:
             for category, nbytes in summary.at_peak:
@@ -60,7 +60,7 @@ class Ledger:
 
 
 @dataclass(frozen=True)
-class Summary:
+class EventSummary:
     """An event sequence folded once: its highest prefix, the per-category prefix at
     that point, and its net effect. Applying it equals applying the events, for the
     total, the peak and the breakdown at the peak (blocks repeat, events don't)."""
@@ -70,7 +70,7 @@ class Summary:
     net: tuple[tuple[str, int], ...]
 
 
-def summarize(events: Iterable[tuple[str, int]]) -> Summary:
+def summarize(events: Iterable[tuple[str, int]]) -> EventSummary:
     running: dict[str, int] = {}
     total = best = 0
     at_best: dict[str, int] = {}
@@ -79,4 +79,4 @@ def summarize(events: Iterable[tuple[str, int]]) -> Summary:
         total += nbytes
         if total > best:
             best, at_best = total, dict(running)
-    return Summary(best, tuple(at_best.items()), tuple(running.items()))
+    return EventSummary(best, tuple(at_best.items()), tuple(running.items()))

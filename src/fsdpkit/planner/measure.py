@@ -28,10 +28,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from fsdpkit.config import RunConfig, mesh_shape
 from fsdpkit.mesh import build_mesh
+from fsdpkit.models.factory import next_token_loss
 from fsdpkit.models.llama import Llama, LlamaConfig
-from fsdpkit.planner.step import train_step
 from fsdpkit.sharding import shard
 from fsdpkit.train.optim import build_optimizer
+from fsdpkit.train.step import train_step
 
 _FLAG = "FLAGS_caffe2_report_cpu_memory_usage"
 
@@ -89,17 +90,21 @@ def peak_bytes(fn: Callable[[], object]) -> int:
 
 
 def measure_step_peaks(
-    rank: int, world_size: int, specs: list[tuple[str, RunConfig, LlamaConfig]]
-) -> dict[str, int]:
-    """run_ranks worker: for each (name, RunConfig, model shape), the true peak of one
-    steady-state step minus what the process held before building the model."""
+    rank: int, world_size: int, specs: list[tuple[str, RunConfig, LlamaConfig]], steps: int = 1
+) -> dict[str, list[int]]:
+    """run_ranks worker: for each (name, RunConfig, model shape), the true peak of
+    ``steps`` steady-state steps (one number per step) minus what the process held
+    before building the model."""
     enable_process_wide_accounting()
     return {
-        name: _step_peak(cfg, shape, rank=rank, world_size=world_size) for name, cfg, shape in specs
+        name: _step_peaks(cfg, shape, rank=rank, world_size=world_size, steps=steps)
+        for name, cfg, shape in specs
     }
 
 
-def _step_peak(cfg: RunConfig, shape: LlamaConfig, *, rank: int, world_size: int) -> int:
+def _step_peaks(
+    cfg: RunConfig, shape: LlamaConfig, *, rank: int, world_size: int, steps: int
+) -> list[int]:
     base = live_bytes()
     replicate, shard_degree = mesh_shape(cfg, world_size=world_size, local_world_size=world_size)
     mesh = build_mesh(replicate=replicate, shard=shard_degree, device_type="cpu")
@@ -112,6 +117,16 @@ def _step_peak(cfg: RunConfig, shape: LlamaConfig, *, rank: int, world_size: int
     batches = [
         torch.randint(0, shape.vocab_size, size, generator=gen) for _ in range(cfg.train.grad_accum)
     ]
-    keep = cfg.parallel.accum_keep_unsharded
-    train_step(model, opt, batches, keep_unsharded=keep)  # creates the AdamW states
-    return peak_bytes(lambda: train_step(model, opt, batches, keep_unsharded=keep)) - base
+
+    def step() -> None:
+        train_step(
+            model,
+            opt,
+            batches,
+            loss_fn=next_token_loss,
+            max_norm=cfg.train.grad_clip,
+            keep_unsharded=cfg.parallel.accum_keep_unsharded,
+        )
+
+    step()  # creates the AdamW states
+    return [peak_bytes(step) - base for _ in range(steps)]

@@ -9,10 +9,9 @@ are ranked by an estimated step time — a relative cost, not a prediction:
 
     step = max(compute + recompute, communication) + offload transfers
 
-compute = 6 x dense params + 12 x layers x heads x head_dim x seq FLOPs per token at
-40% of the device's peak, derated for small micro-batches (x (1 + 256 / tokens per
-micro-batch): fewer tokens per matmul run further below peak); recompute = a third
-of the checkpointed blocks' share;
+compute = FLOPs per token (fsdpkit.models.flops) at 40% of the device's peak, derated
+for small micro-batches (x (1 + 256 / tokens per micro-batch): fewer tokens per matmul
+run further below peak); recompute = a third of the checkpointed blocks' share;
 communication = all-gather + reduce-scatter bytes over the shard group's link (NVLink
 inside a node, the network across) + replica all-reduce + 50 us per collective,
 overlapped with compute as FSDP2 prefetching does; offload = host copies over PCIe
@@ -23,14 +22,15 @@ Ranking adds 2% per changed key, so the config as given wins a near tie.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from fsdpkit.config import RunConfig
+from fsdpkit.config import RunConfig, with_changes
+from fsdpkit.devices import Device
 from fsdpkit.errors import UserError
 from fsdpkit.planner.api import DEFAULT_MARGIN, plan_scenario
-from fsdpkit.planner.devices import Device
 from fsdpkit.planner.result import Plan
-from fsdpkit.planner.scenario import PlanError, Scenario, scenario
+from fsdpkit.planner.scenario import PlanError, Scenario, run_vocab_size, scenario
+from fsdpkit.strategies import STRATEGIES
 
 MFU = 0.40
 """Assumed model FLOPs utilization, for ranking only."""
@@ -101,20 +101,17 @@ def _hybrid_degrees(world: int, per_node: int) -> list[int]:
 
 
 def _strategies(world: int, per_node: int) -> list[dict[str, object]]:
-    out: list[dict[str, object]] = [
-        {"parallel.strategy": s, "parallel.shard_degree": None}
-        for s in ("full", "grad_op", "replicate")
-    ]
-    for d in _hybrid_degrees(world, per_node):
-        for s in ("hybrid", "hybrid_grad_op"):
-            out.append({"parallel.strategy": s, "parallel.shard_degree": d})
+    out: list[dict[str, object]] = []
+    for name, strategy in STRATEGIES.items():
+        degrees = _hybrid_degrees(world, per_node) if strategy.hybrid else [None]
+        out += [{"parallel.strategy": name, "parallel.shard_degree": d} for d in degrees]
     return out
 
 
 def _reshards(strategy: dict[str, object], world: int, per_node: int) -> list[object]:
     shard = strategy["parallel.shard_degree"] or world
     options: list[object] = [None]
-    reshards = strategy["parallel.strategy"] in ("full", "hybrid")
+    reshards = STRATEGIES[str(strategy["parallel.strategy"])].reshards_after_forward
     if reshards and 1 < per_node < int(shard) and int(shard) % per_node == 0:  # type: ignore[call-overload]
         options.append(per_node)
     return options
@@ -139,16 +136,6 @@ def _grid(cfg: RunConfig, *, world: int, per_node: int, gpu: bool) -> list[dict[
     return grid
 
 
-def apply_changes(cfg: RunConfig, changes: dict[str, object]) -> RunConfig:
-    """``cfg`` with dotted keys replaced (no validation: scenario() validates)."""
-    sections: dict[str, dict[str, object]] = {}
-    for key, value in changes.items():
-        section, name = key.split(".")
-        sections.setdefault(section, {})[name] = value
-    updated = {s: replace(getattr(cfg, s), **v) for s, v in sections.items()}
-    return replace(cfg, **updated)  # type: ignore[arg-type]
-
-
 def _diff(cfg: RunConfig, changes: dict[str, object]) -> dict[str, object]:
     current = cfg.to_dict()
     return {k: v for k, v in changes.items() if current[k.split(".")[0]][k.split(".")[1]] != v}
@@ -157,16 +144,10 @@ def _diff(cfg: RunConfig, changes: dict[str, object]) -> dict[str, object]:
 def step_cost(sc: Scenario, p: Plan) -> StepCost:
     """Estimated step time of a planned scenario (see the module docstring)."""
     m, dev = sc.model, sc.device
-    head = 0 if m.tie_embeddings else m.vocab_size * m.dim
-    dense = m.num_params() - head
-    attn = 12 * m.n_layers * m.n_heads * m.head_dim * sc.seq_len
-    compute = sc.tokens * sc.grad_accum * (6 * dense + attn) / (dev.tflops * 1e12 * MFU)
-    compute *= 1 + SMALL_BATCH_TOKENS / sc.tokens
-    if sc.ac_mode == "full":
-        share = 1.0
-    else:
-        share = (m.n_layers // sc.ac_every) / m.n_layers if sc.ac_mode == "every" else 0.0
-    blocks = (m.num_params() - m.vocab_size * m.dim - head - m.dim) / dense
+    compute = sc.tokens * sc.grad_accum * m.flops_per_token(sc.seq_len)
+    compute *= (1 + SMALL_BATCH_TOKENS / sc.tokens) / (dev.tflops * 1e12 * MFU)
+    blocks = sum(u.numel for u in sc.units) / max(m.matmul_params(), 1)
+    share = sc.checkpointed_blocks / max(len(sc.layout.blocks), 1)
     recompute = compute * share * blocks / 3
     shard_link = dev.intra_gbps if sc.shard <= sc.ranks_per_node else dev.inter_gbps
     replica_link = dev.intra_gbps if sc.world_size <= sc.ranks_per_node else dev.inter_gbps
@@ -190,8 +171,8 @@ class _Search:
 
 
 def _candidate(cfg: RunConfig, changes: dict[str, object], search: _Search) -> Candidate | None:
-    new = apply_changes(cfg, changes)
     try:
+        new = with_changes(cfg, changes, source="the recommender")
         sc = scenario(
             new,
             world_size=search.world,
@@ -223,7 +204,8 @@ def recommend(
             "--recommend needs the device memory to search what fits: pass --device-mem "
             "with a size (80GiB) or a known device (h100, a100-40gb, ...)."
         )
-    search = _Search(world_size, device, margin, ranks_per_node, vocab_size)
+    vocab = vocab_size if vocab_size is not None else run_vocab_size(cfg)
+    search = _Search(world_size, device, margin, ranks_per_node, vocab)
     current = _candidate(cfg, {}, search)
     grid = _grid(cfg, world=world_size, per_node=ranks_per_node, gpu=device.kind == "gpu")
     found = [_candidate(cfg, changes, search) for changes in grid]

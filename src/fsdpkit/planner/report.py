@@ -8,9 +8,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from fsdpkit.config.toml import dotted_tables, dump_tables, toml_value
 from fsdpkit.planner.recommend import Candidate, Recommendation
 from fsdpkit.planner.result import CATEGORIES, PHASES, MemoryPlan, Plan
 from fsdpkit.planner.scenario import Scenario
+from fsdpkit.strategies import strategy
 
 GiB, MiB = 1024**3, 1024**2
 
@@ -25,22 +27,27 @@ def fmt_bytes(n: int | None) -> str:
     return f"{n / MiB:.1f} MiB"
 
 
+def _mesh(sc: Scenario) -> str:
+    chosen = strategy(sc.strategy)
+    if chosen.replicates:
+        return f"replicate x{sc.replicate}"
+    if chosen.hybrid:
+        return f"{sc.strategy} {sc.replicate} replicas x shard {sc.shard}"
+    return f"{sc.strategy} shard over {sc.shard}"
+
+
 def describe_scenario(sc: Scenario) -> str:
     m = sc.model
-    mesh = {
-        "full": f"full shard over {sc.shard}",
-        "grad_op": f"grad_op shard over {sc.shard}",
-        "replicate": f"replicate x{sc.replicate}",
-    }.get(sc.strategy, f"{sc.strategy} {sc.replicate} replicas x shard {sc.shard}")
-    ac = {"none": "no AC", "full": "AC every block"}.get(sc.ac_mode, f"AC 1/{sc.ac_every} blocks")
     params = (
         f"{m.num_params() / 1e9:.2f}B" if m.num_params() >= 1e8 else f"{m.num_params() / 1e6:.1f}M"
     )
+    n_blocks = len(sc.layout.blocks)
     return (
         f"{params} params ({m.n_layers} layers, d={m.dim}, vocab {m.vocab_size}); "
-        f"{sc.world_size} ranks: {mesh}, reshard_after_forward={sc.reshard_after_forward}; "
+        f"{sc.world_size} ranks: {_mesh(sc)}, reshard_after_forward={sc.reshard_after_forward}; "
         f"{sc.precision}; {sc.micro_batch} x {sc.seq_len} tokens x {sc.grad_accum} accumulation; "
-        f"{ac}{'; CPU offload' if sc.offload else ''}"
+        f"AC on {sc.checkpointed_blocks}/{n_blocks} blocks{'; CPU offload' if sc.offload else ''}\n"
+        f"units: {len(sc.units)} + root ({sc.layout.block_reason})"
     )
 
 
@@ -86,6 +93,7 @@ def format_plan(p: Plan) -> str:
         "",
         f"per-rank memory at the peak ({where}):",
         *_breakdown_rows(mem, p.other),
+        _spread_line(mem),
         f"  {_verdict(p)}" if p.fits is not None else "",
         "peak by phase: "
         + " | ".join(
@@ -99,6 +107,15 @@ def format_plan(p: Plan) -> str:
     notes = [*sc.notes, *mem.notes]
     lines += [f"note: {n}" for n in notes]
     return "\n".join(line for line in lines if line is not None)
+
+
+def _spread_line(mem: MemoryPlan) -> str | None:
+    if not mem.spread:
+        return None
+    return (
+        f"  some steps peak up to {fmt_bytes(mem.spread)} higher (an all-gather buffer "
+        f"freed late: {fmt_bytes(mem.peak.bytes + mem.spread)}; the margin covers it)"
+    )
 
 
 def _states_line(mem: MemoryPlan, sc: Scenario) -> str:
@@ -128,7 +145,21 @@ def plan_dict(p: Plan) -> dict[str, Any]:
     sc = p.scenario
     out: dict[str, Any] = {
         "scenario": {
-            **{k: v for k, v in dataclasses.asdict(sc).items() if k not in ("model", "device")},
+            **{
+                k: v
+                for k, v in dataclasses.asdict(sc).items()
+                if k not in ("model", "device", "layout", "root", "units")
+            },
+            "units": [
+                {
+                    "name": u.name,
+                    "params": u.numel,
+                    "reshard_after_forward": u.reshard_after_forward,
+                    "checkpointed_blocks": sum(u.checkpointed),
+                }
+                for u in [*sc.units, sc.root]
+            ],
+            "block_reason": sc.layout.block_reason,
             "model": sc.model.to_dict(),
             "params": sc.model.num_params(),
             "device": dataclasses.asdict(sc.device),
@@ -147,28 +178,15 @@ def plan_dict(p: Plan) -> dict[str, Any]:
     return out
 
 
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return f'"{value}"'
-    return str(value)
-
-
 def toml_lines(changes: dict[str, object]) -> str:
     """The config lines to set, grouped by section; a value of None means "remove
-    this key" (back to its default)."""
-    sections: dict[str, list[str]] = {}
-    for key, value in changes.items():
-        section, name = key.split(".")
-        line = f"# remove {name} (default)" if value is None else f"{name} = {_toml_value(value)}"
-        sections.setdefault(section, []).append(line)
-    return "\n".join(f"[{s}]\n" + "\n".join(lines) for s, lines in sections.items())
+    this key" (back to its default), written as a comment."""
+    return dump_tables(dotted_tables(changes)).rstrip()
 
 
 def _label(c: Candidate) -> str:
     changes = ", ".join(
-        f"{k}={_toml_value(v)}" for k, v in c.changes.items() if v is not None
+        f"{k}={toml_value(v)}" for k, v in c.changes.items() if v is not None
     )  # fmt: skip
     return changes or "your configuration as is"
 

@@ -74,6 +74,8 @@ class MemoryPlan:
     host_bytes: int
     """Host memory for CPU offload (0 without offload, or when the device is the CPU)."""
     notes: tuple[str, ...] = ()
+    spread: int = 0
+    """How much higher than ``peak`` some steps may go: see [Note: late frees]."""
 
 
 @dataclass(frozen=True)

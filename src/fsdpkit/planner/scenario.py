@@ -1,24 +1,23 @@
 """One resolved training setup: the numbers the planner computes over.
 
 ``scenario()`` turns a RunConfig (the same one ``fsdpkit train`` reads), a world size
-and a device into a frozen ``Scenario``: model shape, mesh, dtypes, resharding,
-checkpointing and batch. Everything that is the user's to fix raises ``PlanError``
-naming the field, before any arithmetic runs.
+and a device into a frozen ``Scenario``: model shape, the FSDP units ``shard()`` would
+build (fsdpkit.planner.layout), mesh, dtypes and batch. Everything that is the user's
+to fix raises ``PlanError`` naming the field, before any arithmetic runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from fsdpkit import precision as presets
 from fsdpkit.config import RunConfig, mesh_shape, validate, validate_for_world
+from fsdpkit.devices import Device
 from fsdpkit.errors import UserError
-from fsdpkit.models.factory import llama_config
+from fsdpkit.models.factory import llama_shape
 from fsdpkit.models.llama import PRESETS, LlamaConfig
-from fsdpkit.planner.devices import Device
-
-# (param dtype bytes, reduce dtype bytes) of each precision preset (fsdpkit.sharding.policy).
-PRECISION_BYTES = {"fp32": (4, 4), "bf16": (2, 4), "bf16-pure": (2, 2), "fp16": (2, 4)}
-
+from fsdpkit.planner.layout import ModelLayout, Unit, llama_layout, units
+from fsdpkit.sharding.policy import reshard_after_forward
 
 _VOCAB_NOTE = (
     "model.vocab_size: planned with the preset's {} (train takes the tokenizer's: set "
@@ -44,7 +43,11 @@ class Scenario:
     precision: str
     """Resolved preset: fp32, bf16, bf16-pure or fp16."""
     reshard_after_forward: bool | int
-    blocks_per_unit: int
+    """The strategy's resharding (per unit: ``Unit.reshard_after_forward``)."""
+    layout: ModelLayout
+    root: Unit
+    units: tuple[Unit, ...]
+    """Block units in forward order, as ``shard()`` builds them."""
     ac_mode: str
     ac_every: int
     offload: bool
@@ -59,11 +62,15 @@ class Scenario:
 
     @property
     def param_bytes(self) -> int:
-        return PRECISION_BYTES[self.precision][0]
+        return presets.PRESETS[self.precision].param_bytes
 
     @property
     def reduce_bytes(self) -> int:
-        return PRECISION_BYTES[self.precision][1]
+        return presets.PRESETS[self.precision].reduce_bytes
+
+    @property
+    def checkpointed_blocks(self) -> int:
+        return sum(sum(u.checkpointed) for u in self.units)
 
     @property
     def tokens(self) -> int:
@@ -74,7 +81,7 @@ class Scenario:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
-def model_config(cfg: RunConfig, *, vocab_size: int | None = None) -> LlamaConfig:
+def model_shape(cfg: RunConfig, *, vocab_size: int | None = None) -> LlamaConfig:
     """The Llama shape ``fsdpkit train`` builds for ``cfg`` (fsdpkit.models.factory).
 
     Train takes the vocabulary from model.vocab_size, else from the tokenizer; pass the
@@ -95,26 +102,31 @@ def model_config(cfg: RunConfig, *, vocab_size: int | None = None) -> LlamaConfi
         )
     vocab = vocab_size or PRESETS[m.preset].vocab_size
     try:
-        return llama_config(m, vocab_size=vocab, seq_len=cfg.data.seq_len)
+        return llama_shape(m, vocab_size=vocab, seq_len=cfg.data.seq_len)
     except UserError as exc:
         raise PlanError(str(exc)) from None
 
 
-def resolve_precision(mode: str, device: Device | None) -> tuple[str, str | None]:
-    """The preset the run will use, and a note when ``auto`` was interpreted."""
-    if mode != "auto":
-        return mode, None
-    if device is not None and device.kind == "gpu" and device.bf16:
-        return "bf16", "precision.mode = auto planned as bf16 (a bf16-capable GPU was given)"
-    where = "no GPU device was given" if device is None or device.kind != "gpu" else device.name
-    return "fp32", f"precision.mode = auto planned as fp32 ({where})"
+def planned_precision(mode: str, device: Device | None) -> tuple[str, str | None]:
+    """The preset the run will use on ``device``, and a note when ``auto`` was read."""
+    gpu = device is not None and device.kind == "gpu"
+    name = presets.preset_name(mode, bf16_device=gpu and device is not None and device.bf16)
+    if mode != presets.AUTO:
+        return name, None
+    if name == "bf16":
+        return name, "precision.mode = auto planned as bf16 (a bf16-capable GPU was given)"
+    where = "no GPU device was given" if not gpu or device is None else device.name
+    return name, f"precision.mode = auto planned as fp32 ({where})"
 
 
-def _reshard(cfg: RunConfig) -> bool | int:
-    p = cfg.parallel
-    if p.reshard_after_forward is not None:
-        return p.reshard_after_forward
-    return p.strategy in ("full", "hybrid")
+def run_vocab_size(cfg: RunConfig) -> int | None:
+    """The vocabulary ``fsdpkit train`` takes when model.vocab_size is empty: the
+    tokenizer's (None: no tokenizer is configured, the preset's own is planned)."""
+    if cfg.model.vocab_size is not None or cfg.data.tokenizer is None:
+        return None
+    from fsdpkit.data.tokenizer import build_tokenizer
+
+    return build_tokenizer(cfg.data).vocab_size
 
 
 def scenario(
@@ -126,8 +138,9 @@ def scenario(
     vocab_size: int | None = None,
 ) -> Scenario:
     """Resolve ``cfg`` at ``world_size`` ranks on ``device`` (None: unknown memory, CPU
-    semantics); ``vocab_size`` is the tokenizer's (see ``model_config``). Raises
-    PlanError / ConfigError naming the field on bad input."""
+    semantics); ``vocab_size`` is the tokenizer's (default: read as ``fsdpkit train``
+    reads it, see ``run_vocab_size``). Raises PlanError / ConfigError naming the field
+    on bad input."""
     if world_size < 1:
         raise PlanError(f"--world-size must be >= 1, got {world_size}.")
     if ranks_per_node < 1:
@@ -136,10 +149,13 @@ def scenario(
     local = min(ranks_per_node, world_size)
     validate_for_world(cfg, world_size=world_size, local_world_size=local)
     replicate, shard = mesh_shape(cfg, world_size=world_size, local_world_size=local)
-    shape = model_config(cfg, vocab_size=vocab_size)
-    precision, note = resolve_precision(cfg.precision.mode, device)
+    vocab = vocab_size if vocab_size is not None else run_vocab_size(cfg)
+    shape = model_shape(cfg, vocab_size=vocab)
+    layout = llama_layout(shape, tuple(cfg.parallel.block_classes))
+    root, blocks = units(layout, shard=shard, parallel=cfg.parallel, activations=cfg.activations)
+    precision, note = planned_precision(cfg.precision.mode, device)
     notes = [note] if note else []
-    if cfg.model.vocab_size is None and vocab_size is None and cfg.model.preset != "tiny":
+    if cfg.model.vocab_size is None and vocab is None and cfg.model.preset != "tiny":
         notes.append(_VOCAB_NOTE.format(PRESETS[cfg.model.preset].vocab_size))
     dev = device if device is not None else Device("unspecified", "cpu", None)
     return Scenario(
@@ -149,8 +165,10 @@ def scenario(
         shard=shard,
         strategy=cfg.parallel.strategy,
         precision=precision,
-        reshard_after_forward=_reshard(cfg),
-        blocks_per_unit=cfg.parallel.blocks_per_unit,
+        reshard_after_forward=reshard_after_forward(cfg.parallel),
+        layout=layout,
+        root=root,
+        units=blocks,
         ac_mode=cfg.activations.mode,
         ac_every=cfg.activations.every,
         offload=cfg.offload.params,

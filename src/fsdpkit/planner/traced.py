@@ -4,7 +4,8 @@
 The model is built under ``FakeTensorMode`` (tensors with shapes, no storage),
 sharded by ``fsdpkit.shard`` on a mesh of the "fake" process group (every collective
 returns at once, at any world size, in this one process), and one steady-state
-training step (``fsdpkit.planner.step``) runs under torch's ``FSDPMemTracker``, which
+training step (``fsdpkit.train.step.train_step``, the trainer's own) runs under torch's
+``FSDPMemTracker``, which
 counts every tensor storage as it is created and freed. What it measures is rank 0 of
 that world. Limits, all measured on torch 2.13:
 
@@ -32,15 +33,16 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.fsdp._fully_shard import _fully_shard as _fully_shard_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from fsdpkit.config import RunConfig
+from fsdpkit.config import RunConfig, with_changes
 from fsdpkit.mesh import build_mesh
+from fsdpkit.models.factory import next_token_loss
 from fsdpkit.models.llama import Llama
-from fsdpkit.planner.analytic import model_states
+from fsdpkit.planner.analytic import late_free_spread, model_states
 from fsdpkit.planner.result import CATEGORIES, MemoryPlan, PeakPoint
 from fsdpkit.planner.scenario import PlanError, Scenario
-from fsdpkit.planner.step import train_step
 from fsdpkit.sharding import shard
 from fsdpkit.train.optim import build_optimizer
+from fsdpkit.train.step import train_step
 
 _CATEGORY = {
     "Sharded Param": "sharded_params",
@@ -105,9 +107,7 @@ def _where(tracker: FSDPMemTracker, total: int) -> str:
 def _run_config(cfg: RunConfig, sc: Scenario) -> RunConfig:
     """``cfg`` with the precision the plan resolved (auto means bf16 for a GPU even
     though the trace runs on the CPU)."""
-    out = copy.deepcopy(cfg)
-    out.precision.mode = sc.precision  # type: ignore[assignment]
-    return out
+    return with_changes(cfg, {"precision.mode": sc.precision})
 
 
 @contextlib.contextmanager
@@ -150,7 +150,14 @@ def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
         recorder = _PhaseRecorder(tracker)
         with tracker:
             train_step(
-                model, opt, batches, keep_unsharded=sc.keep_unsharded, foreach=False, mark=recorder
+                model,
+                opt,
+                batches,
+                loss_fn=next_token_loss,
+                max_norm=cfg.train.grad_clip,
+                keep_unsharded=sc.keep_unsharded,
+                foreach=False,
+                mark=recorder,
             )
     return recorder
 
@@ -193,4 +200,5 @@ def _memory_plan(sc: Scenario, recorder: _PhaseRecorder) -> MemoryPlan:
         model_states=states,
         host_bytes=sum(states.values()) if host_states else 0,
         notes=notes,
+        spread=late_free_spread(sc),
     )

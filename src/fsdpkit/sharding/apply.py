@@ -8,24 +8,21 @@ materialize local shards (meta models only). The optimizer must be built after t
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from fsdpkit.config import RunConfig
-from fsdpkit.sharding.activations import apply_activation_checkpointing
-from fsdpkit.sharding.blocks import detect_blocks
+from fsdpkit.sharding.blocks import choose_blocks
 from fsdpkit.sharding.materialize import is_meta, materialize
-from fsdpkit.sharding.policy import (
-    norm_policy,
-    offload_policy,
-    reshard_after_forward,
-    resolve_precision,
-    unit_reshard_after_forward,
-)
+from fsdpkit.sharding.policy import offload_policy, reshard_after_forward, resolve_precision
+from fsdpkit.sharding.units import UnitSpec, unit_specs
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +33,12 @@ class ShardPlan:
 
     block_class: str | None
     """Class name of the blocks (None when the model has no repeated blocks)."""
+    block_reason: str
+    """Why these blocks (see [Note: block detection])."""
+    blocks: int
+    """Blocks found."""
     units: int
-    """FSDP units below the root."""
+    """FSDP units below the root (``blocks_per_unit`` blocks each, the last maybe fewer)."""
     params_per_unit: int
     """Parameters in the first unit."""
     root_params: int
@@ -48,15 +49,22 @@ class ShardPlan:
     """Resolved precision preset."""
     reshard_after_forward: bool | int
     """The strategy's resharding of block units."""
+    specs: tuple[UnitSpec, ...] = ()
+    """Every unit as built (fsdpkit.sharding.units), root last."""
 
     def describe(self) -> str:
         if not self.units:
-            return f"1 unit (root only, {_m(self.root_params)} params); precision {self.precision}"
+            return (
+                f"1 unit (root only, {_m(self.root_params)} params: {self.block_reason}); "
+                f"precision {self.precision}"
+            )
+        per = len(self.specs[0].blocks) if self.specs else 1
+        group = f"{self.block_class}" if per == 1 else f"{per} x {self.block_class}"
         return (
-            f"{self.units} x {self.block_class} units ({_m(self.params_per_unit)} params each), "
-            f"root holds {_m(self.root_params)}; activation checkpointing on "
-            f"{self.checkpointed}/{self.units}; precision {self.precision}; "
-            f"reshard_after_forward={self.reshard_after_forward}"
+            f"{self.units} x {group} units ({self.block_reason}), {_m(self.params_per_unit)} "
+            f"params in the first, root holds {_m(self.root_params)}; activation "
+            f"checkpointing on {self.checkpointed}/{self.blocks} blocks; precision "
+            f"{self.precision}; reshard_after_forward={self.reshard_after_forward}"
         )
 
 
@@ -69,8 +77,21 @@ def _is_norm(module: nn.Module) -> bool:
     return is_norm_class and any(True for _ in module.parameters(recurse=False))
 
 
-def _units(blocks: list[nn.Module], k: int) -> list[list[nn.Module]]:
-    return [blocks[i : i + k] for i in range(0, len(blocks), k)]
+def _checkpoint(blocks: list[nn.Module], specs: tuple[UnitSpec, ...]) -> int:
+    """Activation checkpointing of the blocks the specs name (composable API: module
+    names and state-dict keys are unchanged); returns how many."""
+    chosen = [blocks[b] for s in specs for b, on in zip(s.blocks, s.checkpointed) if on]
+    for block in chosen:
+        checkpoint(block)
+    return len(chosen)
+
+
+def _shard_norms(
+    model: nn.Module, *, mesh: DeviceMesh, raf: bool | int, kw: dict[str, Any]
+) -> None:
+    """Norm layers as their own fp32 units (``precision.norms_fp32``)."""
+    for norm in [m for m in model.modules() if _is_norm(m)]:
+        fully_shard(norm, mesh=mesh, reshard_after_forward=raf, **kw)
 
 
 def shard(model: nn.Module, cfg: RunConfig, *, mesh: DeviceMesh) -> ShardPlan:
@@ -83,50 +104,44 @@ def shard(model: nn.Module, cfg: RunConfig, *, mesh: DeviceMesh) -> ShardPlan:
     """
     device_type = mesh.device_type
     precision = resolve_precision(cfg.precision, device_type=device_type)
-    blocks = detect_blocks(model, class_names=cfg.parallel.block_classes or None)
-    block_class = type(blocks[0]).__name__ if blocks else None  # before FSDP renames it
-    checkpointed = apply_activation_checkpointing(blocks, cfg.activations)
-    raf = reshard_after_forward(cfg.parallel)
+    choice = choose_blocks(model, class_names=cfg.parallel.block_classes or None)
+    blocks = list(choice.blocks)  # the class name is taken before FSDP renames it
+    specs = unit_specs(len(blocks), parallel=cfg.parallel, activations=cfg.activations)
+    checkpointed = _checkpoint(blocks, specs)
     offload = offload_policy(enabled=cfg.offload.params, device_type=device_type)
-    if cfg.precision.norms_fp32 and precision.param_dtype != torch.float32:
-        for norm in [m for m in model.modules() if _is_norm(m)]:
-            fully_shard(
-                norm,
-                mesh=mesh,
-                reshard_after_forward=raf,
-                mp_policy=norm_policy(precision),
-                offload_policy=offload,
-            )
-    units = _units(blocks, cfg.parallel.blocks_per_unit)
-    for i, unit in enumerate(units):
+    if cfg.precision.norms_fp32 and precision.low_precision:
+        kw = {"mp_policy": precision.norm_policy(), "offload_policy": offload}
+        _shard_norms(model, mesh=mesh, raf=reshard_after_forward(cfg.parallel), kw=kw)
+    for spec in specs:
         fully_shard(
-            unit,
+            model if spec.is_root else [blocks[b] for b in spec.blocks],
             mesh=mesh,
-            reshard_after_forward=unit_reshard_after_forward(raf, index=i, n_units=len(units)),
+            reshard_after_forward=spec.reshard_after_forward,
             mp_policy=precision.policy(),
             offload_policy=offload,
         )
-    fully_shard(
-        model,
-        mesh=mesh,
-        reshard_after_forward=unit_reshard_after_forward(raf, index=None, n_units=len(units)),
-        mp_policy=precision.policy(),
-        offload_policy=offload,
-    )
     if is_meta(model):
         _materialize(model, cfg, device_type=device_type)
-    in_blocks = {id(p) for b in blocks for p in b.parameters()}
     plan = ShardPlan(
-        block_class=block_class,
-        units=len(units),
-        params_per_unit=sum(p.numel() for b in units[0] for p in b.parameters()) if units else 0,
-        root_params=sum(p.numel() for p in model.parameters() if id(p) not in in_blocks),
+        block_class=choice.class_name,
+        block_reason=choice.reason,
+        blocks=len(blocks),
+        units=len(specs) - 1,
+        params_per_unit=_numel(blocks[b] for b in specs[0].blocks),
+        root_params=_numel([model]) - _numel(blocks),
         checkpointed=checkpointed,
         precision=precision.name,
-        reshard_after_forward=raf,
+        reshard_after_forward=reshard_after_forward(cfg.parallel),
+        specs=specs,
     )
     log.info("fsdpkit.shard: %s", plan.describe())
     return plan
+
+
+def _numel(modules: Iterable[nn.Module]) -> int:
+    """Parameters of ``modules``, each tensor once (tied or shared counted once)."""
+    seen = {id(p): p.numel() for m in modules for p in m.parameters()}
+    return sum(seen.values())
 
 
 def _materialize(model: nn.Module, cfg: RunConfig, *, device_type: str) -> None:

@@ -36,14 +36,22 @@ def gradient_sync(
             model.set_reshard_after_backward(True)
 
 
+def clip_grad_norm_(model: nn.Module, max_norm: float, *, foreach: bool = True) -> torch.Tensor:
+    """Clip to ``max_norm`` (0 = measure only); the global L2 norm of all gradients
+    across every shard and replica, as a 0-d tensor (no host sync).
+
+    ``foreach=False`` computes per-tensor norms: the same memory on real tensors, but
+    fake-tensor tracing (the planner) counts a copy of every gradient for the foreach
+    kernels on DTensors."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return torch.zeros(())
+    limit = max_norm if max_norm > 0 else float("inf")
+    total = torch.nn.utils.clip_grad_norm_(params, limit, foreach=foreach)
+    return total.full_tensor() if isinstance(total, DTensor) else total
+
+
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     """Clip to ``max_norm`` (0 = measure only) and return the global L2 norm of all
     gradients across every shard and replica, as a plain float."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    if not params:
-        return 0.0
-    limit = max_norm if max_norm > 0 else float("inf")
-    total = torch.nn.utils.clip_grad_norm_(params, limit, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    return float(total)
+    return float(clip_grad_norm_(model, max_norm))

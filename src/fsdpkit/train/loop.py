@@ -1,48 +1,34 @@
 """The training loop of one rank: steps, evaluation, metrics, checkpoints, summary.
 
-Gradient accumulation reduces gradients only on the last micro-batch
-(``gradient_sync``); the grad norm is the true global norm; the logged loss is the
-mean over all data-parallel ranks. Rank 0 writes metrics and shows progress.
+``run(session)`` drives a built ``Session`` (fsdpkit.train.session) to
+``train.steps``; each step is ``fsdpkit.train.step.train_step`` (the function the
+planner traces). The logged loss is the mean over all data-parallel ranks. Rank 0
+writes metrics and shows progress. The loop runs the same under the CLI's workers
+and under ``fsdpkit.testing.run_ranks`` in a test.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fsdpkit.checkpoint import any_rank
-from fsdpkit.config import RunConfig
-from fsdpkit.launch import DistEnv
-from fsdpkit.sharding import clip_grad_norm, gradient_sync
 from fsdpkit.train.generate import sample
 from fsdpkit.train.progress import Progress
-from fsdpkit.train.session import Session, build_session, write_run_dir
-from fsdpkit.train.telemetry import (
-    device_peak_flops,
-    peak_memory_kind,
-    peak_memory_mib,
-)
+from fsdpkit.train.session import Session, write_run_dir
+from fsdpkit.train.step import train_step
+from fsdpkit.train.summary import RunSummary
+from fsdpkit.train.telemetry import device_peak_flops, peak_memory_kind, peak_memory_mib
 
 log = logging.getLogger(__name__)
 
 
 class StepError(RuntimeError):
     """A step failed (collective timeout, a peer died...); says at which step."""
-
-
-@dataclass
-class Summary:
-    steps: int = 0
-    final_loss: float | None = None
-    val_losses: list[float] = field(default_factory=list)
-    tokens_per_s: float = 0.0
-    peak_mem_mib: float = 0.0
-    sample_text: str | None = None
 
 
 def _global_mean(value: torch.Tensor) -> float:
@@ -53,30 +39,23 @@ def _global_mean(value: torch.Tensor) -> float:
     return float(value)
 
 
-def train_step(s: Session) -> tuple[float, float]:
-    """One optimizer step over ``grad_accum`` micro-batches; returns (loss, grad norm).
+def _step(s: Session) -> tuple[float, float]:
+    """One optimizer step on the next micro-batches; (mean loss over ranks, grad norm).
     The scheduler steps too, so read the step's LR before calling this."""
-    accum = s.cfg.train.grad_accum
-    total = torch.zeros((), device=s.device)
-    for i in range(accum):
-        tokens = s.loader.next_batch().to(s.device, non_blocking=True)
-        with gradient_sync(
-            s.model, enabled=i == accum - 1, keep_unsharded=s.cfg.parallel.accum_keep_unsharded
-        ):
-            loss = s.loss_fn(s.model, tokens) / accum
-            (s.scaler.scale(loss) if s.scaler else loss).backward()
-        total += loss.detach().float()
-    if s.scaler:
-        s.scaler.unscale_(s.optimizer)
-    norm = clip_grad_norm(s.model, s.cfg.train.grad_clip)
-    if s.scaler:
-        s.scaler.step(s.optimizer)
-        s.scaler.update()
-    else:
-        s.optimizer.step()
-    s.optimizer.zero_grad(set_to_none=True)
+    batches = [
+        s.loader.next_batch().to(s.device, non_blocking=True) for _ in range(s.cfg.train.grad_accum)
+    ]
+    result = train_step(
+        s.model,
+        s.optimizer,
+        batches,
+        loss_fn=s.loss_fn,
+        max_norm=s.cfg.train.grad_clip,
+        keep_unsharded=s.cfg.parallel.accum_keep_unsharded,
+        scaler=s.scaler,
+    )
     s.scheduler.step()
-    return _global_mean(total), norm
+    return _global_mean(result.loss), float(result.grad_norm)
 
 
 @torch.no_grad()
@@ -98,9 +77,7 @@ def _record(
     cfg = s.cfg
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len * cfg.train.grad_accum
     tokens_per_s = tokens * s.env.world_size / dt
-    peak = device_peak_flops(
-        device_type=s.env.device_type, low_precision=s.precision.name != "fp32"
-    )
+    peak = device_peak_flops(device_type=s.env.device_type, low_precision=s.precision.low_precision)
     mfu = None
     if peak and s.llama is not None:
         flops = s.model.flops_per_token(cfg.data.seq_len)  # type: ignore[operator]
@@ -122,7 +99,7 @@ def _record(
     }
 
 
-def _maybe_eval(s: Session, *, step: int, progress: Progress, summary: Summary) -> None:
+def _maybe_eval(s: Session, *, step: int, progress: Progress, summary: RunSummary) -> None:
     every = s.cfg.train.eval_every
     if every and (step % every == 0 or step == s.cfg.train.steps):
         val = evaluate(s)
@@ -141,14 +118,14 @@ def _maybe_checkpoint(s: Session, *, step: int, progress: Progress) -> None:
         progress.message(f"step {step}: checkpoint saved ({blocking:.2f}s blocking)")
 
 
-def _run_steps(s: Session, *, progress: Progress, summary: Summary, stop_flag: Any) -> None:
+def _run_steps(s: Session, *, progress: Progress, summary: RunSummary, stop_flag: Any) -> None:
     cfg = s.cfg
     rates = []
     while s.state.step < cfg.train.steps:
         t0 = time.perf_counter()
         lr = float(s.scheduler.get_last_lr()[0])
         try:
-            loss, norm = train_step(s)
+            loss, norm = _step(s)
         except Exception as exc:
             raise StepError(f"step {s.state.step + 1} failed: {type(exc).__name__}: {exc}") from exc
         s.state.step += 1
@@ -164,6 +141,7 @@ def _run_steps(s: Session, *, progress: Progress, summary: Summary, stop_flag: A
         _maybe_eval(s, step=step, progress=progress, summary=summary)
         _maybe_checkpoint(s, step=step, progress=progress)
         if stop_flag is not None and any_rank(stop_flag(), device=s.device):
+            assert s.checkpointer is not None  # the flag is only installed with one
             if s.checkpointer.last_step != step:
                 s.checkpointer.save(step, s.app_state(), blocking=True)
             progress.message(f"SIGTERM: checkpointed step {step}, exiting")
@@ -173,20 +151,20 @@ def _run_steps(s: Session, *, progress: Progress, summary: Summary, stop_flag: A
     summary.steps = s.state.step
 
 
-def run(cfg: RunConfig, env: DistEnv) -> Summary:
-    """Train on this rank (collective: every rank runs it)."""
-    s = build_session(cfg, env)
+def run(s: Session) -> RunSummary:
+    """Train ``s`` to ``train.steps`` (collective: every rank runs it), resuming from
+    a checkpoint when one is configured."""
+    cfg, env = s.cfg, s.env
     write_run_dir(s)
     resumed = s.checkpointer.resume(s.app_state()) if s.checkpointer else None
-    lead = env.rank == 0
     s.metrics.start(resumed_step=resumed or 0)
     progress = Progress(
-        total=cfg.train.steps, start=s.state.step, mode=cfg.logging.progress, enabled=lead
+        total=cfg.train.steps, start=s.state.step, mode=cfg.logging.progress, enabled=env.rank == 0
     )
     progress.message(f"fsdpkit: {env.world_size} ranks ({env.device_type}), {s.plan.describe()}")
     if resumed is not None:
         progress.message(f"resumed from step {resumed}")
-    summary = Summary()
+    summary = RunSummary()
     stop_flag = None
     if s.checkpointer is not None and cfg.checkpoint.save_on_sigterm:
         from fsdpkit.checkpoint import install_sigterm_flag

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdpkit.checkpoint import Checkpointer
 from fsdpkit.config import RunConfig, mesh_shape, to_toml
 from fsdpkit.data import (
     PackedLoader,
@@ -29,9 +30,9 @@ from fsdpkit.launch import DistEnv, rendezvous_store
 from fsdpkit.mesh import build_mesh
 from fsdpkit.models.factory import LossFn, build_model
 from fsdpkit.models.llama import LlamaConfig
+from fsdpkit.precision import Precision
 from fsdpkit.sharding import ShardPlan, detect_blocks, make_grad_scaler, resolve_precision, shard
 from fsdpkit.sharding.materialize import is_meta
-from fsdpkit.sharding.policy import Precision
 from fsdpkit.train.optim import build_optimizer, build_scheduler
 from fsdpkit.train.state import TrainerState
 from fsdpkit.train.telemetry import MetricsWriter
@@ -56,7 +57,7 @@ class Session:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     scaler: torch.amp.GradScaler | None
     state: TrainerState
-    checkpointer: Any
+    checkpointer: Checkpointer | None
     metrics: MetricsWriter
 
     @property
@@ -186,12 +187,10 @@ def _checkpointer(
     run_dir: Path,
     mesh: tuple[int, int],
     llama: LlamaConfig | None,
-) -> Any:
+) -> Checkpointer | None:
     """None when the run neither saves nor resumes (checkpoint.every = 0, resume = never)."""
     if cfg.checkpoint.every == 0 and cfg.checkpoint.resume == "never":
         return None
-    from fsdpkit.checkpoint import Checkpointer
-
     meta = {
         "world_size": env.world_size,
         "mesh": {"replicate": mesh[0], "shard": mesh[1]},

@@ -22,30 +22,16 @@ from typing import Any
 
 import torch
 
-# Dense peak TFLOP/s per device: (bf16/fp16 tensor cores, tf32/fp32 matmul).
-_PEAK_TFLOPS: dict[str, tuple[float, float]] = {
-    "h200": (989.0, 494.0),
-    "h100": (989.0, 494.0),
-    "h800": (989.0, 494.0),
-    "a100": (312.0, 156.0),
-    "a800": (312.0, 156.0),
-    "l40s": (362.0, 183.0),
-    "l4": (121.0, 60.0),
-    "a10": (125.0, 62.5),
-    "v100": (125.0, 15.7),
-    "mi300x": (1307.0, 654.0),
-}
+from fsdpkit.devices import detected_device
 
 
 def device_peak_flops(*, device_type: str, low_precision: bool) -> float | None:
-    """Peak FLOP/s of this process's device, or None when unknown (CPU included)."""
-    if device_type != "cuda" or not torch.cuda.is_available():
+    """Peak FLOP/s of this process's device from the device table (fsdpkit.devices),
+    or None when unknown (CPU included)."""
+    if device_type != "cuda":
         return None
-    name = torch.cuda.get_device_name().lower()
-    for key, (half, single) in _PEAK_TFLOPS.items():
-        if key in name:
-            return (half if low_precision else single) * 1e12
-    return None
+    device = detected_device()
+    return device.peak_flops(low_precision=low_precision) if device is not None else None
 
 
 def peak_memory_mib(device_type: str) -> float:

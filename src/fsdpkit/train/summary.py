@@ -1,12 +1,25 @@
-"""The end-of-run summary table (formats what the loop measured; computes nothing)."""
+"""What a run achieved, and the end-of-run table (formats; computes nothing)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from fsdpkit.config import RunConfig
-from fsdpkit.train.loop import Summary
 
 
-def format_summary(summary: Summary, *, cfg: RunConfig) -> str:
+@dataclass
+class RunSummary:
+    """What the run achieved, for the end-of-run table (rank 0 prints it)."""
+
+    steps: int = 0
+    final_loss: float | None = None
+    val_losses: list[float] = field(default_factory=list)
+    tokens_per_s: float = 0.0
+    peak_mem_mib: float = 0.0
+    sample_text: str | None = None
+
+
+def format_summary(summary: RunSummary, *, cfg: RunConfig) -> str:
     val = summary.val_losses
     rows = [
         ("steps", f"{summary.steps}"),
@@ -28,5 +41,5 @@ def format_summary(summary: Summary, *, cfg: RunConfig) -> str:
     return "\n".join(lines)
 
 
-def print_summary(summary: Summary, *, cfg: RunConfig) -> None:
+def print_summary(summary: RunSummary, *, cfg: RunConfig) -> None:
     print(format_summary(summary, cfg=cfg), flush=True)

@@ -1,0 +1,69 @@
+"""The run configuration: typed, documented, validated, frozen data (no environment reads).
+
+Modules, each owning one job:
+    schema    the frozen section dataclasses, one docstring per field
+    coerce    type-checking values against the annotations (did-you-mean errors)
+    validate  ranges, impossible combinations, what the world size allows
+    io        TOML files, dotted overrides, ``with_changes``, ``to_toml``
+    toml      the one TOML writer
+    docs      ``--help-config`` text
+    resolve   ``resolve``: load + ``parallel.auto`` + world checks, for launcher and workers
+"""
+
+from fsdpkit.config.coerce import suggest
+from fsdpkit.config.docs import describe, field_docs
+from fsdpkit.config.io import (
+    apply_dotted,
+    from_dict,
+    load,
+    parse_override,
+    read_toml,
+    to_toml,
+    with_changes,
+)
+from fsdpkit.config.resolve import Resolved, resolve
+from fsdpkit.config.schema import (
+    SECTIONS,
+    ActivationsConfig,
+    CheckpointConfig,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    OffloadConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    RunConfig,
+    TrainConfig,
+)
+from fsdpkit.config.validate import mesh_shape, validate, validate_for_world
+from fsdpkit.errors import ConfigError
+
+__all__ = [
+    "SECTIONS",
+    "ActivationsConfig",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OffloadConfig",
+    "ParallelConfig",
+    "PrecisionConfig",
+    "Resolved",
+    "RunConfig",
+    "TrainConfig",
+    "apply_dotted",
+    "describe",
+    "field_docs",
+    "from_dict",
+    "load",
+    "mesh_shape",
+    "parse_override",
+    "read_toml",
+    "resolve",
+    "suggest",
+    "to_toml",
+    "validate",
+    "validate_for_world",
+    "with_changes",
+]

@@ -1,0 +1,49 @@
+"""``resolve``: the one place a run's final config is decided.
+
+Load the file and overrides, let ``parallel.auto`` apply the planner's recommendation
+for this world size, and check what the world size allows. The launcher (before any
+process starts) and every worker (torchrun / SLURM joins, or spawned by the launcher)
+call it with the same arguments and get the same config: the recommendation is
+deterministic. The resolved config has ``parallel.auto = false`` and the chosen values
+written out, so its ``config.toml`` reproduces the run without planning again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsdpkit.config.io import load, with_changes
+from fsdpkit.config.schema import RunConfig
+from fsdpkit.config.validate import validate_for_world
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A run's final config and what ``parallel.auto`` changed to get it."""
+
+    config: RunConfig
+    auto_changes: dict[str, Any] | None = None
+    """Dotted keys ``parallel.auto`` set (empty: it kept the config as given); None
+    when parallel.auto is off."""
+
+
+def resolve(
+    path: str | Path | None,
+    overrides: Iterable[str] = (),
+    *,
+    world_size: int,
+    local_world_size: int,
+) -> Resolved:
+    """The config a run of ``world_size`` ranks (``local_world_size`` per node) uses."""
+    cfg = load(path, list(overrides))
+    changes: dict[str, Any] | None = None
+    if cfg.parallel.auto:
+        from fsdpkit.planner.auto import auto_changes  # the planner imports config
+
+        changes = auto_changes(cfg, world_size=world_size, local_world_size=local_world_size)
+        cfg = with_changes(cfg, {**changes, "parallel.auto": False}, source="parallel.auto")
+    validate_for_world(cfg, world_size=world_size, local_world_size=local_world_size)
+    return Resolved(config=cfg, auto_changes=changes)

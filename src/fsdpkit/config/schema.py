@@ -1,0 +1,201 @@
+"""The shape of a run's configuration: frozen, documented dataclasses (data only).
+
+A run is described by a TOML file whose sections are the dataclasses below, plus
+dotted ``key=value`` overrides (``train.steps=50``). Every field has a docstring under
+it; ``fsdpkit train --help-config`` prints them. Configs are frozen: change one with
+``fsdpkit.config.with_changes`` (validated), never by assignment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+# The choices of a few fields. Strategy and precision names must equal the keys of
+# fsdpkit.strategies.STRATEGIES and fsdpkit.precision.PRESETS (a unit test checks).
+StrategyName = Literal["full", "grad_op", "hybrid", "hybrid_grad_op", "replicate"]
+PrecisionMode = Literal["auto", "fp32", "bf16", "bf16-pure", "fp16"]
+ACMode = Literal["none", "full", "every"]
+Schedule = Literal["cosine", "constant", "linear"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    preset: str = "tiny"
+    """Built-in Llama-style shape: tiny, llama3-1b, llama3-3b, llama3-8b, llama3-70b or
+    llama3-405b."""
+    factory: str | None = None
+    """Your own model instead of a preset: "package.module:function" returning an nn.Module
+    (or (module, loss_fn)); called with no arguments."""
+    n_layers: int | None = None
+    """Override the preset's number of blocks."""
+    dim: int | None = None
+    """Override the preset's hidden size."""
+    n_heads: int | None = None
+    """Override the preset's query heads."""
+    n_kv_heads: int | None = None
+    """Override the preset's key/value heads."""
+    ffn_dim: int | None = None
+    """Override the preset's SwiGLU hidden size."""
+    vocab_size: int | None = None
+    """Override the vocabulary size (default: the tokenizer's)."""
+    tie_embeddings: bool | None = None
+    """Override whether the output head shares the embedding."""
+    meta_init: bool = True
+    """Build on the meta device and materialize only local shards (no rank holds the full model)."""
+    init_from: str | None = None
+    """Directory of HF-layout safetensors to initialize the weights from."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str | None = None
+    """Text file, directory, glob or .jsonl; empty = the built-in corpus (Python's
+    standard-library sources)."""
+    text_field: str = "text"
+    """Field holding the text in JSONL records."""
+    tokenizer: str | None = None
+    """Directory (or file) with a Hugging Face tokenizer.json; empty = byte-level (vocab 256)."""
+    seq_len: int = 128
+    """Tokens per training sequence (packed, fixed length)."""
+    val_fraction: float = 0.02
+    """Share of the token stream held out for validation."""
+    max_bytes: int = 4_000_000
+    """Read at most this many bytes of text (bounds start-up time on huge corpora)."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 300
+    """Optimizer steps to run."""
+    seed: int = 0
+    """Seed for weights, data order and dropout-free determinism."""
+    micro_batch_size: int = 4
+    """Sequences per rank per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (only the last one reduces gradients)."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final LR as a fraction of the peak (cosine/linear)."""
+    warmup_steps: int = 20
+    """Linear warm-up steps."""
+    schedule: Schedule = "cosine"
+    """LR schedule after warm-up: cosine, linear or constant."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to norms and biases)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables."""
+    eval_every: int = 100
+    """Evaluate on the validation split every N steps (and at the end); 0 disables."""
+    eval_batches: int = 4
+    """Micro-batches per rank in one evaluation."""
+    sample_tokens: int = 120
+    """Tokens of sample text generated at the end for the built-in LM; 0 disables."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    strategy: StrategyName = "full"
+    """full (ZeRO-3), grad_op (ZeRO-2), hybrid (HSDP), hybrid_grad_op, replicate (DDP-like)."""
+    shard_degree: int | None = None
+    """Ranks per shard group for hybrid strategies (replicas = world / shard_degree);
+    empty = ranks per node."""
+    reshard_after_forward: bool | int | None = None
+    """Override the strategy's resharding: true, false, or an int to reshard to a smaller
+    group (must divide the shard group size)."""
+    block_classes: list[str] = field(default_factory=list)
+    """Class names of the blocks to shard one per unit; empty = detect automatically."""
+    blocks_per_unit: int = 1
+    """Blocks grouped into one FSDP unit."""
+    accum_keep_unsharded: bool = False
+    """During gradient accumulation keep parameters unsharded between micro-batches
+    (fewer all-gathers, but full parameters stay in memory)."""
+    timeout_s: float = 600.0
+    """Collective timeout in seconds; a rank stuck longer fails the run with the step."""
+    auto: bool = False
+    """Let the planner choose strategy, mesh, resharding, activation checkpointing, offload
+    and micro-batch size for this world size and device (as `fsdpkit plan --recommend`)."""
+    device_mem: str | None = None
+    """Device memory per rank for parallel.auto: a size (80GiB), a device name (h100) or
+    NAME:SIZE; empty = detected (GPU memory, or host memory / local ranks on CPU)."""
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    mode: PrecisionMode = "auto"
+    """fp32, bf16 (bf16 compute, fp32 reduce), bf16-pure, fp16 (+ grad scaler);
+    auto = bf16 on GPUs that support it, else fp32."""
+    norms_fp32: bool = False
+    """Keep norm layers' parameters and compute in fp32 (own FSDP units)."""
+    grad_scaler: bool | None = None
+    """Dynamic loss scaling; empty = on for fp16, off otherwise. fp16 requires it."""
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    params: bool = False
+    """Keep sharded parameters, gradients and the optimizer step on the CPU."""
+
+
+@dataclass(frozen=True)
+class ActivationsConfig:
+    mode: ACMode = "none"
+    """Activation checkpointing: none, full (every block) or every (every k-th block)."""
+    every: int = 2
+    """With mode = every: checkpoint one block in this many."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0
+    """Save every N steps (and at the end when > 0); 0 disables periodic saves."""
+    keep: int = 2
+    """Keep the newest K complete checkpoints."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this; 0 disables."""
+    async_save: bool = False
+    """Write checkpoints in the background while training continues."""
+    resume: str = "auto"
+    """auto (newest complete checkpoint in the run dir), never, or a checkpoint path."""
+    save_on_sigterm: bool = True
+    """On SIGTERM (preemption) checkpoint the current step before exiting."""
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    run_dir: str = "runs/default"
+    """Directory for the resolved config, metrics.jsonl, checkpoints and plots."""
+    log_every: int = 1
+    """Write metrics every N steps."""
+    progress: Literal["auto", "bar", "lines", "none"] = "auto"
+    """Progress display on rank 0: auto = a bar on a terminal, plain lines otherwise."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The whole run: one frozen section per TOML table."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    activations: ActivationsConfig = field(default_factory=ActivationsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, type] = {
+    f.name: typing.get_type_hints(RunConfig)[f.name] for f in dataclasses.fields(RunConfig)
+}

@@ -1,0 +1,121 @@
+"""Checks of a config that need no process group: ranges, finite floats, impossible
+combinations, and what the world size allows. Every error names the key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from fsdpkit.config.schema import RunConfig
+from fsdpkit.errors import ConfigError
+from fsdpkit.strategies import strategy
+
+
+def _positive(cfg: RunConfig) -> list[tuple[str, Any]]:
+    return [
+        ("data.seq_len", cfg.data.seq_len),
+        ("data.max_bytes", cfg.data.max_bytes),
+        ("train.steps", cfg.train.steps),
+        ("train.micro_batch_size", cfg.train.micro_batch_size),
+        ("train.grad_accum", cfg.train.grad_accum),
+        ("train.eval_batches", cfg.train.eval_batches),
+        ("parallel.blocks_per_unit", cfg.parallel.blocks_per_unit),
+        ("parallel.timeout_s", cfg.parallel.timeout_s),
+        ("activations.every", cfg.activations.every),
+        ("checkpoint.keep", cfg.checkpoint.keep),
+        ("logging.log_every", cfg.logging.log_every),
+    ]
+
+
+def validate(cfg: RunConfig) -> None:
+    """Checks that need no process group; raises ConfigError naming the field."""
+    for key, value in _positive(cfg):
+        if value <= 0:
+            raise ConfigError(f"{key} must be > 0, got {value}.")
+    for key, value in [
+        ("train.lr", cfg.train.lr),
+        ("train.warmup_steps", cfg.train.warmup_steps),
+        ("train.grad_clip", cfg.train.grad_clip),
+        ("train.eval_every", cfg.train.eval_every),
+        ("checkpoint.every", cfg.checkpoint.every),
+        ("checkpoint.keep_every", cfg.checkpoint.keep_every),
+    ]:
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}.")
+    _validate_floats(cfg)
+    if not 0.0 <= cfg.data.val_fraction < 0.5:
+        raise ConfigError(f"data.val_fraction must be in [0, 0.5), got {cfg.data.val_fraction}.")
+    _validate_combinations(cfg)
+
+
+def _validate_floats(cfg: RunConfig) -> None:
+    for section in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            value = getattr(getattr(cfg, section.name), f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{f.name} must be a finite number, got {value}.")
+    t = cfg.train
+    for key, value, low, high in [
+        ("train.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0),
+        ("train.beta1", t.beta1, 0.0, 0.999999),
+        ("train.beta2", t.beta2, 0.0, 0.999999),
+    ]:
+        if not low <= value <= high:
+            raise ConfigError(f"{key} must be in [{low}, {high:g}], got {value}.")
+    if t.weight_decay < 0:
+        raise ConfigError(f"train.weight_decay must be >= 0, got {t.weight_decay}.")
+
+
+def _validate_combinations(cfg: RunConfig) -> None:
+    p = cfg.parallel
+    chosen = strategy(p.strategy)
+    if cfg.offload.params and not chosen.allows_offload:
+        raise ConfigError(
+            f"offload.params = true cannot be combined with parallel.strategy = {p.strategy!r}: "
+            "offloading needs parameters resharded after forward, which that strategy "
+            "never does. Use parallel.strategy = 'full' or 'hybrid', or offload.params = false."
+        )
+    if cfg.offload.params and p.reshard_after_forward is False:
+        raise ConfigError(
+            "offload.params = true needs parameters resharded after forward; "
+            "remove parallel.reshard_after_forward = false."
+        )
+    if cfg.precision.mode == "fp16" and cfg.precision.grad_scaler is False:
+        raise ConfigError(
+            "precision.mode = 'fp16' without a gradient scaler underflows gradients. "
+            "Set precision.grad_scaler = true (or leave it empty), or use bf16/fp32."
+        )
+    if cfg.model.factory is not None and ":" not in cfg.model.factory:
+        raise ConfigError(
+            f"model.factory = {cfg.model.factory!r} must look like 'package.module:function'."
+        )
+    if p.shard_degree is not None and not chosen.hybrid:
+        raise ConfigError(
+            f"parallel.shard_degree is only used by hybrid strategies, not {p.strategy!r}; "
+            "remove it or set parallel.strategy = 'hybrid'."
+        )
+    raf = p.reshard_after_forward
+    if isinstance(raf, int) and not isinstance(raf, bool) and raf < 1:
+        raise ConfigError(f"parallel.reshard_after_forward = {raf} must be >= 1 (or true/false).")
+
+
+def mesh_shape(cfg: RunConfig, *, world_size: int, local_world_size: int) -> tuple[int, int]:
+    """(replicate degree, shard degree) for this strategy at this world size; hybrid
+    strategies shard over ``parallel.shard_degree`` ranks, by default one node's."""
+    p = cfg.parallel
+    return strategy(p.strategy).mesh_shape(
+        world_size=world_size, shard_degree=p.shard_degree or local_world_size
+    )
+
+
+def validate_for_world(cfg: RunConfig, *, world_size: int, local_world_size: int) -> None:
+    """Checks that depend on the world size, run before any process group starts."""
+    _, shard = mesh_shape(cfg, world_size=world_size, local_world_size=local_world_size)
+    raf = cfg.parallel.reshard_after_forward
+    if isinstance(raf, int) and not isinstance(raf, bool) and shard % raf:
+        raise ConfigError(
+            f"parallel.reshard_after_forward = {raf} must divide the shard group size "
+            f"({shard} at world size {world_size}). Use a divisor of {shard}, or true/false."
+        )
