@@ -270,9 +270,12 @@ def head_backward(s: Sizes) -> list[Event]:
 
 
 def embedding_backward(s: Sizes, *, tied: bool, workspace: int = 0) -> list[Event]:
-    """Dense embedding grad (V*d*e); a tied weight adds it into the head's grad.
-    Frees the incoming grad of the embedding output."""
+    """Dense embedding grad (V*d*e); a tied weight adds it to the head's grad out of
+    place (autograd's AccumulateGrad sums into a new buffer when the existing grad is
+    referenced elsewhere, as FSDP2's unsharded gradient is): for a moment the head's
+    grad, the embedding's and their sum coexist (measured on the V2 rows of
+    bench/plan_accuracy.py). Frees the incoming grad of the embedding output."""
     w = s.vocab * s.d * s.e
     ev: list[Event] = [(TEMP, workspace), (GRAD, w), (TEMP, -workspace)]
-    ev += [(GRAD, -w)] if tied else []
+    ev += [(GRAD, w), (GRAD, -w), (GRAD, -w)] if tied else []
     return [*ev, (TEMP, -s.nde)]
