@@ -6,9 +6,11 @@ Modules, each owning one thing:
     accelerate        Accelerate config (YAML/JSON) -> Migration
     spec              FSDP1 constructor arguments (JSON, dict literal, FSDP(...) call) -> Migration
     render            Migration -> commented TOML, checked with fsdpkit.config
+    fsdp1_checkpoint  FSDP1 SHARDED_STATE_DICT / FULL_STATE_DICT -> a sharded model (init_from)
 """
 
 from fsdpkit.migrate.accelerate import convert_accelerate
+from fsdpkit.migrate.fsdp1_checkpoint import detect, load_fsdp1_checkpoint
 from fsdpkit.migrate.render import render, validate
 from fsdpkit.migrate.result import Dropped, MigrateError, Migration, Setting
 from fsdpkit.migrate.spec import convert_fsdp1, parse_spec
@@ -20,6 +22,8 @@ __all__ = [
     "Setting",
     "convert_accelerate",
     "convert_fsdp1",
+    "detect",
+    "load_fsdp1_checkpoint",
     "parse_spec",
     "render",
     "validate",

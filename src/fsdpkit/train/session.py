@@ -149,8 +149,10 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     plan = shard(model, cfg, mesh=mesh)
     if cfg.model.init_from:
         from fsdpkit.checkpoint import load_hf_weights
+        from fsdpkit.migrate.fsdp1_checkpoint import detect, load_fsdp1_checkpoint
 
-        load_hf_weights(model, Path(cfg.model.init_from))
+        path = Path(cfg.model.init_from)
+        (load_fsdp1_checkpoint if detect(path) else load_hf_weights)(model, path)
     precision = resolve_precision(cfg.precision, device_type=env.device_type)
     optimizer = build_optimizer(model, cfg.train)
     scaler = make_grad_scaler(precision, device_type=env.device_type)
