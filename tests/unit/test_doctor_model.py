@@ -71,7 +71,7 @@ def test_no_blocks_and_a_heavy_root_are_called_out() -> None:
     heavy = MLPNet(vocab=20000)  # embedding + head dwarf four small blocks
     checks = checks_of(heavy, ["ResidualMLP"])
     assert checks["params outside blocks"].status == "warn"
-    assert "embed, head" in checks["params outside blocks"].message
+    assert "are outside the 4 block units: head, embed" in checks["params outside blocks"].message
 
 
 def test_uneven_units() -> None:

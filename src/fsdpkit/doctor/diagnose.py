@@ -98,8 +98,10 @@ def _plan_checks(
     try:
         analytic = plan(cfg, world_size=world_size, device=device, vocab_size=vocab)
     except PlanError as exc:
-        reason = f"the planner cannot plan this model: {exc}"
-        return [skip("plan fit", reason), skip("dry run", reason)]
+        return [
+            skip("plan fit", f"the planner cannot plan this model: {exc}"),
+            skip("dry run", "not run: the planner cannot trace this model (see plan fit)"),
+        ]
     except UserError as exc:  # the config does not work at this world size
         return [fail("plan fit", str(exc)), skip("dry run", "no plan to run")]
     peak = fmt_bytes(analytic.memory.peak.bytes)

@@ -30,12 +30,11 @@ DOCS: dict[str, str] = {
     "NCCL_DEBUG_SUBSYS": "which NCCL subsystems log (INIT, COLL, NET, P2P, ...)",
     "NCCL_SOCKET_IFNAME": "interfaces NCCL bootstraps on and uses for socket transport "
     "(prefix match; ^ excludes, = exact)",
-    "NCCL_IB_DISABLE": "1 turns InfiniBand/RoCE off: cross-node traffic falls back to TCP sockets",
+    "NCCL_IB_DISABLE": "1 turns InfiniBand/RoCE off",
     "NCCL_IB_HCA": "which InfiniBand adapters/ports NCCL uses",
-    "NCCL_P2P_DISABLE": "1 turns GPU peer-to-peer (NVLink/PCIe) off: intra-node traffic "
-    "goes through host memory",
+    "NCCL_P2P_DISABLE": "1 turns GPU peer-to-peer (NVLink/PCIe) off",
     "NCCL_P2P_LEVEL": "how far apart (topology) GPUs may be and still use peer-to-peer",
-    "NCCL_SHM_DISABLE": "1 turns the shared-memory transport off",
+    "NCCL_SHM_DISABLE": "1 turns NCCL's shared-memory transport off",
     "NCCL_NET_GDR_LEVEL": "when NICs read/write GPU memory directly (GPUDirect RDMA)",
     "NCCL_ALGO": "forces the collective algorithm (Ring, Tree, NVLS, ...)",
     "NCCL_PROTO": "forces the protocol (LL, LL128, Simple)",

@@ -94,9 +94,11 @@ def check_root_share(table: list[ParamInfo], units: list[list[nn.Module]]) -> Ch
             "saves gradient and optimizer memory)",
             "name the repeated block class in parallel.block_classes",
         )
-    outside = sorted(
-        {i.name.rsplit(".", 1)[0] for i in table if i.unit == ROOT and i.param.numel()}
-    )
+    held: dict[str, int] = defaultdict(int)
+    for i in table:
+        if i.unit == ROOT:
+            held[i.name.rsplit(".", 1)[0] if "." in i.name else "(root)"] += i.param.numel()
+    outside = sorted((m for m in held if held[m]), key=lambda m: (-held[m], m))  # largest first
     share = root / total
     where = f"{_fmt(root)} of {_fmt(total)} parameters ({share:.0%}) are outside the " + (
         f"{len(units)} block units: {', '.join(outside[:6])}{' ...' if len(outside) > 6 else ''}"

@@ -263,7 +263,7 @@ def exchange(
         time.sleep(0.05)
     nodes = [NodeInfo(**json.loads(rdzv.store.get(k))) for k in keys]
     hosts = ", ".join(f"{n.hostname} (node {n.node_rank})" for n in nodes)
-    return nodes, ok("nodes joined", f"{len(nodes)} nodes: {hosts}")
+    return nodes, ok("nodes joined", f"{len(nodes)} node(s): {hosts}")
 
 
 _AGREE = (
