@@ -91,8 +91,9 @@ class Rendezvous:
     def close(self, *, timeout_s: float) -> None:
         """Say this node is done; the host waits for every node before closing."""
         self.store.set(f"{PREFIX}done/{self.node_rank}", "1")
-        if self.hosting:
-            keys = [f"{PREFIX}done/{r}" for r in range(self.nnodes)]
+        if self.hosting:  # nodes that never published their info are not waited for
+            joined = [r for r in range(self.nnodes) if self.store.check([f"{PREFIX}node/{r}"])]
+            keys = [f"{PREFIX}done/{r}" for r in joined]
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline and not self.store.check(keys):
                 time.sleep(0.05)

@@ -48,7 +48,7 @@ def detect(path: str | Path) -> tuple[Kind, Path] | None:
     path = Path(path)
     if path.is_file() and path.suffix in TORCH_SUFFIXES:
         return "torch", path
-    if not path.is_dir():
+    if not path.is_dir() or any(path.glob("*.safetensors")):  # HF weights: not ours
         return None
     if (path / ".metadata").is_file():
         return "dcp", path
