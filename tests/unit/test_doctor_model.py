@@ -24,7 +24,7 @@ from support import TINY, MLPNet, ResidualMLP
 
 
 def checks_of(model: nn.Module, classes: list[str] | None = None) -> dict[str, Check]:
-    units = plan_units(detect_blocks(model, class_names=classes), 1)
+    units = plan_units(detect_blocks(model, class_names=classes), RunConfig())
     return {c.name: c for c in structure_checks(model, units, block_classes=classes or [])}
 
 

@@ -13,7 +13,6 @@ code is 1 when any check failed, 0 otherwise (2 for a bad config or option).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -65,9 +64,9 @@ def _network(args: argparse.Namespace) -> NetworkOptions | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fsdpkit.cli.autoconfig import _device
     from fsdpkit.doctor import failed, format_report, report_dict, run_doctor
     from fsdpkit.launch import default_nproc
+    from fsdpkit.planner.auto import auto_device
 
     path, overrides = split_items(args.items)
     cfg = configuration.load(path, overrides)
@@ -76,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--nproc must be >= 1, got {nproc}.")
     world = args.world_size or nproc * args.nnodes
     if args.device_mem:
-        cfg = dataclasses.replace(
-            cfg, parallel=dataclasses.replace(cfg.parallel, device_mem=args.device_mem)
+        cfg = configuration.with_changes(
+            cfg, {"parallel.device_mem": args.device_mem}, source="--device-mem"
         )
     checks = run_doctor(
         cfg,
@@ -85,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         nproc=nproc,
         world_size=world,
         model=bool(args.items),
-        device=_device(cfg, local_world_size=nproc) if args.items else None,
+        device=auto_device(cfg, local_world_size=nproc) if args.items else None,
         trace=not args.no_trace,
         network=_network(args),
     )

@@ -151,26 +151,26 @@ def model_checks(
     cfg: RunConfig, *, world_size: int, device: Any = None, trace: bool = True
 ) -> tuple[list[Check], int | None]:
     """(model checks, bytes per checkpoint or None when the model could not be built)."""
-    from fsdpkit.sharding import detect_blocks
+    from fsdpkit.sharding import choose_blocks
 
     try:
         vocab = _vocab(cfg)
         model = _build(cfg, vocab=vocab, meta=True)
-        blocks = detect_blocks(model, class_names=cfg.parallel.block_classes or None)
+        choice = choose_blocks(model, class_names=cfg.parallel.block_classes or None)
     except UserError as exc:
         return [fail("model build", str(exc), "fix the [model] / [data] section")], None
     except Exception as exc:
         return [
             fail("model build", f"building the model failed: {type(exc).__name__}: {exc}")
         ], None
-    units = plan_units(blocks, cfg.parallel.blocks_per_unit)
+    units = plan_units(choice.blocks, cfg)
     size = checkpoint_bytes(model)
     n_params = sum(p.numel() for p in model.parameters())
     checks = [
         ok(
             "model build",
             f"{type(model).__name__}: {n_params / 1e6:.2f}M parameters, {len(units)} block "
-            f"units of {type(blocks[0]).__name__ if blocks else '-'}",
+            f"unit(s); blocks: {choice.describe()}",
         ),
         *structure_checks(model, units, block_classes=cfg.parallel.block_classes),
         _safe_buffer_check(cfg, vocab=vocab, param_bytes=size // 3),

@@ -10,12 +10,15 @@ of forward to the end of backward.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from fsdpkit.config import RunConfig
 from fsdpkit.doctor.check import Check, fail, ok, skip, warn
+from fsdpkit.sharding import unit_specs
 
 ROOT = -1
 ROOT_SHARE_WARN = 1 / 3
@@ -26,10 +29,10 @@ ROOT_VS_BLOCK_WARN = 4.0
 """Root unit / median block unit above which the root is called out."""
 
 
-def plan_units(blocks: list[nn.Module], blocks_per_unit: int) -> list[list[nn.Module]]:
-    """Blocks grouped into FSDP units as ``shard`` groups them."""
-    k = max(blocks_per_unit, 1)
-    return [blocks[i : i + k] for i in range(0, len(blocks), k)]
+def plan_units(blocks: Sequence[nn.Module], cfg: RunConfig) -> list[list[nn.Module]]:
+    """The block units ``shard`` builds (``fsdpkit.sharding.unit_specs``), root left out."""
+    specs = unit_specs(len(blocks), parallel=cfg.parallel, activations=cfg.activations)
+    return [[blocks[i] for i in spec.blocks] for spec in specs if not spec.is_root]
 
 
 @dataclass(frozen=True)

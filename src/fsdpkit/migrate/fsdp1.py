@@ -239,19 +239,15 @@ def wrap_policy(m: Migration, value: Any, *, key: str) -> str:
 
 def mixed_precision_dtypes(m: Migration, param: str, reduce: str, *, source: str) -> None:
     """FSDP MixedPrecision(param_dtype, reduce_dtype) -> the matching precision preset."""
-    from fsdpkit.config import PrecisionConfig, PrecisionMode
-    from fsdpkit.sharding import resolve_precision
+    from fsdpkit.precision import PRESETS
 
     wanted = (
         _dtype(param, key=f"{source} param_dtype"),
         _dtype(reduce, key=f"{source} reduce_dtype"),
     )
-    for mode in typing.get_args(PrecisionMode):
-        if mode == "auto":
-            continue
-        p = resolve_precision(PrecisionConfig(mode=mode), device_type="cpu")
-        if (str(p.param_dtype), str(p.reduce_dtype)) == wanted:
-            m.set("precision.mode", mode, f"{source}: param {param}, reduce {reduce}")
+    for preset in PRESETS.values():
+        if (str(preset.param_dtype), str(preset.reduce_dtype)) == wanted:
+            m.set("precision.mode", preset.name, f"{source}: param {param}, reduce {reduce}")
             return
     raise MigrateError(
         f"{source}: param_dtype {param} with reduce_dtype {reduce} has no fsdpkit preset "
