@@ -10,6 +10,7 @@ from typing import Any
 
 from fsdpkit.config.schema import RunConfig
 from fsdpkit.errors import ConfigError
+from fsdpkit.precision import PRESETS
 from fsdpkit.strategies import strategy
 
 
@@ -82,9 +83,10 @@ def _validate_combinations(cfg: RunConfig) -> None:
             "offload.params = true needs parameters resharded after forward; "
             "remove parallel.reshard_after_forward = false."
         )
-    if cfg.precision.mode == "fp16" and cfg.precision.grad_scaler is False:
+    mode = cfg.precision.mode
+    if mode in PRESETS and PRESETS[mode].scaler and cfg.precision.grad_scaler is False:
         raise ConfigError(
-            "precision.mode = 'fp16' without a gradient scaler underflows gradients. "
+            f"precision.mode = {mode!r} without a gradient scaler underflows gradients. "
             "Set precision.grad_scaler = true (or leave it empty), or use bf16/fp32."
         )
     if cfg.model.factory is not None and ":" not in cfg.model.factory:

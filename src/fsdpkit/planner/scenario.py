@@ -110,13 +110,18 @@ def model_shape(cfg: RunConfig, *, vocab_size: int | None = None) -> LlamaConfig
 def planned_precision(mode: str, device: Device | None) -> tuple[str, str | None]:
     """The preset the run will use on ``device``, and a note when ``auto`` was read."""
     gpu = device is not None and device.kind == "gpu"
-    name = presets.preset_name(mode, bf16_device=gpu and device is not None and device.bf16)
+    bf16 = gpu and device is not None and device.bf16
+    name = presets.preset_name(mode, bf16_device=bf16)
     if mode != presets.AUTO:
         return name, None
-    if name == "bf16":
-        return name, "precision.mode = auto planned as bf16 (a bf16-capable GPU was given)"
-    where = "no GPU device was given" if not gpu or device is None else device.name
-    return name, f"precision.mode = auto planned as fp32 ({where})"
+    why = (
+        "a bf16-capable GPU was given"
+        if bf16
+        else "no GPU device was given"
+        if not gpu or device is None
+        else device.name
+    )
+    return name, f"precision.mode = auto planned as {name} ({why})"
 
 
 def run_vocab_size(cfg: RunConfig) -> int | None:
