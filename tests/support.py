@@ -97,11 +97,13 @@ def train(
     clip: float = 1.0,
     scaler: Any = None,
     keep_unsharded: bool = False,
+    loss_fn: Any = None,
 ) -> dict[str, list[float]]:
     """AdamW steps over ``batches``; returns per-step global mean loss and grad norm.
 
     ``dp_world`` is the number of data-parallel ranks sharing the global batch
-    (world size for every strategy here)."""
+    (world size for every strategy here). ``loss_fn(model, tokens)``: default ``lm_loss``."""
+    loss_fn = loss_fn or lm_loss
     dp = dp_world or world
     # eps=1e-6: with the default 1e-8, Adam turns gradients at rounding-noise level
     # (~1e-9) into near-full-lr updates whose sign depends on summation order, which
@@ -120,7 +122,7 @@ def train(
         for i in range(micro):
             tokens = local(step[i], rank, dp)
             with gradient_sync(model, enabled=i == micro - 1, keep_unsharded=keep_unsharded):
-                loss = lm_loss(model, tokens) / micro
+                loss = loss_fn(model, tokens) / micro
                 (scaler.scale(loss) if scaler else loss).backward()
             total += loss.detach().float()
         if scaler:

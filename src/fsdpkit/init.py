@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
+
+Initializer = Callable[[nn.Module], None]
+"""Fills every parameter of a materialized (possibly sharded) model, replacing fsdpkit's
+per-parameter init (e.g. loading a Hugging Face directory, or the model's own init)."""
 
 
 def param_seed(seed: int, name: str) -> int:

@@ -1,6 +1,8 @@
 """Offline export of a checkpoint's model weights: HF safetensors or one torch file.
 
 Runs in one process without a process group, reading the DCP checkpoint directly.
+A ``model.hf`` run exports its own parameter names with the training directory's
+config.json, generation config and tokenizer files, so ``from_pretrained`` loads it.
 HF export streams: it loads one output shard's tensors at a time (DCP reads only those
 byte ranges), so peak memory is one shard (``max_shard_bytes``), not the model.
 """
@@ -20,7 +22,14 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fsdpkit.checkpoint.errors import CheckpointError
-from fsdpkit.checkpoint.hf import EMBED, HEAD, hf_config, llama_config
+from fsdpkit.checkpoint.hf import (
+    EMBED,
+    HEAD,
+    copy_hf_model_files,
+    hf_config,
+    hf_model_files,
+    llama_config,
+)
 from fsdpkit.checkpoint.layout import quiet_single_process, read_meta, verify
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -91,15 +100,15 @@ def _check_target(out: Path) -> None:
         )
 
 
-def _export_hf(ckpt: Path, out: Path, *, dtype: torch.dtype | None, max_shard_bytes: int) -> Path:
-    items = model_tensors(ckpt)
-    cfg = llama_config(read_meta(ckpt).get("run", {}), {n: md.size for n, (_, md) in items.items()})
-    if HEAD not in items:  # saved once as the embedding ([Note: tied weights])
-        cfg = dataclasses.replace(cfg, tie_embeddings=True)
-    if cfg.tie_embeddings:
-        items.pop(HEAD, None)
-    _check_target(out)
-    out.mkdir(parents=True, exist_ok=True)
+def _write_shards(
+    ckpt: Path,
+    out: Path,
+    items: dict[str, tuple[str, TensorStorageMetadata]],
+    *,
+    dtype: torch.dtype | None,
+    max_shard_bytes: int,
+) -> None:
+    """Safetensors shards + index, one shard's tensors in memory at a time."""
     itemsize = dtype.itemsize if dtype is not None else None
     shards = _shards(items, itemsize=itemsize, limit=max_shard_bytes)
     weight_map, total = {}, 0
@@ -112,7 +121,27 @@ def _export_hf(ckpt: Path, out: Path, *, dtype: torch.dtype | None, max_shard_by
         del tensors
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _export_hf(ckpt: Path, out: Path, *, dtype: torch.dtype | None, max_shard_bytes: int) -> Path:
+    run = read_meta(ckpt).get("run", {})
+    items = model_tensors(ckpt)
     saved_dtype = next(iter(items.values()))[1].properties.dtype
+    if run.get("config", {}).get("model", {}).get("hf"):
+        files = hf_model_files(ckpt, run)  # before writing anything: it may refuse
+        _check_target(out)
+        out.mkdir(parents=True, exist_ok=True)
+        _write_shards(ckpt, out, items, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        copy_hf_model_files(files, out, dtype=dtype or saved_dtype)
+        return out
+    cfg = llama_config(run, {n: md.size for n, (_, md) in items.items()})
+    if HEAD not in items:  # saved once as the embedding ([Note: tied weights])
+        cfg = dataclasses.replace(cfg, tie_embeddings=True)
+    if cfg.tie_embeddings:
+        items.pop(HEAD, None)
+    _check_target(out)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_shards(ckpt, out, items, dtype=dtype, max_shard_bytes=max_shard_bytes)
     config = hf_config(cfg, dtype=dtype or saved_dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out

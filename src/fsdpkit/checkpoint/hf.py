@@ -1,5 +1,5 @@
-"""Hugging Face interop: the LlamaConfig of a checkpoint, and loading HF safetensors
-into an already-sharded model.
+"""Hugging Face interop: the LlamaConfig of a checkpoint, loading HF safetensors into
+an already-sharded model, and the config/tokenizer files a ``model.hf`` export ships.
 
 fsdpkit's Llama uses HF ``LlamaForCausalLM`` parameter names and HF's rotate-half RoPE,
 so weights map one-to-one with no renaming or permutation.
@@ -8,7 +8,9 @@ so weights map one-to-one with no renaming or permutation.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from fsdpkit.checkpoint.errors import CheckpointError, dcp_errors_as
 from fsdpkit.checkpoint.state import tied_aliases
+from fsdpkit.models.hf import HF_FILES, HF_RUN_DIR
 from fsdpkit.models.llama import LlamaConfig, preset
 
 EMBED = "model.embed_tokens.weight"
@@ -108,42 +111,52 @@ def hf_config(cfg: LlamaConfig, *, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def _check_hf(
-    sd: dict[str, Any], available: dict[str, Any], path: Path, *, aliases: dict[str, str]
-) -> dict[str, torch.Tensor]:
+    sd: dict[str, Any],
+    available: dict[str, Any],
+    path: Path,
+    *,
+    aliases: dict[str, str],
+    allow_missing: bool,
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The entries of ``sd`` to read from ``path`` and the ones it lacks; shapes must match."""
     wanted = {k: v for k, v in sd.items() if k not in aliases}
     missing = [k for k in wanted if k not in available]
-    if missing:
+    if missing and (not allow_missing or len(missing) == len(wanted)):
         raise CheckpointError(
-            f"{path} lacks {len(missing)} weight(s) the model needs (e.g. {missing[:3]}); "
-            "it was exported from a different architecture or is incomplete. Point "
-            "model.init_from at a matching HF Llama directory."
+            f"{path} lacks {len(missing)} of the {len(wanted)} weight(s) the model needs "
+            f"(e.g. {missing[:3]}); it was saved from a different architecture or is "
+            "incomplete. Point the model at a directory whose weights match its config.json."
         )
     for key, value in wanted.items():
-        md = available[key]
+        md = available.get(key)
         if isinstance(md, TensorStorageMetadata) and tuple(md.size) != tuple(value.shape):
             raise CheckpointError(
                 f"{path}: {key} has shape {tuple(md.size)} but the model expects "
                 f"{tuple(value.shape)}; the model config does not match these weights."
             )
-    return wanted
+    return {k: v for k, v in wanted.items() if k not in missing}, missing
 
 
-def load_hf_weights(model: nn.Module, path: str | Path) -> None:
+def load_hf_weights(
+    model: nn.Module, path: str | Path, *, allow_missing: bool = False
+) -> list[str]:
     """Fill an already-sharded (or plain) model from an HF safetensors directory.
 
     Collective when distributed: every rank reads only the slices of its own shards
     (HuggingFaceStorageReader + DCP), so no rank ever holds the full model. Weights are
-    cast to the parameters' dtype. Tied heads may be absent from the files."""
+    cast to the parameters' dtype. Tied heads may be absent from the files. With
+    ``allow_missing``, weights absent from the files are left as they are and their
+    names returned (the caller initializes them); otherwise they are an error."""
     path = Path(path)
     if not path.is_dir() or not any(path.glob("*.safetensors")):
         raise CheckpointError(
-            f"model.init_from = {str(path)!r} is not a directory of .safetensors files. "
-            "Point it at an HF model directory (e.g. the output of `fsdpkit ckpt export`)."
+            f"{str(path)!r} is not a directory of .safetensors files. Point model.init_from "
+            "(or model.hf) at an HF model directory (e.g. the output of `fsdpkit ckpt export`)."
         )
     sd = get_model_state_dict(model)
     aliases = tied_aliases(model)  # [Note: tied weights]: read once, share
     available = HuggingFaceStorageReader(str(path)).read_metadata().state_dict_metadata
-    wanted = _check_hf(sd, available, path, aliases=aliases)
+    wanted, missing = _check_hf(sd, available, path, aliases=aliases, allow_missing=allow_missing)
     with dcp_errors_as(
         lambda cause: (
             f"reading HF weights from {path} failed: {cause}. Check that the "
@@ -154,3 +167,34 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     for alias, name in aliases.items():
         sd[alias] = sd[name]
     set_model_state_dict(model, sd)
+    return missing
+
+
+def hf_model_files(ckpt: Path, run: dict[str, Any]) -> dict[str, Path]:
+    """config.json, generation config and tokenizer files of a ``model.hf`` run: the
+    copy in its run directory (written at start), else the directory it trained from."""
+    source = run.get("config", {}).get("model", {}).get("hf")
+    places = [ckpt.parent.parent / HF_RUN_DIR, Path(str(source)).expanduser()]
+    for place in places:
+        if (place / "config.json").is_file():
+            return {name: place / name for name in HF_FILES if (place / name).is_file()}
+    raise CheckpointError(
+        f"this checkpoint was trained from model.hf = {source!r}, but neither "
+        f"{places[0]} (the run's copy) nor {places[1]} holds its config.json, which the "
+        "export needs. Restore one of them (or copy config.json and the tokenizer files "
+        "into the first) and export again."
+    )
+
+
+def copy_hf_model_files(files: dict[str, Path], out: Path, *, dtype: torch.dtype) -> None:
+    """Copy the files into the export, its config.json saying the exported dtype (so
+    ``from_pretrained`` loads the weights as written)."""
+    for name, src in files.items():
+        if name == "config.json":
+            config = json.loads(src.read_text())
+            config["dtype"] = str(dtype).removeprefix("torch.")
+            if "torch_dtype" in config:
+                config["torch_dtype"] = config["dtype"]
+            (out / name).write_text(json.dumps(config, indent=2) + "\n")
+        else:
+            shutil.copyfile(src, out / name)

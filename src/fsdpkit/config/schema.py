@@ -28,7 +28,15 @@ class ModelConfig:
     llama3-405b."""
     factory: str | None = None
     """Your own model instead of a preset: "package.module:function" returning an nn.Module
-    (or (module, loss_fn)); called with no arguments."""
+    (or (module, loss_fn)); called with no arguments. The module maps token ids (batch, seq)
+    to logits (batch, seq, vocab), or to an HF ModelOutput / dict / tuple holding them;
+    loss_fn(module, tokens) gets the (batch, seq + 1) ids. Build under fsdpkit.meta_params()
+    to avoid a full copy per rank. See docs/models.md."""
+    hf: str | None = None
+    """A local Hugging Face model directory (config.json, optional *.safetensors and
+    tokenizer.json) instead of a preset: always built on meta, each rank reads its own slices
+    of the weights; a bare config.json trains from the model's own random init; its
+    tokenizer.json is the default data.tokenizer. Never downloads."""
     n_layers: int | None = None
     """Override the preset's number of blocks."""
     dim: int | None = None

@@ -8,7 +8,7 @@ import dataclasses
 import math
 from typing import Any
 
-from fsdpkit.config.schema import RunConfig
+from fsdpkit.config.schema import ModelConfig, RunConfig
 from fsdpkit.errors import ConfigError
 from fsdpkit.precision import PRESETS
 from fsdpkit.strategies import strategy
@@ -89,6 +89,7 @@ def _validate_combinations(cfg: RunConfig) -> None:
             f"precision.mode = {mode!r} without a gradient scaler underflows gradients. "
             "Set precision.grad_scaler = true (or leave it empty), or use bf16/fp32."
         )
+    _validate_model_source(cfg.model)
     if cfg.model.factory is not None and ":" not in cfg.model.factory:
         raise ConfigError(
             f"model.factory = {cfg.model.factory!r} must look like 'package.module:function'."
@@ -101,6 +102,34 @@ def _validate_combinations(cfg: RunConfig) -> None:
     raf = p.reshard_after_forward
     if isinstance(raf, int) and not isinstance(raf, bool) and raf < 1:
         raise ConfigError(f"parallel.reshard_after_forward = {raf} must be >= 1 (or true/false).")
+
+
+_PRESET_SHAPE = (
+    "n_layers",
+    "dim",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "vocab_size",
+    "tie_embeddings",
+)
+
+
+def _validate_model_source(m: ModelConfig) -> None:
+    if m.hf is None:
+        return
+    if m.factory is not None or m.init_from is not None:
+        other = "model.factory" if m.factory is not None else "model.init_from"
+        raise ConfigError(
+            f"model.hf and {other} both name the model; keep one (model.hf is the weights "
+            "and the architecture)."
+        )
+    shape = [k for k in _PRESET_SHAPE if getattr(m, k) is not None]
+    if shape:
+        raise ConfigError(
+            f"model.{shape[0]} overrides a built-in preset's shape, but model.hf takes its "
+            "shape from the directory's config.json; remove it, or edit config.json."
+        )
 
 
 def mesh_shape(cfg: RunConfig, *, world_size: int, local_world_size: int) -> tuple[int, int]:

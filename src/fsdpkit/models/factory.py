@@ -1,46 +1,109 @@
-"""Building the model a run trains: a built-in preset or the user's factory.
+"""Building the model a run trains: a built-in preset, a Hugging Face directory
+(``model.hf``) or the user's factory (``model.factory``).
 
-A factory is ``"package.module:function"``; it is called with no arguments and returns
-an ``nn.Module`` mapping token ids (batch, seq) to logits (batch, seq, vocab), or a
-``(module, loss_fn)`` pair where ``loss_fn(module, tokens) -> scalar loss`` replaces the
-default next-token cross-entropy.
+[Note: factory contract]
+A factory is ``"package.module:function"``, called with no arguments (after
+``torch.manual_seed(train.seed)``). It returns an ``nn.Module`` or a
+``(module, loss_fn)`` pair.
+
+- Input: ``module(tokens)`` with ``tokens`` an int64 tensor (batch, seq) on the
+  training device.
+- Output: the logits (batch, seq, vocab) as a tensor, or anything holding them: an
+  object with a ``.logits`` attribute (a Hugging Face ``ModelOutput``), a dict with a
+  ``"logits"`` key, or a tuple/list whose first element is the logits.
+- ``loss_fn(module, tokens) -> scalar tensor`` receives the whole (batch, seq + 1)
+  sequence; it must call ``module(...)`` itself (the FSDP root, so its hooks gather the
+  parameters). The default is ``next_token_loss``: logits of ``tokens[:, :-1]`` against
+  ``tokens[:, 1:]`` (shifted once), mean over tokens, ``IGNORE_INDEX`` labels skipped.
+- Meta-device builds: build under ``fsdpkit.meta_params()`` (parameters on meta,
+  buffers from the constructor) or give the module ``init_buffers()``; a module with
+  buffers on meta and neither is refused ([Note: buffers of meta models]). Parameters
+  get fsdpkit's per-parameter init (``param_init(name, shape, generator)`` overrides
+  it), or, for a transformers ``PreTrainedModel``, the model's own ``_init_weights``.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fsdpkit.config import ModelConfig
-from fsdpkit.errors import UserError
+from fsdpkit.init import Initializer
+from fsdpkit.models.buffers import meta_buffers, require_buffer_source
+from fsdpkit.models.errors import ModelError
 from fsdpkit.models.llama import Llama, LlamaConfig, preset
 
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
+IGNORE_INDEX = -100
+"""Label value that the default loss skips (as PyTorch's and Hugging Face's)."""
 
-class ModelError(UserError):
-    """The model section names something that cannot be built."""
+
+class ModelOutputError(ModelError):
+    """The model's forward returned something that holds no logits."""
+
+
+def logits_of(output: Any, *, tokens: torch.Tensor) -> torch.Tensor:
+    """The logits in a model's output (see [Note: factory contract]); a clear error
+    naming what came back otherwise."""
+    found = output
+    if not isinstance(found, torch.Tensor):
+        if isinstance(found, dict) and "logits" in found:
+            found = found["logits"]
+        elif getattr(found, "logits", None) is not None:
+            found = found.logits
+        elif isinstance(found, tuple | list) and found:
+            found = found[0]
+    if isinstance(found, torch.Tensor) and found.dim() == 3 and found.shape[:2] == tokens.shape:
+        return found
+    got = type(output).__name__ + (
+        f" with shape {tuple(found.shape)}" if isinstance(found, torch.Tensor) else ""
+    )
+    raise ModelOutputError(
+        f"the model returned {got} for input ids of shape {tuple(tokens.shape)}; fsdpkit needs "
+        f"logits of shape (batch, seq, vocab) = ({tokens.shape[0]}, {tokens.shape[1]}, vocab): "
+        "return them as a tensor, or as .logits / ['logits'] / the first element of a tuple, "
+        "or return (module, loss_fn) from the factory with loss_fn(module, tokens) computing "
+        "the loss itself. See docs/models.md."
+    )
 
 
 def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1] (fp32 logits)."""
-    logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1] (fp32 logits);
+    labels equal to ``IGNORE_INDEX`` are skipped."""
+    inputs = tokens[:, :-1]
+    logits = logits_of(model(inputs), tokens=inputs)
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]),
+        tokens[:, 1:].reshape(-1),
+        ignore_index=IGNORE_INDEX,
+    )
 
 
 @dataclass
 class BuiltModel:
     module: nn.Module
-    """The model, on the meta device when it will be materialized after sharding."""
+    """The model; its parameters on the meta device when it will be materialized after
+    sharding (buffers may be real: [Note: buffers of meta models])."""
     loss_fn: LossFn
     """Loss of one micro-batch."""
     llama: LlamaConfig | None
-    """Shape of a built-in model (None for a user factory)."""
+    """Shape of a built-in model (None for a user factory or an HF model)."""
+    block_classes: list[str] = field(default_factory=list)
+    """Class names of the blocks the model declares (HF ``_no_split_modules``); empty:
+    detect them."""
+    init: Initializer | None = None
+    """How ``shard`` fills the parameters after materialization (None: fsdpkit's
+    per-parameter init)."""
+    hf: Any = None
+    """The ``fsdpkit.models.hf.HFSource`` of a ``model.hf`` model."""
 
 
 def llama_shape(cfg: ModelConfig, *, vocab_size: int, seq_len: int) -> LlamaConfig:
@@ -65,10 +128,13 @@ def llama_shape(cfg: ModelConfig, *, vocab_size: int, seq_len: int) -> LlamaConf
 
 
 def build_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int, seed: int) -> BuiltModel:
-    """Built-in Llama (on meta when ``cfg.meta_init``) or the user's factory model."""
+    """The model of a run, before sharding: built-in Llama (on meta when
+    ``cfg.meta_init``), a ``model.hf`` directory (on meta) or the user's factory model.
+    No process group needed: the planner calls this too."""
+    if cfg.hf:
+        return _from_hf(cfg.hf, vocab_size=vocab_size, seed=seed)
     if cfg.factory:
-        module, loss_fn = _from_factory(cfg.factory, seed=seed)
-        return BuiltModel(module=module, loss_fn=loss_fn, llama=None)
+        return _from_factory(cfg.factory, seed=seed)
     shape = llama_shape(cfg, vocab_size=vocab_size, seq_len=seq_len)
     if cfg.meta_init:
         with torch.device("meta"):
@@ -78,6 +144,22 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int, seed: int) -
     model = Llama(shape)
     init_weights(model, seed=seed)
     return BuiltModel(module=model, loss_fn=next_token_loss, llama=shape)
+
+
+def _from_hf(path: str, *, vocab_size: int, seed: int) -> BuiltModel:
+    from fsdpkit.models import hf
+
+    source = hf.read_hf_dir(path)
+    hf.check_vocab(source, vocab_size=vocab_size)
+    module = hf.construct(source.config)
+    return BuiltModel(
+        module=module,
+        loss_fn=next_token_loss,
+        llama=None,
+        block_classes=hf.block_classes(module),
+        init=hf.HFWeights(source, seed=seed),
+        hf=source,
+    )
 
 
 def load_factory(spec: str) -> Callable[[], object]:
@@ -99,7 +181,7 @@ def load_factory(spec: str) -> Callable[[], object]:
     return fn
 
 
-def _from_factory(spec: str, *, seed: int) -> tuple[nn.Module, LossFn]:
+def _from_factory(spec: str, *, seed: int) -> BuiltModel:
     torch.manual_seed(seed)  # same weights on every rank
     made = load_factory(spec)()
     module, loss_fn = made if isinstance(made, tuple) else (made, next_token_loss)
@@ -108,4 +190,26 @@ def _from_factory(spec: str, *, seed: int) -> tuple[nn.Module, LossFn]:
             f"model.factory = {spec!r} returned {type(module).__name__}, not an nn.Module "
             "(or a (module, loss_fn) pair)."
         )
-    return module, loss_fn
+    built = BuiltModel(module=module, loss_fn=loss_fn, llama=None)
+    if any(p.is_meta for p in module.parameters()):
+        built.init = _hf_init_for_meta(module, seed=seed)
+    require_buffer_source(module)
+    return built
+
+
+def _hf_init_for_meta(module: nn.Module, *, seed: int) -> Initializer | None:
+    """For a meta-built transformers model: its meta buffers re-created by its own
+    ``_init_weights``, and the same init for its parameters after sharding."""
+    from fsdpkit.models.hf_init import init_like_hf, is_hf_model, recreate_hf_buffers
+
+    if not is_hf_model(module):
+        return None
+    if meta_buffers(module):
+        recreate_hf_buffers(module, seed=seed)  # what is left is refused by the caller
+    shadow = copy.deepcopy(module)  # parameters on meta: no memory
+
+    def init(model: nn.Module) -> None:
+        names = [n for n, _ in model.named_parameters()]
+        init_like_hf(model, shadow=shadow, names=names, seed=seed)
+
+    return init

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from fsdpkit.config import RunConfig
+from fsdpkit.init import Initializer
 from fsdpkit.sharding.blocks import choose_blocks
 from fsdpkit.sharding.materialize import is_meta, materialize
 from fsdpkit.sharding.policy import offload_policy, reshard_after_forward, resolve_precision
@@ -94,13 +95,17 @@ def _shard_norms(
         fully_shard(norm, mesh=mesh, reshard_after_forward=raf, **kw)
 
 
-def shard(model: nn.Module, cfg: RunConfig, *, mesh: DeviceMesh) -> ShardPlan:
+def shard(
+    model: nn.Module, cfg: RunConfig, *, mesh: DeviceMesh, init: Initializer | None = None
+) -> ShardPlan:
     """Shard ``model`` in place with FSDP2 following ``cfg``'s parallel, precision,
     offload and activations sections; returns the plan it applied.
 
     A model built under ``torch.device("meta")`` is materialized afterwards with only
     the local shards allocated, initialized from ``cfg.train.seed`` exactly as
-    ``fsdpkit.init.init_weights`` would initialize the unsharded model.
+    ``fsdpkit.init.init_weights`` would initialize the unsharded model, or by
+    ``init(model)`` when given (e.g. loading a Hugging Face directory). Real buffers
+    are kept; see [Note: buffers of meta models].
     """
     device_type = mesh.device_type
     precision = resolve_precision(cfg.precision, device_type=device_type)
@@ -121,7 +126,7 @@ def shard(model: nn.Module, cfg: RunConfig, *, mesh: DeviceMesh) -> ShardPlan:
             offload_policy=offload,
         )
     if is_meta(model):
-        _materialize(model, cfg, device_type=device_type)
+        _materialize(model, cfg, device_type=device_type, init=init)
     plan = ShardPlan(
         block_class=choice.class_name,
         block_reason=choice.reason,
@@ -144,11 +149,15 @@ def _numel(modules: Iterable[nn.Module]) -> int:
     return sum(seen.values())
 
 
-def _materialize(model: nn.Module, cfg: RunConfig, *, device_type: str) -> None:
+def _materialize(
+    model: nn.Module, cfg: RunConfig, *, device_type: str, init: Initializer | None
+) -> None:
     device = (
         torch.device(device_type, torch.cuda.current_device())
         if device_type == "cuda"
         else torch.device("cpu")
     )
     param_device = torch.device("cpu") if cfg.offload.params else device
-    materialize(model, seed=cfg.train.seed, param_device=param_device, buffer_device=device)
+    materialize(
+        model, seed=cfg.train.seed, param_device=param_device, buffer_device=device, init=init
+    )

@@ -2,7 +2,9 @@
 
 See [Note: per-parameter init] in fsdpkit.init: each rank computes the full initial
 value of one parameter at a time and keeps only its own slice, so the result equals
-a normal build with the same seed at any world size.
+a normal build with the same seed at any world size. Buffers follow
+[Note: buffers of meta models] in fsdpkit.models.buffers: real ones are kept across
+``to_empty``, and one left uninitialized is an error.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from fsdpkit.init import init_buffers, initial_value
+from fsdpkit.init import Initializer, init_buffers, initial_value
+from fsdpkit.models.buffers import fresh_versions, kept_buffers, require_written, restore_buffers
 
 
 def is_meta(model: nn.Module) -> bool:
@@ -27,22 +30,46 @@ def _local_slice(full: torch.Tensor, param: DTensor) -> torch.Tensor:
     return full[index]
 
 
+def copy_full_value(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Set a (possibly sharded) parameter from its full, unsharded value: a DTensor
+    keeps only this rank's slice."""
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            local = param.to_local()
+            local.copy_(_local_slice(full, param).to(local.device))
+        else:
+            param.copy_(full.to(param.device))
+
+
+def _default_init(model: nn.Module, *, seed: int) -> None:
+    for name, param in model.named_parameters():
+        full = initial_value(model, name=name, shape=param.shape, seed=seed, dtype=param.dtype)
+        copy_full_value(param, full)
+
+
 def materialize(
-    model: nn.Module, *, seed: int, param_device: torch.device, buffer_device: torch.device
+    model: nn.Module,
+    *,
+    seed: int,
+    param_device: torch.device,
+    buffer_device: torch.device,
+    init: Initializer | None = None,
 ) -> None:
-    """Allocate the (sharded) meta model on ``param_device`` and initialize it."""
+    """Allocate the (sharded) meta model on ``param_device`` and initialize it:
+    ``init(model)`` if given, else fsdpkit's per-parameter init from ``seed``."""
+    kept = kept_buffers(model)
     model.to_empty(device=param_device)
     if buffer_device != param_device:  # CPU offload on a GPU: buffers stay on the GPU
         for module in model.modules():
             for key, buf in module._buffers.items():
                 if buf is not None:
                     module._buffers[key] = buf.to(buffer_device)
+    fresh = fresh_versions(model, kept=kept)
+    restore_buffers(model, kept)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            full = initial_value(model, name=name, shape=param.shape, seed=seed, dtype=param.dtype)
-            if isinstance(param, DTensor):
-                local = param.to_local()
-                local.copy_(_local_slice(full, param).to(local.device))
-            else:
-                param.copy_(full.to(param.device))
+        if init is None:
+            _default_init(model, seed=seed)
+        else:
+            init(model)
         init_buffers(model)
+    require_written(model, fresh)

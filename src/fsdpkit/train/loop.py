@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 
 from fsdpkit.checkpoint import any_rank
+from fsdpkit.errors import UserError
 from fsdpkit.train.generate import sample
+from fsdpkit.train.guards import check_finite
 from fsdpkit.train.progress import Progress
 from fsdpkit.train.session import Session, write_run_dir
 from fsdpkit.train.step import train_step
@@ -126,10 +128,15 @@ def _run_steps(s: Session, *, progress: Progress, summary: RunSummary, stop_flag
         lr = float(s.scheduler.get_last_lr()[0])
         try:
             loss, norm = _step(s)
+        except UserError:  # e.g. a model output without logits: the message says what to do
+            raise
         except Exception as exc:
             raise StepError(f"step {s.state.step + 1} failed: {type(exc).__name__}: {exc}") from exc
         s.state.step += 1
         step = s.state.step
+        check_finite(
+            loss=loss, grad_norm=norm, step=step, scaled=bool(s.scaler), checkpointer=s.checkpointer
+        )
         dt = time.perf_counter() - t0
         if step % cfg.logging.log_every == 0 or step == cfg.train.steps:
             record = _record(s, step=step, loss=loss, norm=norm, lr=lr, dt=dt)

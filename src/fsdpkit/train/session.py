@@ -7,7 +7,7 @@ process group -> mesh -> tokenizer and data -> model (meta) -> shard -> weights
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -133,11 +133,14 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     """Set up this rank; collective (every rank must call it). Data, model and block
     choice are checked before the process group starts, so bad input fails every rank
     alike without any collective."""
+    cfg = _hf_tokenizer(cfg)
     tokenizer, loader, val = _data(cfg, env)
     built = build_model(
         cfg.model, vocab_size=tokenizer.vocab_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed
     )
     model = built.module
+    if built.block_classes and not cfg.parallel.block_classes:  # the model's own blocks
+        cfg = replace(cfg, parallel=replace(cfg.parallel, block_classes=built.block_classes))
     detect_blocks(model, class_names=cfg.parallel.block_classes or None)
     device = init_process_group(cfg, env)
     replicate, shard_deg = mesh_shape(
@@ -146,7 +149,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     mesh = build_mesh(replicate=replicate, shard=shard_deg, device_type=env.device_type)
     if not is_meta(model):  # fully_shard moves the shards; this only puts buffers in place
         model.to(device)
-    plan = shard(model, cfg, mesh=mesh)
+    plan = shard(model, cfg, mesh=mesh, init=built.init)
     if cfg.model.init_from:
         from fsdpkit.checkpoint import load_hf_weights
         from fsdpkit.migrate.fsdp1_checkpoint import detect, load_fsdp1_checkpoint
@@ -182,6 +185,16 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     )
 
 
+def _hf_tokenizer(cfg: RunConfig) -> RunConfig:
+    """A ``model.hf`` run tokenizes with the directory's tokenizer.json by default."""
+    if not cfg.model.hf or cfg.data.tokenizer:
+        return cfg
+    from fsdpkit.models.hf import default_tokenizer
+
+    found = default_tokenizer(cfg.model.hf)
+    return replace(cfg, data=replace(cfg.data, tokenizer=found)) if found else cfg
+
+
 def _checkpointer(
     cfg: RunConfig,
     env: DistEnv,
@@ -209,3 +222,7 @@ def write_run_dir(session: Session) -> None:
         return
     session.run_dir.mkdir(parents=True, exist_ok=True)
     (session.run_dir / "config.toml").write_text(to_toml(session.cfg))
+    if session.cfg.model.hf:  # what `fsdpkit ckpt export --format hf` ships with the weights
+        from fsdpkit.models.hf import HF_RUN_DIR, copy_hf_files
+
+        copy_hf_files(Path(session.cfg.model.hf).expanduser(), session.run_dir / HF_RUN_DIR)

@@ -1,0 +1,128 @@
+"""A Hugging Face model's own initialization (``_init_weights``), on sharded parameters.
+
+[Note: HF init on shards]
+transformers initializes a model by calling ``_init_weights(module)`` on every module,
+children before parents, with the global RNG. On a sharded model that cannot run as
+is: DTensor's CPU RNG gives every shard the same draws (see the cpu-fsdp-facts traps),
+and the draws would depend on the world size. Instead, for each module that owns
+parameters to initialize, a *shadow* of the model (the same architecture with its
+parameters on meta) gets real CPU tensors for just those parameters; ``_init_weights``
+runs on that module and then on each of its ancestors (the only modules whose init can
+reach them; GPT-2's attention re-draws its child ``c_proj``), each call seeded from
+(seed, module name); each rank keeps its own slice (``copy_full_value``). The result:
+
+- the model's own distributions (GPT-2's scaled residual projections, Gemma's
+  zero-centred norms, zeroed padding rows), not fsdpkit's defaults;
+- deterministic from the seed and identical at any world size, sharded or not;
+- at most one module's parameters in full on the CPU at a time;
+- writes to every other tensor land on meta and vanish, so weights loaded from a
+  checkpoint are never touched.
+
+Meta buffers of a model built entirely on meta get their values the same way, before
+sharding (``recreate_hf_buffers``): in transformers 5 ``_init_weights`` re-creates
+RoPE tables and embedding scales, exactly as ``from_pretrained`` relies on.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from fsdpkit.init import param_seed
+from fsdpkit.models.buffers import stamp, unchanged
+from fsdpkit.sharding.materialize import copy_full_value
+
+
+def is_hf_model(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers ``PreTrainedModel`` (without importing
+    transformers when the user never did)."""
+    import sys
+
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(module, modeling.PreTrainedModel)
+
+
+def _chain(root: nn.Module, path: str) -> list[tuple[str, nn.Module, nn.Module | None]]:
+    """(path, module, its HF init owner) from ``root`` down to ``path``; the owner is the
+    nearest enclosing PreTrainedModel, as transformers' ``smart_apply`` dispatches."""
+    out = []
+    module, owner, prefix = root, root if is_hf_model(root) else None, ""
+    out.append(("", root, owner))
+    for part in path.split(".") if path else []:
+        module = module.get_submodule(part)
+        prefix = f"{prefix}.{part}" if prefix else part
+        owner = module if is_hf_model(module) else owner
+        out.append((prefix, module, owner))
+    return out
+
+
+def _run_inits(root: nn.Module, path: str, *, seed: int) -> None:
+    """``_init_weights`` on the module at ``path`` and then its ancestors, each seeded
+    by its own name ([Note: HF init on shards])."""
+    for prefix, module, owner in reversed(_chain(root, path)):
+        if owner is not None:
+            torch.manual_seed(param_seed(seed, f"hf-init:{prefix}"))
+            owner._init_weights(module)  # type: ignore[operator]
+
+
+def _owner_values(
+    shadow: nn.Module, path: str, names: list[str], *, seed: int
+) -> dict[str, torch.Tensor]:
+    """Full initial values of the parameters ``names`` of the shadow's module ``path``."""
+    module = shadow.get_submodule(path)
+    saved = {n: module._parameters[n] for n in names}
+    try:
+        for n, meta in saved.items():
+            assert meta is not None
+            module._parameters[n] = nn.Parameter(
+                torch.empty(meta.shape, dtype=meta.dtype), requires_grad=meta.requires_grad
+            )
+        _run_inits(shadow, path, seed=seed)
+        return {n: module._parameters[n].detach() for n in names}  # type: ignore[union-attr]
+    finally:
+        module._parameters.update(saved)
+
+
+def init_like_hf(model: nn.Module, *, shadow: nn.Module, names: Iterable[str], seed: int) -> None:
+    """Initialize the parameters ``names`` of ``model`` (sharded or not) with the HF
+    model's own ``_init_weights``, computed on ``shadow`` (same architecture, parameters
+    on meta). See [Note: HF init on shards]."""
+    params = dict(model.named_parameters())
+    by_module: dict[str, list[str]] = defaultdict(list)
+    for name in names:
+        path, _, local = name.rpartition(".")
+        by_module[path].append(local)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        for path, locals_ in by_module.items():
+            values = _owner_values(shadow, path, locals_, seed=seed)
+            for local, value in values.items():
+                copy_full_value(params[f"{path}.{local}" if path else local], value)
+
+
+def recreate_hf_buffers(model: nn.Module, *, seed: int) -> list[str]:
+    """Give the meta buffers of a meta-built HF model the values its ``_init_weights``
+    computes (before sharding: the parameters are on meta, so nothing else is written).
+    Returns the buffers it could not re-create (left on meta)."""
+    by_module: dict[str, list[str]] = defaultdict(list)
+    for name, buf in model.named_buffers():
+        if buf.is_meta:
+            path, _, local = name.rpartition(".")
+            by_module[path].append(local)
+    left = []
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        for path, locals_ in by_module.items():
+            module = model.get_submodule(path)
+            metas = {n: module._buffers[n] for n in locals_}
+            for n, meta in metas.items():
+                assert meta is not None
+                module._buffers[n] = torch.empty_like(meta, device="cpu")
+            before = {n: stamp(module._buffers[n]) for n in locals_}
+            _run_inits(model, path, seed=seed)
+            for n in locals_:
+                if unchanged(module._buffers[n], before[n]):
+                    module._buffers[n] = metas[n]
+                    left.append(f"{path}.{n}" if path else n)
+    return left

@@ -1,0 +1,139 @@
+"""Small Hugging Face model directories written locally (tests, examples, benchmarks).
+
+Nothing is downloaded: the config comes from a few numbers, the weights from the
+model's own random init (seeded), and the tokenizer is a byte-level BPE trained in a
+second on the Python standard library's sources (the built-in corpus).
+
+    write_tiny_model("tiny-llama", arch="llama")     # config.json, model.safetensors,
+                                                     # generation_config.json, tokenizer.json
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gpt2")
+"""Architectures ``tiny_config`` knows (all decoder LMs in transformers)."""
+
+EOS = "<|endoftext|>"
+
+
+def tiny_config(
+    arch: str,
+    *,
+    vocab_size: int = 320,
+    dim: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    ffn: int = 128,
+    max_positions: int = 512,
+) -> Any:
+    """A small ``PretrainedConfig`` of ``arch`` (GPT-2: tied embeddings and Conv1D;
+    Gemma: tied, zero-centred norms, scaled embeddings)."""
+    import transformers as T
+
+    special: dict[str, Any] = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": None}
+    if arch == "gpt2":
+        return T.GPT2Config(
+            vocab_size=vocab_size,
+            n_embd=dim,
+            n_layer=layers,
+            n_head=heads,
+            n_positions=max_positions,
+            resid_pdrop=0.0,  # no dropout: sharded and unsharded runs draw different masks
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **special,
+        )
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=dim,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        **special,
+    )
+    classes = {
+        "llama": T.LlamaConfig,
+        "qwen2": T.Qwen2Config,
+        "qwen3": T.Qwen3Config,
+        "mistral": T.MistralConfig,
+        "gemma": T.GemmaConfig,
+        "gemma2": T.Gemma2Config,
+    }
+    if arch not in classes:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    if arch.startswith(("qwen3", "gemma")):
+        common["head_dim"] = dim // heads
+    return classes[arch](**common)
+
+
+def tiny_tokenizer(*, vocab_size: int, max_bytes: int = 400_000) -> Any:
+    """A byte-level BPE ``tokenizers.Tokenizer`` with ``vocab_size`` tokens (id 0 is
+    ``EOS``), trained on the first ``max_bytes`` of the standard library's sources."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from fsdpkit.data.corpus import stdlib_files
+
+    def texts() -> Any:
+        seen = 0
+        for file in stdlib_files():
+            text = file.read_text(encoding="utf-8", errors="replace")
+            seen += len(text)
+            yield text
+            if seen >= max_bytes:
+                return
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts(), trainer=trainer)
+    return tok
+
+
+def write_tokenizer(out: Path, *, vocab_size: int) -> None:
+    """``tokenizer.json`` + ``tokenizer_config.json`` (loadable by AutoTokenizer too)."""
+    import json
+
+    tiny_tokenizer(vocab_size=vocab_size).save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": EOS}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_tiny_model(
+    out: str | Path,
+    *,
+    arch: str = "llama",
+    seed: int = 0,
+    weights: bool = True,
+    tokenizer: bool = True,
+    **shape: Any,
+) -> Path:
+    """Write a small model directory: config.json (+ model.safetensors from the model's
+    own random init with ``seed``, + tokenizer files). ``shape``: ``tiny_config`` args."""
+    import transformers as T
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(arch, **shape)
+    if weights:
+        torch.manual_seed(seed)
+        model = T.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.save_pretrained(str(out))
+    else:
+        config.save_pretrained(str(out))
+    if tokenizer:
+        write_tokenizer(out, vocab_size=config.vocab_size)
+    return out
