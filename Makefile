@@ -27,8 +27,8 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -m "not slow"
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff format --check src tests bench
-	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench examples
+	$(VENV)/bin/ruff check src tests bench examples
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)

@@ -3,6 +3,7 @@
 from fsdpkit.config import ConfigError, RunConfig
 from fsdpkit.init import init_weights
 from fsdpkit.mesh import MeshError, build_mesh
+from fsdpkit.models.buffers import meta_params
 from fsdpkit.sharding import (
     BlockDetectionError,
     ShardPlan,
@@ -28,6 +29,7 @@ __all__ = [
     "gradient_sync",
     "init_weights",
     "make_grad_scaler",
+    "meta_params",
     "resolve_precision",
     "shard",
 ]

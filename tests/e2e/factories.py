@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,3 +30,24 @@ class Exploding(MLPNet):
 
 def exploding() -> nn.Module:
     return Exploding(vocab=256)
+
+
+def gpt2_nan_on_rank1() -> tuple[nn.Module, Any]:
+    """A transformers GPT-2 (its forward returns a ModelOutput) whose loss turns NaN on
+    rank 1 only, at the third training step."""
+    from transformers import GPT2LMHeadModel
+
+    from fsdpkit.models.factory import next_token_loss
+    from fsdpkit.testing.hf import tiny_config
+
+    calls = 0
+
+    def loss_fn(module: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        loss = next_token_loss(module, tokens)
+        if os.environ.get("RANK") == "1" and calls == 3:
+            return loss * float("nan")
+        return loss
+
+    return GPT2LMHeadModel(tiny_config("gpt2", vocab_size=256, dim=32)), loss_fn

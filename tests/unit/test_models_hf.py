@@ -1,0 +1,145 @@
+"""Bringing your own model, without a process group: factory outputs, meta buffers,
+``model.hf`` directories and their errors, the NaN guard."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from fsdpkit.config import ConfigError, ModelConfig, from_dict
+from fsdpkit.models.buffers import UninitializedBufferError, meta_params, require_buffer_source
+from fsdpkit.models.errors import ModelError
+from fsdpkit.models.factory import (
+    IGNORE_INDEX,
+    ModelOutputError,
+    build_model,
+    logits_of,
+    next_token_loss,
+)
+from fsdpkit.sharding.materialize import materialize
+from fsdpkit.train.guards import NonFiniteLossError, check_finite
+from meta_models import PositionalMLP, positional_mlp_cpu
+
+CPU = torch.device("cpu")
+IDS = torch.zeros(2, 5, dtype=torch.long)
+LOGITS = torch.randn(2, 5, 7)
+
+
+@pytest.mark.parametrize(
+    "output",
+    [LOGITS, {"logits": LOGITS}, (LOGITS, torch.tensor(1.0)), SimpleNamespace(logits=LOGITS)],
+)
+def test_logits_are_found_in_any_output(output: object) -> None:
+    assert logits_of(output, tokens=IDS) is LOGITS
+
+
+def test_output_without_logits_is_one_clear_paragraph() -> None:
+    with pytest.raises(ModelOutputError, match=r"returned Tensor with shape \(\)") as err:
+        logits_of(torch.tensor(3.0), tokens=IDS)
+    assert "(module, loss_fn)" in str(err.value) and "docs/models.md" in str(err.value)
+    with pytest.raises(ModelOutputError, match="returned str"):
+        logits_of("nope", tokens=IDS)
+
+
+def test_next_token_loss_shifts_once_and_skips_ignored_labels() -> None:
+    class Successor(nn.Module):  # a perfect next-token model for "each token is input + 1"
+        def forward(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"logits": 50.0 * nn.functional.one_hot((tokens + 1) % 7, 7).float()}
+
+    assert next_token_loss(Successor(), torch.tensor([[0, 1, 2, 3, 4]])) < 1e-6
+    assert next_token_loss(Successor(), torch.tensor([[0, 1, 2, 3, 6]])) > 10
+    assert next_token_loss(Successor(), torch.tensor([[0, 1, 2, 3, IGNORE_INDEX]])) < 1e-6
+
+
+def test_meta_params_keeps_constructor_buffers_and_materialize_keeps_them() -> None:
+    with meta_params():
+        model = PositionalMLP()
+    assert all(p.is_meta for p in model.parameters())
+    expected = PositionalMLP().positions
+    assert torch.equal(model.positions, expected)
+    materialize(model, seed=0, param_device=CPU, buffer_device=CPU)
+    assert torch.equal(model.positions, expected)
+    for name, p in positional_mlp_cpu().named_parameters():  # fsdpkit's per-parameter init
+        assert torch.equal(model.get_parameter(name), p), name
+
+
+def test_meta_buffers_without_a_source_are_refused_by_name() -> None:
+    with torch.device("meta"):
+        model = PositionalMLP()
+    with pytest.raises(UninitializedBufferError, match="positions") as err:
+        require_buffer_source(model)
+    assert "fsdpkit.meta_params()" in str(err.value) and "init_buffers" in str(err.value)
+    with pytest.raises(UninitializedBufferError, match="positions"):
+        build_model(
+            ModelConfig(factory="meta_models:positional_mlp_bare_meta"),
+            vocab_size=256,
+            seq_len=16,
+            seed=0,
+        )
+    # and materialize itself never lets one through (fsdpkit.shard on a library user's model)
+    with pytest.raises(UninitializedBufferError, match="after materialization"):
+        materialize(model, seed=0, param_device=CPU, buffer_device=CPU)
+
+
+def test_meta_built_hf_model_gets_its_buffers_from_its_own_init() -> None:
+    transformers = pytest.importorskip("transformers")
+    from fsdpkit.models.hf_init import recreate_hf_buffers
+    from fsdpkit.testing.hf import tiny_config
+
+    for arch in ("llama", "gemma"):
+        cfg = tiny_config(arch, vocab_size=64, dim=32)
+        reference = dict(transformers.AutoModelForCausalLM.from_config(cfg).named_buffers())
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+        assert recreate_hf_buffers(model, seed=0) == []
+        got = dict(model.named_buffers())
+        assert got.keys() == reference.keys()
+        for name, value in reference.items():
+            assert torch.equal(got[name], value), (arch, name)
+
+
+def test_model_hf_config_conflicts_name_the_keys() -> None:
+    with pytest.raises(ConfigError, match=r"model\.hf and model\.factory"):
+        from_dict({"model": {"hf": "d", "factory": "a:b"}})
+    with pytest.raises(ConfigError, match=r"model.n_layers .*config.json"):
+        from_dict({"model": {"hf": "d", "n_layers": 2}})
+    assert from_dict({"model": {"hf": "d"}}).model.hf == "d"
+
+
+def test_model_hf_directory_errors(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from fsdpkit.models.hf import check_vocab, read_hf_dir
+    from fsdpkit.testing.hf import write_tiny_model
+
+    with pytest.raises(ModelError, match="does not exist"):
+        read_hf_dir(tmp_path / "missing")
+    with pytest.raises(ModelError, match=r"has no config\.json"):
+        read_hf_dir(tmp_path)
+    d = write_tiny_model(tmp_path / "m", arch="llama", vocab_size=64, dim=32, tokenizer=False)
+    (d / "pytorch_model.bin").write_bytes(b"")
+    (d / "model.safetensors").unlink()
+    with pytest.raises(ModelError, match=r"pickled weights .*save_pretrained"):
+        read_hf_dir(d)
+    (d / "pytorch_model.bin").unlink()
+    source = read_hf_dir(d)
+    assert not source.has_weights and source.tokenizer is None
+    with pytest.raises(ModelError, match="vocab_size 64"):
+        check_vocab(source, vocab_size=256)
+    (d / "config.json").write_text('{"model_type": "not-a-model"}')
+    with pytest.raises(ModelError, match="trust_remote_code"):
+        read_hf_dir(d)
+
+
+def test_non_finite_loss_or_norm_stops_with_step_and_checkpoint(tmp_path: Path) -> None:
+    check_finite(loss=1.0, grad_norm=2.0, step=4, scaled=False)
+    check_finite(loss=1.0, grad_norm=float("inf"), step=4, scaled=True)  # the scaler skips it
+    ckpt = SimpleNamespace(last_step=2, root=tmp_path, wait=lambda: None)
+    with pytest.raises(NonFiniteLossError, match="step 5: loss nan") as err:
+        check_finite(loss=float("nan"), grad_norm=1.0, step=5, scaled=False, checkpointer=ckpt)
+    assert str(tmp_path / "step-00000002") in str(err.value)
+    with pytest.raises(NonFiniteLossError, match=r"gradient norm inf.*No checkpoint"):
+        check_finite(loss=1.0, grad_norm=float("inf"), step=1, scaled=False)
