@@ -191,6 +191,12 @@ def _from_factory(spec: str, *, seed: int) -> BuiltModel:
             "(or a (module, loss_fn) pair)."
         )
     built = BuiltModel(module=module, loss_fn=loss_fn, llama=None)
+    from fsdpkit.models.hf_init import is_hf_model
+
+    if is_hf_model(module):
+        from fsdpkit.models.hf import block_classes
+
+        built.block_classes = block_classes(module)
     if any(p.is_meta for p in module.parameters()):
         built.init = _hf_init_for_meta(module, seed=seed)
     require_buffer_source(module)

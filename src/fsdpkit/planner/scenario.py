@@ -95,6 +95,12 @@ def model_shape(cfg: RunConfig, *, vocab_size: int | None = None) -> LlamaConfig
             "only. Plan with model.preset set to the closest preset (and model.dim/n_layers "
             "overrides), or measure your model with `fsdpkit train` on one step."
         )
+    if m.hf is not None:  # planned from the meta-built model after the planner refactor
+        raise PlanError(
+            f"model.hf = {m.hf!r}: the planner does not plan Hugging Face models yet. Plan "
+            "the closest built-in preset (model.preset with model.dim/n_layers overrides), or "
+            "measure the model with `fsdpkit train` on a few steps."
+        )
     if m.preset not in PRESETS:
         raise PlanError(
             f"model.preset = {m.preset!r} is not a built-in preset; choose one of "
