@@ -112,7 +112,7 @@ def test_model_hf_config_conflicts_name_the_keys() -> None:
 
 def test_model_hf_directory_errors(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    from fsdpkit.models.hf import check_vocab, read_hf_dir
+    from fsdpkit.models.hf import check_inputs, read_hf_dir
     from fsdpkit.testing.hf import write_tiny_model
 
     with pytest.raises(ModelError, match="does not exist"):
@@ -128,7 +128,9 @@ def test_model_hf_directory_errors(tmp_path: Path) -> None:
     source = read_hf_dir(d)
     assert not source.has_weights and source.tokenizer is None
     with pytest.raises(ModelError, match="vocab_size 64"):
-        check_vocab(source, vocab_size=256)
+        check_inputs(source, vocab_size=256, seq_len=16)
+    with pytest.raises(ModelError, match=r"data\.seq_len = 1024 .*\(512 positions"):
+        check_inputs(source, vocab_size=64, seq_len=1024)
     (d / "config.json").write_text('{"model_type": "not-a-model"}')
     with pytest.raises(ModelError, match="trust_remote_code"):
         read_hf_dir(d)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -25,6 +26,8 @@ from fsdpkit.checkpoint.errors import CheckpointError, dcp_errors_as
 from fsdpkit.checkpoint.state import tied_aliases
 from fsdpkit.models.hf import HF_FILES, HF_RUN_DIR
 from fsdpkit.models.llama import LlamaConfig, preset
+
+log = logging.getLogger(__name__)
 
 EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
@@ -157,6 +160,15 @@ def load_hf_weights(
     aliases = tied_aliases(model)  # [Note: tied weights]: read once, share
     available = HuggingFaceStorageReader(str(path)).read_metadata().state_dict_metadata
     wanted, missing = _check_hf(sd, available, path, aliases=aliases, allow_missing=allow_missing)
+    unused = sorted(set(available) - set(sd))
+    if unused:
+        log.warning(
+            "%s holds %d tensor(s) the model has no parameter or buffer for (e.g. %s); "
+            "they are not loaded.",
+            path,
+            len(unused),
+            unused[:3],
+        )
     with dcp_errors_as(
         lambda cause: (
             f"reading HF weights from {path} failed: {cause}. Check that the "

@@ -132,7 +132,7 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int, seed: int) -
     ``cfg.meta_init``), a ``model.hf`` directory (on meta) or the user's factory model.
     No process group needed: the planner calls this too."""
     if cfg.hf:
-        return _from_hf(cfg.hf, vocab_size=vocab_size, seed=seed)
+        return _from_hf(cfg.hf, vocab_size=vocab_size, seq_len=seq_len, seed=seed)
     if cfg.factory:
         return _from_factory(cfg.factory, seed=seed)
     shape = llama_shape(cfg, vocab_size=vocab_size, seq_len=seq_len)
@@ -146,11 +146,11 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int, seed: int) -
     return BuiltModel(module=model, loss_fn=next_token_loss, llama=shape)
 
 
-def _from_hf(path: str, *, vocab_size: int, seed: int) -> BuiltModel:
+def _from_hf(path: str, *, vocab_size: int, seq_len: int, seed: int) -> BuiltModel:
     from fsdpkit.models import hf
 
     source = hf.read_hf_dir(path)
-    hf.check_vocab(source, vocab_size=vocab_size)
+    hf.check_inputs(source, vocab_size=vocab_size, seq_len=seq_len)
     module = hf.construct(source.config)
     return BuiltModel(
         module=module,

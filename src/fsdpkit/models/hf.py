@@ -171,9 +171,20 @@ def block_classes(model: nn.Module) -> list[str]:
     return sorted(named & present)
 
 
-def check_vocab(source: HFSource, *, vocab_size: int) -> None:
-    """Token ids from the tokenizer must index inside the model's embedding."""
-    model_vocab = getattr(source.config, "vocab_size", None)
+def check_inputs(source: HFSource, *, vocab_size: int, seq_len: int) -> None:
+    """Token ids from the tokenizer must index inside the model's embedding, and the
+    sequences fit its positions (GPT-2's learned positions would index past the table)."""
+    config = source.config
+    positions = getattr(config, "max_position_embeddings", None) or getattr(
+        config, "n_positions", None
+    )
+    if positions is not None and seq_len > positions:
+        raise ModelError(
+            f"data.seq_len = {seq_len} is longer than model.hf = {str(source.path)!r} "
+            f"supports ({positions} positions in config.json). Set data.seq_len to at most "
+            f"{positions}."
+        )
+    model_vocab = getattr(config, "vocab_size", None)
     if model_vocab is not None and vocab_size > model_vocab:
         raise ModelError(
             f"the tokenizer has {vocab_size} tokens but model.hf = {str(source.path)!r} has "
