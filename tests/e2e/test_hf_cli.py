@@ -13,6 +13,8 @@ import pytest
 import torch
 from clirun import fsdpkit, losses
 
+from fsdpkit.checkpoint import export
+
 pytestmark = pytest.mark.e2e
 transformers = pytest.importorskip("transformers")
 
@@ -56,10 +58,10 @@ def test_train_model_hf_dir_then_export_loads_in_transformers(tmp_path: Path) ->
     assert f'tokenizer = "{model_dir / "tokenizer.json"}"' in config  # the model's tokenizer
 
     ckpt = run / "checkpoints" / "step-00000012"
-    out, flat = tmp_path / "export", tmp_path / "flat.pt"
-    for fmt, target in (("hf", out), ("torch", flat)):
-        exported = fsdpkit("ckpt", "export", str(ckpt), "--format", fmt, str(target), cwd=tmp_path)
-        assert exported.returncode == 0, exported.stderr[-2000:]
+    out = tmp_path / "export"
+    exported = fsdpkit("ckpt", "export", str(ckpt), "--format", "hf", str(out), cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    flat = export(ckpt, tmp_path / "flat.pt", fmt="torch")  # the trained weights, by name
     back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert back.dtype == torch.float32
     reference = transformers.AutoModelForCausalLM.from_config(back.config).eval()
@@ -90,3 +92,16 @@ def test_nan_on_one_rank_stops_with_named_error_and_keeps_checkpoint(tmp_path: P
     verified = fsdpkit("ckpt", "verify", str(run / "checkpoints" / "step-00000002"), cwd=tmp_path)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert len(losses(run)) == 2
+
+
+def test_meta_buffers_nothing_recreates_are_refused_before_training(tmp_path: Path) -> None:
+    result = fsdpkit(
+        "train",
+        "model.factory=meta_models:positional_mlp_bare_meta",  # torch.device("meta"), no hook
+        *SHORT,
+        f"logging.run_dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "positions" in result.stderr and "fsdpkit.meta_params()" in result.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

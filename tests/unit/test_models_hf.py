@@ -73,13 +73,10 @@ def test_meta_buffers_without_a_source_are_refused_by_name() -> None:
     with pytest.raises(UninitializedBufferError, match="positions") as err:
         require_buffer_source(model)
     assert "fsdpkit.meta_params()" in str(err.value) and "init_buffers" in str(err.value)
+    spec = ModelConfig(factory="meta_models:positional_mlp_bare_meta")
+    built = build_model(spec, vocab_size=256, seq_len=16, seed=0)  # builds; the run refuses
     with pytest.raises(UninitializedBufferError, match="positions"):
-        build_model(
-            ModelConfig(factory="meta_models:positional_mlp_bare_meta"),
-            vocab_size=256,
-            seq_len=16,
-            seed=0,
-        )
+        require_buffer_source(built.module)
     # and materialize itself never lets one through (fsdpkit.shard on a library user's model)
     with pytest.raises(UninitializedBufferError, match="after materialization"):
         materialize(model, seed=0, param_device=CPU, buffer_device=CPU)
@@ -145,3 +142,19 @@ def test_non_finite_loss_or_norm_stops_with_step_and_checkpoint(tmp_path: Path) 
     assert str(tmp_path / "step-00000002") in str(err.value)
     with pytest.raises(NonFiniteLossError, match=r"gradient norm inf.*No checkpoint"):
         check_finite(loss=1.0, grad_norm=float("inf"), step=1, scaled=False)
+
+
+def test_doctor_sees_model_hf_and_meta_params_buffers_as_kept(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from fsdpkit.config import RunConfig
+    from fsdpkit.doctor.diagnose import model_checks
+    from fsdpkit.testing.hf import write_tiny_model
+
+    d = write_tiny_model(tmp_path / "m", arch="llama", dim=32)  # vocab 320 > bytes: its tokenizer
+    for model in (ModelConfig(hf=str(d)), ModelConfig(factory="meta_models:positional_mlp_meta")):
+        checks, _ = model_checks(RunConfig(model=model), world_size=2, trace=False)
+        by = {c.name: c for c in checks}
+        assert by["model build"].status == "ok", by["model build"].message
+        assert by["meta buffers"].status == "ok" and "constructor" in by["meta buffers"].message
+        if model.hf:
+            assert "declared by the model (_no_split_modules)" in by["model build"].message

@@ -3,7 +3,9 @@
 On the meta device a buffer has a shape but no value; ``to_empty`` gives it whatever
 memory held, and only the model's ``init_buffers()`` hook (see ``fsdpkit.init``) can
 put the constructor's value back (RoPE tables are the classic case: garbage there
-trains silently wrong). The check replays fsdpkit's buffer path twice, with the
+trains silently wrong). Buffers the constructor computed while the parameters went to
+meta (``fsdpkit.meta_params``, ``model.hf``) are kept by materialization and pass. For
+meta buffers the check replays fsdpkit's buffer path twice, with the
 buffers first filled with 0 and then with 1: a buffer whose value after
 ``init_buffers`` depends on that fill was never initialized. Where a CPU build is
 available its buffers are the reference the recreated ones must equal.
@@ -91,6 +93,12 @@ def check_meta_buffers(
     if not any(True for _ in meta_model.buffers()):
         return ok(name, "the model has no buffers")
     if not any(b.is_meta for b in meta_model.buffers()):
+        if any(p.is_meta for p in meta_model.parameters()):  # fsdpkit.meta_params, model.hf
+            return ok(
+                name,
+                "parameters on meta, buffers computed by the model's constructor: kept "
+                "across materialization",
+            )
         return skip(name, "the model does not build on the meta device (its factory ignores it)")
     try:
         values, garbage = recreated_buffers(meta_model)

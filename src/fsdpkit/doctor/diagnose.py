@@ -24,8 +24,9 @@ REFERENCE_LIMIT_BYTES = 2 * 1024**3
 
 def _vocab(cfg: RunConfig) -> int:
     from fsdpkit.data import build_tokenizer
+    from fsdpkit.models.hf import with_model_tokenizer
 
-    return cfg.model.vocab_size or build_tokenizer(cfg.data).vocab_size
+    return cfg.model.vocab_size or build_tokenizer(with_model_tokenizer(cfg).data).vocab_size
 
 
 def _build(cfg: RunConfig, *, vocab: int, meta: bool) -> nn.Module:
@@ -37,7 +38,7 @@ def _build(cfg: RunConfig, *, vocab: int, meta: bool) -> nn.Module:
         "seq_len": cfg.data.seq_len,
         "seed": cfg.train.seed,
     }
-    if not meta:
+    if not meta or cfg.model.hf:  # model.hf always builds on meta itself, buffers real
         return build_model(model_cfg, **kwargs).module
     with torch.device("meta"):
         return build_model(model_cfg, **kwargs).module
@@ -63,16 +64,18 @@ def _buffer_check(cfg: RunConfig, *, vocab: int, param_bytes: int) -> Check:
     only if it does so itself (then the plain call returns a meta model)."""
     from fsdpkit.sharding.materialize import is_meta
 
-    if cfg.model.factory:
+    meta_model = None
+    if cfg.model.factory or cfg.model.hf:
         plain = _build(cfg, vocab=vocab, meta=False)
         as_run_meta = is_meta(plain)
         reference = None if as_run_meta else plain
+        meta_model = plain if as_run_meta else None  # built on meta as the run builds it
     else:
         as_run_meta = cfg.model.meta_init
         small = param_bytes <= REFERENCE_LIMIT_BYTES
         reference = _build(cfg, vocab=vocab, meta=False) if small else None
     return check_meta_buffers(
-        _build(cfg, vocab=vocab, meta=True),
+        meta_model or _build(cfg, vocab=vocab, meta=True),
         reference=reference,
         as_run_meta=as_run_meta,
         loads_persistent=bool(cfg.model.init_from),

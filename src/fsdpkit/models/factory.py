@@ -16,8 +16,8 @@ A factory is ``"package.module:function"``, called with no arguments (after
   parameters). The default is ``next_token_loss``: logits of ``tokens[:, :-1]`` against
   ``tokens[:, 1:]`` (shifted once), mean over tokens, ``IGNORE_INDEX`` labels skipped.
 - Meta-device builds: build under ``fsdpkit.meta_params()`` (parameters on meta,
-  buffers from the constructor) or give the module ``init_buffers()``; a module with
-  buffers on meta and neither is refused ([Note: buffers of meta models]). Parameters
+  buffers from the constructor) or give the module ``init_buffers()``; a run refuses a
+  module with buffers on meta and neither ([Note: buffers of meta models]). Parameters
   get fsdpkit's per-parameter init (``param_init(name, shape, generator)`` overrides
   it), or, for a transformers ``PreTrainedModel``, the model's own ``_init_weights``.
 """
@@ -36,7 +36,7 @@ from torch import nn
 
 from fsdpkit.config import ModelConfig
 from fsdpkit.init import Initializer
-from fsdpkit.models.buffers import meta_buffers, require_buffer_source
+from fsdpkit.models.buffers import meta_buffers
 from fsdpkit.models.errors import ModelError
 from fsdpkit.models.llama import Llama, LlamaConfig, preset
 
@@ -199,7 +199,6 @@ def _from_factory(spec: str, *, seed: int) -> BuiltModel:
         built.block_classes = block_classes(module)
     if any(p.is_meta for p in module.parameters()):
         built.init = _hf_init_for_meta(module, seed=seed)
-    require_buffer_source(module)
     return built
 
 

@@ -23,13 +23,14 @@ from __future__ import annotations
 import copy
 import logging
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from fsdpkit.config import RunConfig
 from fsdpkit.models.buffers import meta_params
 from fsdpkit.models.errors import ModelError
 from fsdpkit.models.hf_init import init_like_hf
@@ -138,11 +139,14 @@ def read_hf_dir(path: str | Path) -> HFSource:
     )
 
 
-def default_tokenizer(model_dir: str) -> str | None:
-    """What an empty ``data.tokenizer`` means for ``model.hf``: the directory's
-    tokenizer.json (None: there is none, the byte-level tokenizer is used)."""
-    found = _tokenizer(Path(model_dir).expanduser())
-    return str(found) if found is not None else None
+def with_model_tokenizer(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with what an empty ``data.tokenizer`` means for ``model.hf``: the
+    directory's tokenizer.json (unchanged when there is none: byte-level). The trainer,
+    the doctor and the planner all resolve the tokenizer through this."""
+    if not cfg.model.hf or cfg.data.tokenizer:
+        return cfg
+    found = _tokenizer(Path(cfg.model.hf).expanduser())
+    return replace(cfg, data=replace(cfg.data, tokenizer=str(found))) if found else cfg
 
 
 def construct(config: Any) -> nn.Module:

@@ -112,7 +112,8 @@ def recreate_hf_buffers(model: nn.Module, *, seed: int) -> list[str]:
             path, _, local = name.rpartition(".")
             by_module[path].append(local)
     left = []
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    # explicit CPU: a caller may build under torch.device("meta") (the doctor does)
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), torch.device("cpu"):
         for path, locals_ in by_module.items():
             module = model.get_submodule(path)
             metas = {n: module._buffers[n] for n in locals_}

@@ -28,7 +28,9 @@ from fsdpkit.data import (
 )
 from fsdpkit.launch import DistEnv, rendezvous_store
 from fsdpkit.mesh import build_mesh
+from fsdpkit.models.buffers import require_buffer_source
 from fsdpkit.models.factory import LossFn, build_model
+from fsdpkit.models.hf import with_model_tokenizer
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.precision import Precision
 from fsdpkit.sharding import ShardPlan, detect_blocks, make_grad_scaler, resolve_precision, shard
@@ -133,12 +135,14 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     """Set up this rank; collective (every rank must call it). Data, model and block
     choice are checked before the process group starts, so bad input fails every rank
     alike without any collective."""
-    cfg = _hf_tokenizer(cfg)
+    cfg = with_model_tokenizer(cfg)
     tokenizer, loader, val = _data(cfg, env)
     built = build_model(
         cfg.model, vocab_size=tokenizer.vocab_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed
     )
     model = built.module
+    if is_meta(model):  # never train on buffers that to_empty leaves as garbage
+        require_buffer_source(model)
     if built.block_classes and not cfg.parallel.block_classes:  # the model's own blocks
         cfg = replace(cfg, parallel=replace(cfg.parallel, block_classes=built.block_classes))
     detect_blocks(model, class_names=cfg.parallel.block_classes or None)
@@ -183,16 +187,6 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         ),
         metrics=MetricsWriter(run_dir / "metrics.jsonl", enabled=env.rank == 0),
     )
-
-
-def _hf_tokenizer(cfg: RunConfig) -> RunConfig:
-    """A ``model.hf`` run tokenizes with the directory's tokenizer.json by default."""
-    if not cfg.model.hf or cfg.data.tokenizer:
-        return cfg
-    from fsdpkit.models.hf import default_tokenizer
-
-    found = default_tokenizer(cfg.model.hf)
-    return replace(cfg, data=replace(cfg.data, tokenizer=found)) if found else cfg
 
 
 def _checkpointer(
