@@ -19,7 +19,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from fsdpkit import build_mesh, shard
-from fsdpkit.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig
+from fsdpkit.config import CheckpointConfig, ModelConfig, RunConfig
 from fsdpkit.models.factory import build_model, logits_of, next_token_loss
 from fsdpkit.testing import run_ranks
 from support import full_state, global_batches, train
@@ -54,9 +54,7 @@ def _one_arch(rank: int, model_dir: str, run_dir: str) -> dict[str, Any]:
     from fsdpkit.checkpoint import Checkpointer, ModelOptimizerState
 
     built = _build(model_dir)
-    cfg = RunConfig(
-        model=ModelConfig(hf=model_dir), parallel=ParallelConfig(block_classes=built.block_classes)
-    )
+    cfg = RunConfig(model=ModelConfig(hf=model_dir))  # blocks: the model's _no_split_modules
     model = built.module
     plan = shard(model, cfg, mesh=build_mesh(), init=built.init)
     out: dict[str, Any] = {"plan": plan.describe(), "loaded": _logits(model)}

@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -96,9 +96,6 @@ class BuiltModel:
     """Loss of one micro-batch."""
     llama: LlamaConfig | None
     """Shape of a built-in model (None for a user factory or an HF model)."""
-    block_classes: list[str] = field(default_factory=list)
-    """Class names of the blocks the model declares (HF ``_no_split_modules``); empty:
-    detect them."""
     init: Initializer | None = None
     """How ``shard`` fills the parameters after materialization (None: fsdpkit's
     per-parameter init)."""
@@ -156,7 +153,6 @@ def _from_hf(path: str, *, vocab_size: int, seq_len: int, seed: int) -> BuiltMod
         module=module,
         loss_fn=next_token_loss,
         llama=None,
-        block_classes=hf.block_classes(module),
         init=hf.HFWeights(source, seed=seed),
         hf=source,
     )
@@ -191,12 +187,6 @@ def _from_factory(spec: str, *, seed: int) -> BuiltModel:
             "(or a (module, loss_fn) pair)."
         )
     built = BuiltModel(module=module, loss_fn=loss_fn, llama=None)
-    from fsdpkit.models.hf_init import is_hf_model
-
-    if is_hf_model(module):
-        from fsdpkit.models.hf import block_classes
-
-        built.block_classes = block_classes(module)
     if any(p.is_meta for p in module.parameters()):
         built.init = _hf_init_for_meta(module, seed=seed)
     return built

@@ -167,14 +167,6 @@ def construct(config: Any) -> nn.Module:
     return model
 
 
-def block_classes(model: nn.Module) -> list[str]:
-    """The model's ``_no_split_modules`` classes that it actually contains (empty: let
-    fsdpkit detect blocks)."""
-    named = set(getattr(model, "_no_split_modules", None) or ())
-    present = {type(m).__name__ for m in model.modules()}
-    return sorted(named & present)
-
-
 def check_inputs(source: HFSource, *, vocab_size: int, seq_len: int) -> None:
     """Token ids from the tokenizer must index inside the model's embedding, and the
     sequences fit its positions (GPT-2's learned positions would index past the table)."""

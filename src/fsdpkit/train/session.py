@@ -7,7 +7,7 @@ process group -> mesh -> tokenizer and data -> model (meta) -> shard -> weights
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -143,8 +143,6 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     model = built.module
     if is_meta(model):  # never train on buffers that to_empty leaves as garbage
         require_buffer_source(model)
-    if built.block_classes and not cfg.parallel.block_classes:  # the model's own blocks
-        cfg = replace(cfg, parallel=replace(cfg.parallel, block_classes=built.block_classes))
     detect_blocks(model, class_names=cfg.parallel.block_classes or None)
     device = init_process_group(cfg, env)
     replicate, shard_deg = mesh_shape(
