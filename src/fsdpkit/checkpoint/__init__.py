@@ -2,17 +2,22 @@
 world size, convertible to and from Hugging Face safetensors.
 
 Modules, each owning one thing:
-    layout        directory layout, completion marker, checksums, verify
+    layout        directory layout, completion marker, verify
+    checksum      crc32 at memory speed (zlib-ng), per file
+    writer        DCP writer that checksums bytes as they are written, fsyncs, writes behind
+    staging       reused host buffers for async saves; their size for the planner
+    reader        DCP reader that loads each byte once and verifies while it reads
+    records       where a tensor's bytes sit inside a DCP item (no torch.load)
+    untrusted     checksum-gated, restricted unpickling of ``.metadata``; safe planner
     retention     which complete checkpoints to delete (pure)
     state         Stateful adapters: model+optimizer, rank-local state, RNG streams
     checkpointer  Checkpointer: save (sync/async), retention, resume
-    resume        choose the checkpoint to resume from, load it
+    resume        choose the checkpoint to resume from, precheck, load it
     signals       SIGTERM flag and cross-rank agreement for preemption
     hf / export   HF config, load_hf_weights, offline export (hf | torch)
     summary       inspect / list data for the CLI
 
-Security: DCP's ``.metadata`` and non-tensor state are pickles; load only checkpoints
-you trust (see docs/checkpoints.md).
+Security: nothing read from a checkpoint runs code ([Note: untrusted checkpoints]).
 """
 
 from fsdpkit.checkpoint.checkpointer import Checkpointer
@@ -30,8 +35,10 @@ from fsdpkit.checkpoint.layout import (
 )
 from fsdpkit.checkpoint.retention import steps_to_delete
 from fsdpkit.checkpoint.signals import any_rank, install_sigterm_flag
+from fsdpkit.checkpoint.staging import async_staging_bytes
 from fsdpkit.checkpoint.state import ModelOptimizerState, RankLocal, RNGState
 from fsdpkit.checkpoint.summary import inspect_checkpoint, list_run
+from fsdpkit.checkpoint.untrusted import UnsafeCheckpointError
 
 __all__ = [
     "CheckpointError",
@@ -40,8 +47,10 @@ __all__ = [
     "ModelOptimizerState",
     "RNGState",
     "RankLocal",
+    "UnsafeCheckpointError",
     "VerifyReport",
     "any_rank",
+    "async_staging_bytes",
     "complete_entries",
     "export",
     "hf_config",

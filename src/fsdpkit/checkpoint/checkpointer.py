@@ -13,11 +13,13 @@ the group only after ``wait()``, so two threads never use it at once.
 
 [Note: save protocol]
 1. rank 0 clears ``step-N.tmp``; barrier.  2. DCP writes every rank's data and rank 0
-writes ``.metadata`` (async: staged to CPU copies, written by a DCP thread).  3. each
-rank crc32s its own ``__<rank>_*`` files; gathered on rank 0.  4. rank 0 writes
-``fsdpkit.json`` (fsync) and renames to ``step-N``.  5. rank 0's outcome is broadcast,
-so every rank raises the same error or none (no rank hangs).  6. rank 0 applies
-retention ([Note: retention]) while the others go on.
+writes ``.metadata``, each file crc32'ed as it is written and fsync'ed when closed
+([Note: one pass over the bytes]); async: the state is first copied into reused host
+buffers ([Note: staging buffers]) and a background thread writes those.  3. each rank's
+sizes and crc32s (``.metadata``'s on rank 0) are gathered on rank 0.  4. rank 0 writes
+``fsdpkit.json`` (fsync), renames to ``step-N`` and fsyncs the directory.  5. rank 0's
+outcome is broadcast, so every rank raises the same error or none (no rank hangs).
+6. rank 0 applies retention ([Note: retention]) while the others go on.
 """
 
 from __future__ import annotations
@@ -26,16 +28,16 @@ import datetime
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
 from fsdpkit.checkpoint import resume as _resume
-from fsdpkit.checkpoint.errors import CheckpointError, describe_failure
+from fsdpkit.checkpoint.errors import CheckpointError, describe_failure, write_advice
 from fsdpkit.checkpoint.layout import (
     DCP_METADATA,
     FORMAT,
@@ -49,11 +51,12 @@ from fsdpkit.checkpoint.layout import (
     quiet_single_process,
     remove_tree,
     step_dir_name,
-    verify,
     write_json_durably,
 )
 from fsdpkit.checkpoint.retention import steps_to_delete
+from fsdpkit.checkpoint.staging import Stager
 from fsdpkit.checkpoint.state import MODEL_KEY, ModelOptimizerState, RankLocal, tied_aliases
+from fsdpkit.checkpoint.writer import ChecksumWriter
 from fsdpkit.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,9 @@ class _Job:
     final: Path
     started: float
     state_info: dict[str, Any]
+    writer: ChecksumWriter
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds per step of the save (this rank): staging, write, checksum, fsync, commit."""
 
 
 def state_info(state: dict[str, Any]) -> dict[str, Any]:
@@ -87,6 +93,13 @@ class Checkpointer:
     the previous save; sync: the whole save)."""
     last_total_s: float
     """Seconds from the start of the last completed save until it was committed."""
+    last_save_timings: dict[str, float]
+    """This rank's seconds per step of the last committed save: ``staging`` (async
+    copy), ``write`` (DCP, including the in-line ``checksum`` and ``fsync``), ``commit``
+    (gather, marker, rename)."""
+    last_resume_timings: dict[str, float]
+    """This rank's seconds per step of the last resume: ``precheck``, ``load`` (DCP,
+    including ``read`` and the in-line ``checksum``) and bytes read."""
 
     def __init__(self, *, run_dir: Path, cfg: CheckpointConfig, run_meta: dict[str, Any]) -> None:
         self.root = checkpoints_root(Path(run_dir))
@@ -100,8 +113,16 @@ class Checkpointer:
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[None] | None = None
         self._last_step: int | None = None
+        self._stager = Stager()
         self.last_blocking_s = 0.0
         self.last_total_s = 0.0
+        self.last_save_timings = {}
+        self.last_resume_timings = {}
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory this rank holds for async staging ([Note: staging buffers])."""
+        return self._stager.nbytes
 
     @property
     def in_flight(self) -> bool:
@@ -158,14 +179,16 @@ class Checkpointer:
         self.wait()
         sync = (not self.cfg.async_save) if blocking is None else blocking
         name = step_dir_name(step)
-        job = _Job(step, self.root / f"{name}.tmp", self.root / name, start, state_info(state))
+        tmp = self.root / f"{name}.tmp"
+        info = state_info(state)
+        job = _Job(step, tmp, self.root / name, start, info, ChecksumWriter(tmp))
         self._agree(self._prepare, job)
         if sync:
             self._write(job, state)
             self._finalize(job)
         else:
-            future = self._write_async(job, state)
-            self._pending = self._pool().submit(self._finish_async, job, future)
+            staged = self._stage(job, state)
+            self._pending = self._pool().submit(self._write_then_finalize, job, staged)
         self._last_step = step
         self.last_blocking_s = time.perf_counter() - start
         if self.rank == 0:
@@ -213,57 +236,78 @@ class Checkpointer:
     def _save_error(self, job: _Job, exc: BaseException) -> CheckpointError:
         return CheckpointError(
             f"saving checkpoint step {job.step} to {job.tmp} failed: {describe_failure(exc)}. "
-            f"Earlier checkpoints in {self.root} are untouched and loadable. Free disk space "
-            "or fix permissions (or point logging.run_dir elsewhere) and resume."
+            f"{write_advice(exc)} Nothing was torn: the partial {job.tmp.name} is removed "
+            f"and {self._last_good()} untouched and loadable (checkpoint.resume=auto picks it)."
         )
+
+    def _last_good(self) -> str:
+        try:
+            done = [e for e in list_entries(self.root) if e.complete]
+        except OSError:
+            done = []
+        if not done:
+            return f"no earlier checkpoint exists in {self.root}; earlier ones, if any, are"
+        return f"the last good checkpoint, {done[-1].path}, is"
 
     def _abandon(self, job: _Job) -> None:
         if self.rank == 0:
             remove_tree(job.tmp)
 
     def _write(self, job: _Job, state: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
         try:
             with quiet_single_process():
-                dcp.save(state, checkpoint_id=str(job.tmp), process_group=self._group)
+                dcp.save(state, storage_writer=job.writer, process_group=self._group)
         except BaseException as exc:  # DCP raises CheckpointException, a BaseException
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
             self._abandon(job)
             raise self._save_error(job, exc) from None
+        stats = job.writer.stats
+        job.timings.update(
+            write=time.perf_counter() - t0, checksum=stats.checksum_s, fsync=stats.fsync_s
+        )
+        job.timings["bytes"] = float(stats.bytes)
 
-    def _write_async(self, job: _Job, state: dict[str, Any]) -> Future[Any]:
+    def _stage(self, job: _Job, state: dict[str, Any]) -> dict[str, Any]:
+        """Copy the state into the reused staging buffers; all an async save blocks for."""
+        t0 = time.perf_counter()
+        plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
         try:
-            with quiet_single_process():
-                future = dcp.async_save(
-                    state, checkpoint_id=str(job.tmp), process_group=self._group
-                )
+            staged = self._stager.stage(plain)
         except Exception as exc:
             self._abandon(job)
             raise self._save_error(job, exc) from None
-        return cast(Future, future)
+        job.timings["staging"] = time.perf_counter() - t0
+        return staged
 
-    def _finish_async(self, job: _Job, future: Future[Any]) -> None:
-        try:
-            future.result()
-        except BaseException as exc:
-            self._abandon(job)
-            raise self._save_error(job, exc) from None
+    def _write_then_finalize(self, job: _Job, staged: dict[str, Any]) -> None:
+        self._write(job, staged)
         self._finalize(job)
 
     # ---------------------------------------------------------------------- commit
 
-    def _local_records(self, tmp: Path) -> dict[str, dict[str, Any]]:
-        """crc32 of the files this rank wrote (rank 0 also covers DCP's ``.metadata``)."""
+    def _local_records(self, job: _Job) -> dict[str, dict[str, Any]]:
+        """Size and crc32 of the files this rank wrote (rank 0 also covers DCP's
+        ``.metadata``), as the writer computed them while writing; a file it did not
+        see (or of another size) is read and checksummed here instead."""
         out = {}
-        for path in sorted(tmp.iterdir()):
-            if file_owner(path.name, world_size=self.world_size) == self.rank and path.is_file():
-                out[path.name] = file_record(path)
+        for path in sorted(job.tmp.iterdir()):
+            if file_owner(path.name, world_size=self.world_size) != self.rank:
+                continue
+            if not path.is_file():
+                continue
+            record = job.writer.records.get(path.name)
+            if record is None or record["bytes"] != path.stat().st_size:
+                record = file_record(path)
+            out[path.name] = record
         return out
 
     def _finalize(self, job: _Job) -> None:
         """Steps 3-5 of [Note: save protocol]; collective."""
+        t0 = time.perf_counter()
         try:
-            local: Any = self._local_records(job.tmp)
+            local: Any = self._local_records(job)
         except OSError as exc:
             local = f"rank {self.rank}: {exc}"
         gathered = self._gather(local)
@@ -272,6 +316,9 @@ class Checkpointer:
         except CheckpointError:
             self._abandon(job)
             raise
+        job.timings["commit"] = time.perf_counter() - t0
+        self.last_save_timings = dict(job.timings)
+        self.last_total_s = time.perf_counter() - job.started
         if self.rank == 0:  # after the broadcast: other ranks need not wait for deletes
             self._apply_retention()
 
@@ -279,6 +326,9 @@ class Checkpointer:
         errors = [g for g in gathered if isinstance(g, str)]
         if errors:
             raise self._save_error(job, OSError("; ".join(errors)))
+        for g in gathered:
+            if not isinstance(g, dict):
+                raise self._save_error(job, OSError(f"unexpected record {g!r}"))
         files: dict[str, Any] = {}
         for records in gathered:
             files.update(records)
@@ -289,13 +339,12 @@ class Checkpointer:
             self._rename(job)
         except OSError as exc:
             raise self._save_error(job, exc) from None
-        self.last_total_s = time.perf_counter() - job.started
         total = sum(r["bytes"] for r in files.values())
         log.info(
             "checkpoint: %s complete (%.1f MB in %.2f s)",
             job.final.name,
             total / 1e6,
-            self.last_total_s,
+            time.perf_counter() - job.started,
         )
 
     def _meta(self, job: _Job, files: dict[str, Any]) -> dict[str, Any]:
@@ -350,9 +399,14 @@ class Checkpointer:
         paths = self._agree(_resume.candidates, self.cfg.resume, self.root)
         failed: list[tuple[Path, list[str]]] = []
         for path in paths:
-            problems = self._verify_together(path)
+            t0 = time.perf_counter()
+            choice = self._agree(_resume.precheck, path)
+            precheck_s = time.perf_counter() - t0
+            problems = choice.problems or self._load(choice, state, precheck_s)
             if not problems:
-                return self._load(path, state, failed)
+                return choice.step
+            if self.rank == 0 and path != paths[-1]:
+                log.warning("checkpoint: %s", _resume.fallback_warning(path, problems))
             failed.append((path, problems))
         if failed:
             raise _resume.unusable(self.cfg.resume, self.root, failed)
@@ -360,21 +414,21 @@ class Checkpointer:
             log.info("checkpoint: nothing to resume in %s; starting fresh", self.root)
         return None
 
-    def _verify_together(self, path: Path) -> list[str]:
-        try:
-            local = verify(path, share=(self.rank, self.world_size)).problems
-        except OSError as exc:
-            local = [f"rank {self.rank} cannot read {path}: {exc}"]
-        gathered = self._gather(local)
-        return self._broadcast([p for g in gathered for p in g] if self.rank == 0 else None)
-
-    def _load(self, path: Path, state: dict[str, Any], failed: list[tuple[Path, list[str]]]) -> int:
-        if self.rank == 0:
-            for bad, problems in failed:
-                log.warning("checkpoint: %s", _resume.fallback_warning(bad, problems))
-        choice = _resume.choice_for(path)
-        _resume.load(choice, state, group=self._group, world_size=self.world_size)
+    def _load(self, choice: _resume.Choice, state: dict[str, Any], precheck_s: float) -> list[str]:
+        problems, stats = _resume.load(
+            choice, state, group=self._group, rank=self.rank, world_size=self.world_size
+        )
+        if problems:
+            return problems
+        self.last_resume_timings = {
+            "precheck": precheck_s,
+            "load": stats.load_s,
+            "read": stats.read_s,
+            "checksum": stats.checksum_s,
+            "bytes": float(stats.bytes),
+            "direct_bytes": float(stats.direct_bytes),
+        }
         if self.rank == 0:
             log.info("checkpoint: resumed from %s (step %d)", choice.path, choice.step)
         self._last_step = choice.step
-        return choice.step
+        return []

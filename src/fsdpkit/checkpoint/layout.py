@@ -2,9 +2,11 @@
 
     RUN_DIR/checkpoints/
         step-00000100/          complete: DCP files + fsdpkit.json
-            .metadata           DCP's index (a pickle: load only trusted checkpoints)
+            .metadata           DCP's index (a pickle: read only after its crc32 matches,
+                                with a restricted unpickler; see checkpoint.untrusted)
             __0_0.distcp ...    one data file per rank (any world size can read them)
-            fsdpkit.json        written LAST: step, world size, run facts, per-file crc32
+            fsdpkit.json        written LAST: step, world size, run facts, per-file size
+                                and crc32 (.metadata's included)
         step-00000200.tmp/      a save in progress, or one that crashed (never loaded)
 
 [Note: completion marker]
@@ -23,22 +25,21 @@ import os
 import re
 import shutil
 import warnings
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsdpkit.checkpoint.checksum import crc32_file
 from fsdpkit.checkpoint.errors import CheckpointError
+from fsdpkit.checkpoint.untrusted import DCP_METADATA, read_metadata
 
 META_FILE = "fsdpkit.json"
-DCP_METADATA = ".metadata"
 FORMAT = "fsdpkit-checkpoint"
 VERSION = 1
 _NAME = re.compile(r"^step-(\d{8,})(\..+)?$")
 RANK_FILE = re.compile(r"^__(\d+)_")
 """DCP's data files are ``__<rank>_<i>.distcp``."""
-_CHUNK = 8 << 20
 
 
 def step_dir_name(step: int) -> str:
@@ -47,15 +48,6 @@ def step_dir_name(step: int) -> str:
 
 def checkpoints_root(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
-
-
-def crc32_file(path: Path) -> str:
-    """crc32 of a file as 8 hex digits (zlib releases the GIL, so async saves overlap)."""
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
 
 
 def file_record(path: Path) -> dict[str, Any]:
@@ -103,9 +95,29 @@ def read_meta(ckpt: Path) -> dict[str, Any]:
             f"{meta_path} cannot be read ({exc}); the checkpoint is damaged. Pick another "
             "one from `fsdpkit ckpt list RUN_DIR`."
         ) from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{meta_path} is not an fsdpkit checkpoint marker.")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not _well_formed(meta):
+        raise CheckpointError(
+            f"{meta_path} is not a valid fsdpkit checkpoint marker (needs an integer step "
+            "and a size and crc32 per file); the checkpoint is damaged or was not written "
+            "by fsdpkit. Pick another one from `fsdpkit ckpt list RUN_DIR`."
+        )
     return meta
+
+
+def _well_formed(meta: dict[str, Any]) -> bool:
+    files = meta.get("files", {})
+    return (
+        isinstance(meta.get("step"), int)
+        and isinstance(files, dict)
+        and all(
+            isinstance(r, dict)
+            and isinstance(r.get("bytes"), int)
+            and isinstance(r.get("crc32"), str)
+            and "/" not in name
+            and name not in (".", "..")
+            for name, r in files.items()
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -182,12 +194,18 @@ def file_owner(name: str, *, world_size: int) -> int:
 
 
 def verify(
-    ckpt: Path, *, checksums: bool = True, share: tuple[int, int] | None = None
+    ckpt: Path,
+    *,
+    checksums: bool = True,
+    share: tuple[int, int] | None = None,
+    metadata: bool = False,
 ) -> VerifyReport:
     """Check every file recorded in the marker: present, right size, right crc32.
 
     ``checksums=False`` checks presence and sizes only (fast). ``share=(rank, world)``
-    checks only the files ``file_owner`` gives this rank, so ranks verify in parallel."""
+    checks only the files ``file_owner`` gives this rank, so ranks verify in parallel.
+    ``metadata=True`` also parses ``.metadata`` with the restricted unpickler: it must be
+    DCP metadata and nothing else ([Note: untrusted checkpoints])."""
     report = VerifyReport(path=Path(ckpt))
     try:
         meta = read_meta(ckpt)
@@ -195,7 +213,8 @@ def verify(
         report.problems.append(str(exc))
         return report
     report.step = int(meta["step"])
-    for name, record in sorted(meta.get("files", {}).items()):
+    files: dict[str, Any] = meta.get("files") or {}
+    for name, record in sorted(files.items()):
         if share is not None and file_owner(name, world_size=share[1]) != share[0]:
             continue
         report.files += 1
@@ -203,8 +222,14 @@ def verify(
         problem = _check_file(Path(ckpt) / name, record, checksums=checksums)
         if problem:
             report.problems.append(problem)
-    if DCP_METADATA not in meta.get("files", {}) and (share is None or share[0] == 0):
-        report.problems.append(f"{META_FILE} lists no {DCP_METADATA} file")
+    if share is None or share[0] == 0:
+        if DCP_METADATA not in files:
+            report.problems.append(f"{META_FILE} lists no {DCP_METADATA} file")
+        elif metadata and not any(p.startswith(f"{DCP_METADATA} ") for p in report.problems):
+            try:
+                read_metadata(Path(ckpt), meta)
+            except CheckpointError as exc:
+                report.problems.append(str(exc))
     return report
 
 

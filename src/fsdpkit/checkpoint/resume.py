@@ -2,40 +2,71 @@
 
 [Note: resume decision]
 Rank 0 lists the candidates (auto: complete checkpoints newest first; a path: just that
-one) and broadcasts them. For each candidate every rank checksums its share of the files
-(``verify(share=...)``), the problems are gathered and broadcast, so all ranks see the
-same verdict and either load the same checkpoint or raise the same CheckpointError:
-a corrupt checkpoint never leaves some ranks waiting in a collective.
+one) and broadcasts them. For each candidate, rank 0 ``precheck``s it (every recorded
+file present with its recorded size; ``.metadata`` matching its crc32 and parsed by the
+restricted unpickler) and broadcasts the verdict and the parsed metadata. Then all
+ranks load it with ``VerifyingReader``, which checksums every file while loading
+([Note: verified single-pass load]); a mismatch fails the load on every rank alike
+before any loaded state is used. Either way all ranks see the same verdict and load
+the same checkpoint, fall back to the same previous one (auto), or raise the same
+CheckpointError: a corrupt checkpoint never leaves some ranks waiting in a collective.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
 
-from fsdpkit.checkpoint.errors import CheckpointError, dcp_errors_as
+from fsdpkit.checkpoint.errors import CheckpointError, describe_failure
 from fsdpkit.checkpoint.layout import (
+    DCP_METADATA,
     complete_entries,
+    file_owner,
     list_entries,
     quiet_single_process,
     read_meta,
+    verify,
 )
+from fsdpkit.checkpoint.reader import ChecksumMismatch, ReadStats, VerifyingReader
 from fsdpkit.checkpoint.state import RankLocal
+from fsdpkit.checkpoint.untrusted import SafeLoadPlanner, UnsafeCheckpointError, read_metadata
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Choice:
+    """A candidate after ``precheck``: loadable unless ``problems``."""
+
     path: Path
     step: int
     world_size: int
     """World size the checkpoint was saved at (for rank-local entries)."""
+    records: dict[str, Any] = field(default_factory=dict)
+    """fsdpkit.json's ``files``: name -> size and crc32."""
+    metadata: Metadata | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+def precheck(path: Path) -> Choice:
+    """Rank 0's cheap look before loading ([Note: resume decision]): no data file is
+    read; ``.metadata`` is read, checked and parsed safely."""
+    report = verify(path, checksums=False)
+    if report.problems:
+        return Choice(path, report.step or 0, 0, problems=report.problems)
+    meta = read_meta(path)
+    try:
+        metadata = read_metadata(path, meta)
+    except CheckpointError as exc:
+        return Choice(path, int(meta["step"]), 0, problems=[str(exc)])
+    return Choice(path, int(meta["step"]), int(meta.get("world_size", 1)), meta["files"], metadata)
 
 
 def _run_dir_hint(path: Path) -> str:
@@ -89,11 +120,6 @@ def unusable(mode: str, root: Path, failed: list[tuple[Path, list[str]]]) -> Che
     )
 
 
-def choice_for(path: Path) -> Choice:
-    meta = read_meta(path)
-    return Choice(path, int(meta["step"]), int(meta.get("world_size", 1)))
-
-
 def loadable(state: dict[str, Any], *, saved_world: int, world_size: int) -> dict[str, Any]:
     """``state`` minus rank-local entries the checkpoint cannot supply
     ([Note: rank-local state]): skipped on every rank alike when the world grew."""
@@ -111,24 +137,68 @@ def loadable(state: dict[str, Any], *, saved_world: int, world_size: int) -> dic
     return {k: v for k, v in state.items() if k not in skipped}
 
 
+def owned_files(records: dict[str, Any], *, rank: int, world_size: int) -> list[str]:
+    """The data files this rank checksums while loading ([Note: verified single-pass
+    load]); ``.metadata`` was checked by ``precheck``."""
+    return [
+        name
+        for name in records
+        if name != DCP_METADATA and file_owner(name, world_size=world_size) == rank
+    ]
+
+
+def _mismatches(exc: BaseException) -> tuple[list[str], UnsafeCheckpointError | None]:
+    """Verification problems and an unsafe-object refusal inside DCP's exception."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return [], None
+    problems: list[str] = []
+    unsafe = None
+    for _, (err, _tb) in sorted(failures.items(), key=lambda kv: kv[0]):
+        if isinstance(err, ChecksumMismatch):
+            problems += [p for p in err.problems if p not in problems]
+        elif isinstance(err, UnsafeCheckpointError) and unsafe is None:
+            unsafe = err
+    return problems, unsafe
+
+
 def load(
     choice: Choice,
     state: dict[str, Any],
     *,
     group: dist.ProcessGroup | None,
+    rank: int,
     world_size: int,
-) -> None:
-    """DCP-load ``choice`` into ``state`` in place (reshards to this world size)."""
+) -> tuple[list[str], ReadStats]:
+    """DCP-load ``choice`` into ``state`` in place (reshards to this world size),
+    verifying this rank's share of the files while reading. Returns the files that did
+    not verify (nothing was applied to ``state`` then, except tensors written in place)
+    and this rank's read statistics; CheckpointError if it does not fit ``state``."""
+    assert choice.metadata is not None
     target = loadable(state, saved_world=choice.world_size, world_size=world_size)
-    with (
-        dcp_errors_as(
-            lambda cause: (
-                f"loading checkpoint {choice.path} failed: {cause}. The checkpoint "
-                "does not fit this run's state (different model shape, optimizer or state keys?); "
-                f"resume with the configuration it was saved with (`fsdpkit ckpt inspect "
-                f"{choice.path}`), or set checkpoint.resume=never."
-            )
-        ),
-        quiet_single_process(),
-    ):
-        dcp.load(target, checkpoint_id=str(choice.path), process_group=group)
+    reader = VerifyingReader(
+        choice.path,
+        metadata=choice.metadata,
+        records=choice.records,
+        owned=owned_files(choice.records, rank=rank, world_size=world_size),
+    )
+    t0 = time.perf_counter()
+    try:
+        with quiet_single_process():
+            dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
+        reader.stats.load_s = time.perf_counter() - t0
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:
+        problems, unsafe = _mismatches(exc)
+        if problems:
+            return problems, reader.stats
+        if unsafe is not None:
+            raise CheckpointError(str(unsafe)) from None
+        raise CheckpointError(
+            f"loading checkpoint {choice.path} failed: {describe_failure(exc)}. The checkpoint "
+            "does not fit this run's state (different model shape, optimizer or state keys?); "
+            f"resume with the configuration it was saved with (`fsdpkit ckpt inspect "
+            f"{choice.path}`), or set checkpoint.resume=never."
+        ) from None
+    return [], reader.stats

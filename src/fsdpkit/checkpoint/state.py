@@ -117,23 +117,37 @@ class RankLocal(Stateful):
 
 
 class RNGState(Stateful):
-    """This process's Python, NumPy, torch CPU (and CUDA) generator states.
+    """This process's Python, NumPy, torch CPU (and CUDA) generator states, as tensors.
 
-    Wrap in ``RankLocal`` when ranks draw different streams (dropout, sampling)."""
+    Tensors, not pickled objects, so a checkpoint never needs an unpickler to restore
+    them ([Note: untrusted checkpoints]). Wrap in ``RankLocal`` when ranks draw
+    different streams (dropout, sampling)."""
 
     def state_dict(self) -> dict[str, Any]:
+        version, words, gauss = random.getstate()
+        _, keys, pos, has_gauss, cached = np.random.get_state()
         out: dict[str, Any] = {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
+            "python": torch.tensor([version, *words], dtype=torch.int64),
+            "python_gauss": torch.tensor(
+                [0.0 if gauss is None else 1.0, gauss or 0.0], dtype=torch.float64
+            ),
+            "numpy": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "numpy_pos": torch.tensor([pos, has_gauss], dtype=torch.int64),
+            "numpy_gauss": torch.tensor(cached, dtype=torch.float64),
             "torch": torch.get_rng_state(),
         }
         if torch.cuda.is_available():
-            out["cuda"] = torch.cuda.get_rng_state_all()
+            out["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        random.setstate(state_dict["python"])
-        np.random.set_state(state_dict["numpy"])
+        words = [int(w) for w in state_dict["python"].tolist()]
+        has, gauss = state_dict["python_gauss"].tolist()
+        random.setstate((words[0], tuple(words[1:]), gauss if has else None))
+        pos, has_gauss = (int(v) for v in state_dict["numpy_pos"].tolist())
+        keys = state_dict["numpy"].numpy().astype(np.uint32)
+        cached = float(state_dict["numpy_gauss"].item())
+        np.random.set_state(("MT19937", keys, pos, has_gauss, cached))
         torch.set_rng_state(state_dict["torch"])
         if "cuda" in state_dict and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state_dict["cuda"])
+            torch.cuda.set_rng_state_all(list(state_dict["cuda"].unbind(0)))
