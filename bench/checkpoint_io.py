@@ -1,12 +1,24 @@
-"""Checkpoint I/O against the disk's raw speed, and async vs sync blocking time.
+"""Checkpoint I/O against the disk's raw speed, step by step; async vs sync blocking.
 
-    .venv/bin/python bench/checkpoint_io.py [--layers 6] [--dim 768] [--reps 3] [--dir /tmp]
+    .venv/bin/python bench/checkpoint_io.py [--reps 5] [--layers 6] [--dim 768] [--dir /tmp]
+    .venv/bin/python bench/checkpoint_io.py --large     # ~1B params, ~12 GB: needs the disk/RAM
 
 A Llama (~62M params by default) with AdamW state (~750 MB in fp32) is sharded over 2
-CPU ranks. In the same run and directory each rank also writes and reads the same
-number of bytes with plain sequential I/O (write + fsync; read after evicting the file
-from the page cache with posix_fadvise), so "vs raw" compares like with like. Every
-timing is wall time between two barriers (both ranks done), median of --reps.
+CPU ranks. In the same run and directory each rank also writes and reads its share of
+the bytes with plain sequential I/O (``write`` + fsync; ``readinto`` an 8 MiB buffer
+after evicting the file from the page cache), so "vs raw" compares like with like.
+
+Cold reads: before every read the files are fsync'ed and dropped from the page cache
+with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (the host's own cache, on a VM, may still
+hold them; raw and checkpoint reads get the same treatment).
+
+Each repetition runs every operation once; the order of the write group and of the
+read group rotates from one repetition to the next, so drift on a shared machine hits
+all rows alike. Every time is wall time between two barriers (both ranks done); the
+step rows are the slower rank's seconds inside the operation; all are medians over
+the repetitions. "raw ... (control)" repeats the raw operation: its ratio shows the
+noise. The async rows reuse one Checkpointer, as a training run does (its first save
+allocates the staging buffers and is reported separately).
 """
 
 from __future__ import annotations
@@ -54,6 +66,12 @@ def _evict(paths: list[Path]) -> None:
             os.close(fd)
 
 
+def _evict_dir(ckpt: Path) -> None:
+    dist.barrier()
+    _evict([p for p in ckpt.iterdir() if p.is_file()])
+    dist.barrier()
+
+
 def _raw_write(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         view = memoryview(data)
@@ -70,12 +88,32 @@ def _raw_read(path: Path) -> None:
             pass
 
 
-def _my_files(ckpt: Path, rank: int) -> list[Path]:
-    return [p for p in ckpt.iterdir() if p.name.startswith(f"__{rank}_") or rank == 0]
+class _TimedState(ModelOptimizerState):
+    """ModelOptimizerState that records the seconds spent in FSDP's state-dict calls
+    (get_state_dict before DCP plans a save or load, set_state_dict after a load)."""
+
+    seconds: dict[str, float] = {"state_dict": 0.0, "load_state_dict": 0.0}
+
+    def state_dict(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        out = super().state_dict()
+        self.seconds["state_dict"] += time.perf_counter() - t0
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        super().load_state_dict(state_dict)
+        self.seconds["load_state_dict"] += time.perf_counter() - t0
+
+    @classmethod
+    def take(cls) -> dict[str, float]:
+        out = dict(cls.seconds)
+        cls.seconds.update(state_dict=0.0, load_state_dict=0.0)
+        return out
 
 
-def _build(layers: int, dim: int) -> tuple[dict[str, Any], Llama]:
-    cfg = preset("tiny", n_layers=layers, dim=dim, n_heads=12, n_kv_heads=4, ffn_dim=2048)
+def _build(layers: int, dim: int, ffn: int) -> tuple[dict[str, Any], Llama]:
+    cfg = preset("tiny", n_layers=layers, dim=dim, n_heads=dim // 64, n_kv_heads=4, ffn_dim=ffn)
     cfg = preset("tiny", **{**cfg.to_dict(), "vocab_size": 32000})
     with torch.device("meta"):
         model = Llama(cfg)
@@ -84,76 +122,199 @@ def _build(layers: int, dim: int) -> tuple[dict[str, Any], Llama]:
     model(torch.zeros(1, 16, dtype=torch.long)).float().pow(2).mean().backward()
     opt.step()  # materialize AdamW state
     opt.zero_grad(set_to_none=True)
-    return {"app": ModelOptimizerState(model, opt)}, model
+    return {"app": _TimedState(model, opt)}, model
 
 
-def _one_rep(rep: int, state: dict[str, Any], base: Path, rank: int) -> dict[str, float]:
-    out: dict[str, float] = {}
-    sync = Checkpointer(run_dir=base / "sync", cfg=CheckpointConfig(keep=1), run_meta={})
-    out["ckpt_save"] = _timed(lambda: sync.save(rep, state, blocking=True))
-    ckpt = base / "sync" / "checkpoints" / f"step-{rep:08d}"
-    mine = sum(p.stat().st_size for p in ckpt.iterdir() if p.name.startswith(f"__{rank}_"))
-    raw = base / f"raw-{rank}.bin"
+def _rotate(ops: list[tuple[str, Callable[[], float]]], rep: int) -> dict[str, float]:
+    k = rep % len(ops)
+    return {name: fn() for name, fn in ops[k:] + ops[:k]}
+
+
+class _Rep:
+    """One repetition's operations on one rank."""
+
+    def __init__(self, rep: int, state: dict[str, Any], base: Path, rank: int) -> None:
+        self.rep, self.state, self.base, self.rank = rep, state, base, rank
+        self.ckpt = base / "sync" / "checkpoints" / f"step-{rep:08d}"
+        self.plain = base / f"plain-{rep}"
+        self.raw = base / f"raw-{rank}.bin"
+        self.steps: dict[str, float] = {}
+
+    def save(self) -> float:
+        saver = Checkpointer(run_dir=self.base / "sync", cfg=CheckpointConfig(keep=1), run_meta={})
+        _TimedState.take()
+        seconds = _timed(lambda: saver.save(self.rep, self.state, blocking=True))
+        self.steps |= {f"save.{k}": v for k, v in saver.last_save_timings.items()}
+        self.steps["save.state_dict"] = _TimedState.take()["state_dict"]
+        return seconds
+
+    def resume(self) -> float:
+        _evict_dir(self.ckpt)
+        cfg = CheckpointConfig(resume=str(self.ckpt))
+        loader = Checkpointer(run_dir=self.base / "other", cfg=cfg, run_meta={})
+        _TimedState.take()
+        seconds = _timed(lambda: loader.resume(self.state))
+        self.steps |= {f"resume.{k}": v for k, v in loader.last_resume_timings.items()}
+        self.steps |= {f"resume.{k}": v for k, v in _TimedState.take().items()}
+        return seconds
+
+    def fixed(self) -> dict[str, float]:
+        """DCP's cost for a state of one small tensor: planning and collectives."""
+        tiny = {"x": torch.zeros(4)}
+        where = str(self.base / f"tiny-{self.rep}")
+        return {
+            "dcp_fixed_save": _timed(lambda: dcp.save(tiny, checkpoint_id=where)),
+            "dcp_fixed_load": _timed(lambda: dcp.load(tiny, checkpoint_id=where)),
+        }
+
+    def raw_write(self, data: bytes) -> float:
+        return _timed(lambda: _raw_write(self.raw, data))
+
+    def raw_read(self) -> float:
+        _evict([self.raw])
+        return _timed(lambda: _raw_read(self.raw))
+
+    def dcp_load(self) -> float:
+        _evict_dir(self.plain)
+        return _timed(lambda: dcp.load(self.state, checkpoint_id=str(self.plain)))
+
+
+def _one_rep(rep: int, state: dict[str, Any], base: Path, rank: int, asy: Checkpointer) -> dict:
+    r = _Rep(rep, state, base, rank)
+    out = {"ckpt_save": r.save()}  # first: the raw rows write exactly this rank's share
+    mine = sum(p.stat().st_size for p in r.ckpt.iterdir() if p.name.startswith(f"__{rank}_"))
     data = np.random.default_rng(rep).bytes(mine)
-    out["raw_write"] = _timed(lambda: _raw_write(raw, data))
-    _evict([raw])
-    out["raw_read"] = _timed(lambda: _raw_read(raw))
-    plain = base / f"plain-{rep}"
-    out["dcp_save"] = _timed(lambda: dcp.save(state, checkpoint_id=str(plain)))
-    _evict(_my_files(plain, rank))
-    out["dcp_load"] = _timed(lambda: dcp.load(state, checkpoint_id=str(plain)))
-    _evict(_my_files(ckpt, rank))
-    cfg = CheckpointConfig(resume=str(ckpt))
-    loader = Checkpointer(run_dir=base / "other", cfg=cfg, run_meta={})
-    out["ckpt_resume"] = _timed(lambda: loader.resume(state))
-    asy = Checkpointer(
-        run_dir=base / "async", cfg=CheckpointConfig(keep=1, async_save=True), run_meta={}
+    out |= _rotate(
+        [
+            ("raw_write", lambda: r.raw_write(data)),
+            ("dcp_save", lambda: _timed(lambda: dcp.save(state, checkpoint_id=str(r.plain)))),
+            ("raw_write_control", lambda: r.raw_write(data)),
+        ],
+        rep,
     )
+    out |= _rotate(
+        [
+            ("raw_read", r.raw_read),
+            ("ckpt_resume", r.resume),
+            ("dcp_load", r.dcp_load),
+            ("raw_read_control", r.raw_read),
+        ],
+        rep,
+    )
+    out |= r.fixed()
     out["async_total"] = _timed(lambda: (asy.save(rep, state), asy.wait()))
     out["async_blocking"] = asy.last_blocking_s
-    out["bytes"] = float(sum(p.stat().st_size for p in ckpt.iterdir()))
+    out |= r.steps | {f"async.{k}": v for k, v in asy.last_save_timings.items()}
+    out["bytes"] = float(sum(p.stat().st_size for p in r.ckpt.iterdir()))
     dist.barrier()
     if rank == 0:
-        shutil.rmtree(plain, ignore_errors=True)
-    raw.unlink()
+        shutil.rmtree(r.plain, ignore_errors=True)
+    r.raw.unlink()
     return out
 
 
-def _bench(rank: int, world: int, layers: int, dim: int, reps: int, where: str) -> dict[str, Any]:
-    state, model = _build(layers, dim)
+def _bench(rank: int, world: int, shape: tuple[int, int, int], reps: int, where: str) -> dict:
+    state, model = _build(*shape)
     params = sum(p.numel() for p in model.parameters())
     base = Path(where)
-    runs = [_one_rep(rep + 1, state, base, rank) for rep in range(reps)]
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]} | {"params": params}
+    cfg = CheckpointConfig(keep=1, async_save=True)
+    asy = Checkpointer(run_dir=base / "async", cfg=cfg, run_meta={})
+    asy.save(0, state)  # allocates the staging buffers, as a run's first async save does
+    asy.wait()
+    first = {"async_first_blocking": asy.last_blocking_s, "staging_bytes": asy.staging_bytes}
+    runs = [_one_rep(rep + 1, state, base, rank, asy) for rep in range(reps)]
+    asy.close()
+    keys = set.intersection(*(set(r) for r in runs))
+    med = {k: statistics.median(r[k] for r in runs) for k in keys}
+    return med | first | {"params": params}
+
+
+def _slowest(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Wall times are the same on every rank; per-rank step times: the slower rank."""
+    out = dict(results[0])
+    for key in out:
+        if "." in key or key == "staging_bytes":
+            out[key] = max(r.get(key, 0.0) for r in results)
+    return out
+
+
+def _row(label: str, seconds: float, gb: float | None, ratio: float | None) -> str:
+    rate = f"{gb / seconds:6.2f}" if gb and seconds else " " * 6
+    rel = f"{ratio:6.2f}" if ratio is not None else " " * 6
+    return f"| {label:<52} | {seconds:7.3f} | {rate} | {rel} |"
 
 
 def _table(r: dict[str, Any]) -> str:
     gb = r["bytes"] / 1e9
-    rows = [
-        ("raw sequential write + fsync", "raw_write", "raw_write"),
-        ("dcp.save (plain)", "dcp_save", "raw_write"),
-        ("Checkpointer.save sync (DCP + crc32 + commit)", "ckpt_save", "raw_write"),
-        ("raw sequential read (cold cache)", "raw_read", "raw_read"),
-        ("dcp.load (cold cache)", "dcp_load", "raw_read"),
-        ("Checkpointer.resume (verify + load, cold)", "ckpt_resume", "raw_read"),
-    ]
+    w, rd = r["raw_write"], r["raw_read"]
     lines = [
         f"model {r['params'] / 1e6:.1f}M params + AdamW, checkpoint {gb:.3f} GB, 2 CPU ranks",
-        f"| {'operation':<46} | {'seconds':>7} | {'GB/s':>6} | {'vs raw':>6} |",
-        f"|{'-' * 48}|{'-' * 9}|{'-' * 8}|{'-' * 8}|",
+        f"| {'operation':<52} | {'seconds':>7} | {'GB/s':>6} | {'vs raw':>6} |",
+        f"|{'-' * 54}|{'-' * 9}|{'-' * 8}|{'-' * 8}|",
+        _row("raw sequential write + fsync", w, gb, 1.0),
+        _row(
+            "raw sequential write + fsync (control)",
+            r["raw_write_control"],
+            gb,
+            w / r["raw_write_control"],
+        ),
+        _row("dcp.save (plain FileSystemWriter)", r["dcp_save"], gb, w / r["dcp_save"]),
+        _row("Checkpointer.save, sync", r["ckpt_save"], gb, w / r["ckpt_save"]),
+        _row("  state_dict() (FSDP get_state_dict)", r["save.state_dict"], None, None),
+        _row("  write (DCP planning + serialize + write + fsync)", r["save.write"], None, None),
+        _row("    of which crc32 in-line", r["save.checksum"], None, None),
+        _row("    of which fsync", r["save.fsync"], None, None),
+        _row("  commit (gather records, fsdpkit.json, rename)", r["save.commit"], None, None),
+        _row("raw sequential read (cold cache)", rd, gb, 1.0),
+        _row(
+            "raw sequential read (cold cache, control)",
+            r["raw_read_control"],
+            gb,
+            rd / r["raw_read_control"],
+        ),
+        _row("dcp.load (plain FileSystemReader, cold)", r["dcp_load"], gb, rd / r["dcp_load"]),
+        _row("Checkpointer.resume, verified (cold)", r["ckpt_resume"], gb, rd / r["ckpt_resume"]),
+        _row(
+            "  precheck (sizes; .metadata crc32 + safe unpickle)", r["resume.precheck"], None, None
+        ),
+        _row("  load (DCP planning + read + verify + set state)", r["resume.load"], None, None),
+        _row("    of which read (preadv)", r["resume.read"], None, None),
+        _row("    of which crc32 in-line (verify)", r["resume.checksum"], None, None),
+        _row("    of which state_dict() (FSDP get_state_dict)", r["resume.state_dict"], None, None),
+        _row(
+            "    of which load_state_dict() (FSDP set_state_dict)",
+            r["resume.load_state_dict"],
+            None,
+            None,
+        ),
+        _row("DCP fixed cost: dcp.save of one small tensor", r["dcp_fixed_save"], None, None),
+        _row("DCP fixed cost: dcp.load of one small tensor", r["dcp_fixed_load"], None, None),
     ]
-    for label, key, ref in rows:
-        ratio = r[ref] / r[key]
-        lines.append(f"| {label:<46} | {r[key]:7.2f} | {gb / r[key]:6.2f} | {ratio:6.2f} |")
     sync = r["ckpt_save"]
-    lines.append(
-        f"| {'async save: blocking (vs sync save time)':<46} | {r['async_blocking']:7.2f} | "
-        f"{'':>6} | {r['async_blocking'] / sync:6.2f} |"
-    )
-    lines.append(
-        f"| {'async save: total until committed':<46} | {r['async_total']:7.2f} | "
-        f"{gb / r['async_total']:6.2f} | {r['async_total'] / sync:6.2f} |"
-    )
+    lines += [
+        _row(
+            "async save: blocking (vs sync save)",
+            r["async_blocking"],
+            None,
+            r["async_blocking"] / sync,
+        ),
+        _row("  of which staging copy (incl. state_dict())", r["async.staging"], None, None),
+        _row(
+            "async save: first save, allocates buffers (vs sync)",
+            r["async_first_blocking"],
+            None,
+            r["async_first_blocking"] / sync,
+        ),
+        _row(
+            "async save: total until committed (vs sync)",
+            r["async_total"],
+            gb,
+            r["async_total"] / sync,
+        ),
+        f"staging buffers held per rank: {r['staging_bytes'] / 1e6:,.1f} MB; "
+        f"bytes read straight into the targets on resume: "
+        f"{r['resume.direct_bytes'] / max(r['resume.bytes'], 1):.1%} of this rank's reads",
+    ]
     return "\n".join(lines)
 
 
@@ -161,17 +322,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--dim", type=int, default=768)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--ffn", type=int, default=2048)
+    parser.add_argument("--large", action="store_true", help="16 layers x 2048 (~1B params)")
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where to write")
     args = parser.parse_args()
+    shape = (16, 2048, 5632) if args.large else (args.layers, args.dim, args.ffn)
     where = tempfile.mkdtemp(prefix="fsdpkit-ckpt-bench-", dir=args.dir)
     try:
-        results = run_ranks(
-            _bench, world_size=2, args=(args.layers, args.dim, args.reps, where), timeout_s=1200
-        )
+        results = run_ranks(_bench, world_size=2, args=(shape, args.reps, where), timeout_s=3600)
     finally:
         shutil.rmtree(where, ignore_errors=True)
-    print(_table(results[0]))
+    print(_table(_slowest(results)))
 
 
 if __name__ == "__main__":

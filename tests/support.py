@@ -152,3 +152,17 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def untied(cfg: LlamaConfig = TINY) -> LlamaConfig:
     return replace(cfg, tie_embeddings=False)
+
+
+class LoadProbe:
+    """A checkpoint Stateful that counts how often a load was applied to it (a failed
+    resume must apply nothing)."""
+
+    def __init__(self) -> None:
+        self.loaded = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": torch.tensor(1)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.loaded += 1

@@ -12,23 +12,41 @@ from typing import Any
 HERE = Path(__file__).parent
 
 
-def fsdpkit(
-    *args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    """``python -m fsdpkit *args``; tests/e2e and tests are on PYTHONPATH (factories)."""
+def cli_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a CLI run: tests/e2e and tests on PYTHONPATH (factories), no
+    inherited launcher variables."""
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(
         [str(HERE), str(HERE.parent), *filter(None, [full_env.get("PYTHONPATH")])]
     )
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
         full_env.pop(key, None)
+    return full_env
+
+
+def fsdpkit(
+    *args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m fsdpkit *args``, waiting for it."""
     return subprocess.run(
         [sys.executable, "-m", "fsdpkit", *args],
         cwd=cwd,
-        env=full_env,
+        env=cli_env(env),
         capture_output=True,
         text=True,
         timeout=timeout,
+    )
+
+
+def start(*args: str, cwd: Path) -> subprocess.Popen[str]:
+    """``python -m fsdpkit *args`` in the background (run independent commands at once)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "fsdpkit", *args],
+        cwd=cwd,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 

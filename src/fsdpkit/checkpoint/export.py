@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fsdpkit.checkpoint.errors import CheckpointError
@@ -31,14 +30,17 @@ from fsdpkit.checkpoint.hf import (
     llama_config,
 )
 from fsdpkit.checkpoint.layout import quiet_single_process, read_meta, verify
+from fsdpkit.checkpoint.reader import VerifyingReader
+from fsdpkit.checkpoint.untrusted import SafeLoadPlanner, read_metadata
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 INDEX = "model.safetensors.index.json"
 
 
 def dcp_tensors(ckpt: Path) -> dict[str, TensorStorageMetadata]:
-    """Every tensor in a DCP checkpoint (reads ``.metadata``: a pickle, trusted input)."""
-    md = FileSystemReader(str(ckpt)).read_metadata()
+    """Every tensor in a DCP checkpoint (``.metadata`` checked against its recorded
+    crc32 and read with the restricted unpickler: fsdpkit.checkpoint.untrusted)."""
+    md = read_metadata(Path(ckpt), read_meta(ckpt))
     return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
@@ -72,8 +74,10 @@ def _natural(name: str) -> list[Any]:
 def _read(ckpt: Path, items: dict[str, tuple[str, TensorStorageMetadata]]) -> dict[str, Any]:
     """Load just these tensors from the DCP checkpoint, keyed by their HF names."""
     sd = {key: torch.empty(md.size, dtype=md.properties.dtype) for key, md in items.values()}
+    meta = read_meta(ckpt)
+    reader = VerifyingReader(ckpt, metadata=read_metadata(ckpt, meta), records=meta["files"])
     with quiet_single_process():
-        dcp.load(sd, storage_reader=FileSystemReader(str(ckpt)), no_dist=True)
+        dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     return {name: sd[key] for name, (key, _) in items.items()}
 
 
@@ -172,7 +176,7 @@ def export(
     a state dict loadable with ``torch.load(..., weights_only=True)``). ``dtype``:
     bf16, fp16, fp32 or None (as saved). Returns the path written."""
     ckpt = Path(ckpt_path)
-    report = verify(ckpt)
+    report = verify(ckpt, metadata=True)
     if not report.ok:
         raise CheckpointError(f"cannot export: {report.describe()}")
     if dtype is not None and dtype not in DTYPES:

@@ -10,11 +10,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from fsdpkit.checkpoint.export import dcp_tensors, model_prefix
-from fsdpkit.checkpoint.layout import list_entries, read_meta
+from fsdpkit.checkpoint.errors import CheckpointError
+from fsdpkit.checkpoint.export import model_prefix
+from fsdpkit.checkpoint.layout import Entry, list_entries, read_meta
+from fsdpkit.checkpoint.untrusted import read_metadata
 
 
 def _section(key: str, prefix: str | None) -> str:
@@ -27,10 +28,14 @@ def _section(key: str, prefix: str | None) -> str:
 
 def inspect_checkpoint(ckpt: Path, *, top: int = 10) -> dict[str, Any]:
     """Step, saved world size/mesh/strategy, tensor counts and bytes (by dtype and by
-    model/optimizer/other), and the largest tensors. JSON-able."""
+    model/optimizer/other), and the largest tensors. JSON-able. ``.metadata`` is read
+    only after its checksum matches, with the restricted unpickler
+    ([Note: untrusted checkpoints])."""
     meta = read_meta(ckpt)
-    md = FileSystemReader(str(ckpt)).read_metadata()
-    tensors = dcp_tensors(ckpt)
+    md = read_metadata(Path(ckpt), meta)
+    tensors = {
+        k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
+    }
     prefix = _safe_prefix(meta, list(tensors))
     by_dtype: Counter[str] = Counter()
     by_section: Counter[str] = Counter()
@@ -69,24 +74,27 @@ def _safe_prefix(meta: dict[str, Any], keys: list[str]) -> str | None:
 
 
 def list_run(run_dir: Path) -> list[dict[str, Any]]:
-    """Every checkpoint directory of a run: step, time, size, complete or partial."""
-    rows = []
-    for entry in list_entries(run_dir):
-        when = None
-        if entry.complete:
-            when = read_meta(entry.path).get("time")
-        else:
+    """Every checkpoint directory of a run: step, time, size and ``state`` (complete,
+    incomplete, or unreadable: a marker that cannot be read, with ``problem``). One bad
+    checkpoint never hides the others."""
+    return [_row(entry) for entry in list_entries(run_dir)]
+
+
+def _row(entry: Entry) -> dict[str, Any]:
+    row: dict[str, Any] = {"step": entry.step, "path": str(entry.path), "time": None}
+    row["state"] = "complete" if entry.complete else "incomplete"
+    if entry.complete:
+        try:
+            row["time"] = read_meta(entry.path).get("time")
+        except CheckpointError as exc:
+            row |= {"state": "unreadable", "problem": str(exc)}
+    try:
+        if row["time"] is None:
             mtime = entry.path.stat().st_mtime
-            when = datetime.datetime.fromtimestamp(mtime, datetime.UTC).isoformat(
-                timespec="seconds"
-            )
-        rows.append(
-            {
-                "step": entry.step,
-                "path": str(entry.path),
-                "time": when,
-                "bytes": entry.size_bytes(),
-                "complete": entry.complete,
-            }
-        )
-    return rows
+            stamp = datetime.datetime.fromtimestamp(mtime, datetime.UTC)
+            row["time"] = stamp.isoformat(timespec="seconds")
+        row["bytes"] = entry.size_bytes()
+    except OSError as exc:
+        row |= {"bytes": None, "state": "unreadable", "problem": f"{entry.path}: {exc}"}
+    row["complete"] = row["state"] == "complete"
+    return row

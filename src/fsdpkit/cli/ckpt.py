@@ -52,7 +52,7 @@ def _verify(args: argparse.Namespace) -> int:
     path = Path(args.path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory; pass a checkpoint directory.")
-    report = verify(path)
+    report = verify(path, metadata=True)
     print(report.describe())
     for problem in report.problems:
         print(f"  - {problem}", file=sys.stderr)
@@ -69,9 +69,16 @@ def _list(args: argparse.Namespace) -> int:
         return 0
     print(f"{'step':>10}  {'time':<25}  {'size':>12}  status")
     for row in rows:
-        status = "complete" if row["complete"] else "partial"
-        print(f"{row['step']:>10}  {row['time'] or '-':<25}  {_mb(row['bytes']):>12}  {status}")
+        size = _mb(row["bytes"]) if row["bytes"] is not None else "?"
+        print(f"{row['step']:>10}  {row['time'] or '-':<25}  {size:>12}  {_STATUS[row['state']]}")
+    for row in rows:
+        if row["state"] == "unreadable":
+            print(f"{row['path']}: {row['problem']}", file=sys.stderr)
     return 0
+
+
+_STATUS = {"complete": "complete", "incomplete": "partial", "unreadable": "unreadable marker"}
+"""``partial``: incomplete (a save in progress or cut short; never resumed from)."""
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -94,7 +101,9 @@ def register(subparsers: Any) -> None:
     p = sub.add_parser("verify", help="recompute checksums; exit 1 if anything is damaged")
     p.add_argument("path", help="checkpoint directory (step-NNNNNNNN)")
     p.set_defaults(func=_verify)
-    p = sub.add_parser("list", help="checkpoints of a run: step, time, size, complete")
+    p = sub.add_parser(
+        "list", help="checkpoints of a run: step, time, size, complete/partial/unreadable"
+    )
     p.add_argument("run_dir", help="run directory (logging.run_dir)")
     p.set_defaults(func=_list)
     p = sub.add_parser("export", help="write model weights as HF safetensors or a torch file")
