@@ -206,7 +206,7 @@ def test_write_failures_name_the_cause_and_the_last_good_checkpoint(
     if where == "write":
         monkeypatch.setattr(writer_mod._HashingStream, "write", fail)
     else:
-        monkeypatch.setattr("fsdpkit.checkpoint.checkpointer.write_json_durably", fail)
+        monkeypatch.setattr("fsdpkit.checkpoint.commit.write_json_durably", fail)
     with pytest.raises(CheckpointError) as info:
         saver.save(2, state)
     msg = str(info.value)

@@ -24,7 +24,6 @@ outcome is broadcast, so every rank raises the same error or none (no rank hangs
 
 from __future__ import annotations
 
-import datetime
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,26 +35,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
+from fsdpkit.checkpoint import commit
 from fsdpkit.checkpoint import resume as _resume
-from fsdpkit.checkpoint.errors import CheckpointError, describe_failure, write_advice
+from fsdpkit.checkpoint.errors import CheckpointError, save_failed
 from fsdpkit.checkpoint.layout import (
-    DCP_METADATA,
-    FORMAT,
-    META_FILE,
-    VERSION,
     checkpoints_root,
-    file_owner,
-    file_record,
-    fsync_dir,
     list_entries,
     quiet_single_process,
     remove_tree,
     step_dir_name,
-    write_json_durably,
 )
 from fsdpkit.checkpoint.retention import steps_to_delete
 from fsdpkit.checkpoint.staging import Stager
-from fsdpkit.checkpoint.state import MODEL_KEY, ModelOptimizerState, RankLocal, tied_aliases
+from fsdpkit.checkpoint.state import state_info
 from fsdpkit.checkpoint.writer import ChecksumWriter
 from fsdpkit.config import CheckpointConfig
 
@@ -72,17 +64,6 @@ class _Job:
     writer: ChecksumWriter
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds per step of the save (this rank): staging, write, checksum, fsync, commit."""
-
-
-def state_info(state: dict[str, Any]) -> dict[str, Any]:
-    """Facts about ``state``'s layout that offline tools need (export finds the model)."""
-    model = [k for k, v in state.items() if isinstance(v, ModelOptimizerState)]
-    return {
-        "keys": sorted(state),
-        "model_prefix": f"{model[0]}.{MODEL_KEY}." if model else None,
-        "tied": tied_aliases(state[model[0]].model) if model else {},
-        "rank_local": sorted(k for k, v in state.items() if isinstance(v, RankLocal)),
-    }
 
 
 class Checkpointer:
@@ -234,20 +215,17 @@ class Checkpointer:
             raise self._save_error(job, exc) from None
 
     def _save_error(self, job: _Job, exc: BaseException) -> CheckpointError:
-        return CheckpointError(
-            f"saving checkpoint step {job.step} to {job.tmp} failed: {describe_failure(exc)}. "
-            f"{write_advice(exc)} Nothing was torn: the partial {job.tmp.name} is removed "
-            f"and {self._last_good()} untouched and loadable (checkpoint.resume=auto picks it)."
-        )
-
-    def _last_good(self) -> str:
         try:
-            done = [e for e in list_entries(self.root) if e.complete]
+            done = [e.path for e in list_entries(self.root) if e.complete]
         except OSError:
             done = []
-        if not done:
-            return f"no earlier checkpoint exists in {self.root}; earlier ones, if any, are"
-        return f"the last good checkpoint, {done[-1].path}, is"
+        return save_failed(
+            step=job.step,
+            tmp=job.tmp,
+            root=self.root,
+            exc=exc,
+            last_good=done[-1] if done else None,
+        )
 
     def _abandon(self, job: _Job) -> None:
         if self.rank == 0:
@@ -265,7 +243,10 @@ class Checkpointer:
             raise self._save_error(job, exc) from None
         stats = job.writer.stats
         job.timings.update(
-            write=time.perf_counter() - t0, checksum=stats.checksum_s, fsync=stats.fsync_s
+            write=time.perf_counter() - t0,
+            write_calls=stats.write_s,
+            checksum=stats.checksum_s,
+            fsync=stats.fsync_s,
         )
         job.timings["bytes"] = float(stats.bytes)
 
@@ -287,27 +268,13 @@ class Checkpointer:
 
     # ---------------------------------------------------------------------- commit
 
-    def _local_records(self, job: _Job) -> dict[str, dict[str, Any]]:
-        """Size and crc32 of the files this rank wrote (rank 0 also covers DCP's
-        ``.metadata``), as the writer computed them while writing; a file it did not
-        see (or of another size) is read and checksummed here instead."""
-        out = {}
-        for path in sorted(job.tmp.iterdir()):
-            if file_owner(path.name, world_size=self.world_size) != self.rank:
-                continue
-            if not path.is_file():
-                continue
-            record = job.writer.records.get(path.name)
-            if record is None or record["bytes"] != path.stat().st_size:
-                record = file_record(path)
-            out[path.name] = record
-        return out
-
     def _finalize(self, job: _Job) -> None:
         """Steps 3-5 of [Note: save protocol]; collective."""
         t0 = time.perf_counter()
         try:
-            local: Any = self._local_records(job)
+            local: Any = commit.local_records(
+                job.tmp, job.writer.records, rank=self.rank, world_size=self.world_size
+            )
         except OSError as exc:
             local = f"rank {self.rank}: {exc}"
         gathered = self._gather(local)
@@ -323,52 +290,23 @@ class Checkpointer:
             self._apply_retention()
 
     def _commit(self, job: _Job, gathered: list[Any]) -> None:
-        errors = [g for g in gathered if isinstance(g, str)]
-        if errors:
-            raise self._save_error(job, OSError("; ".join(errors)))
-        for g in gathered:
-            if not isinstance(g, dict):
-                raise self._save_error(job, OSError(f"unexpected record {g!r}"))
-        files: dict[str, Any] = {}
-        for records in gathered:
-            files.update(records)
-        if DCP_METADATA not in files:
-            raise self._save_error(job, FileNotFoundError(f"DCP wrote no {DCP_METADATA}"))
         try:
-            write_json_durably(job.tmp / META_FILE, self._meta(job, files))
-            self._rename(job)
+            files = commit.merge(gathered)
+            meta = commit.marker(
+                step=job.step,
+                world_size=self.world_size,
+                run=self.run_meta,
+                state=job.state_info,
+                files=files,
+            )
+            commit.publish(job.tmp, job.final, meta)
         except OSError as exc:
             raise self._save_error(job, exc) from None
         total = sum(r["bytes"] for r in files.values())
+        seconds = time.perf_counter() - job.started
         log.info(
-            "checkpoint: %s complete (%.1f MB in %.2f s)",
-            job.final.name,
-            total / 1e6,
-            time.perf_counter() - job.started,
+            "checkpoint: %s complete (%.1f MB in %.2f s)", job.final.name, total / 1e6, seconds
         )
-
-    def _meta(self, job: _Job, files: dict[str, Any]) -> dict[str, Any]:
-        now = datetime.datetime.now(datetime.UTC)
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "step": job.step,
-            "time": now.isoformat(timespec="seconds"),
-            "unix_time": now.timestamp(),
-            "world_size": self.world_size,
-            "run": self.run_meta,
-            "state": job.state_info,
-            "files": files,
-        }
-
-    def _rename(self, job: _Job) -> None:
-        old = job.final.with_name(job.final.name + ".old")
-        if job.final.exists():  # saving a step again (resumed run): replace it
-            remove_tree(old)
-            job.final.rename(old)
-        job.tmp.rename(job.final)
-        fsync_dir(self.root)
-        remove_tree(old)
 
     def _apply_retention(self) -> None:
         """[Note: retention]; also removes leftovers of crashed saves (rank 0, no save

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from fsdpkit.errors import UserError
 
@@ -64,6 +65,23 @@ def write_advice(exc: BaseException) -> str:
     default = "Free disk space or fix permissions (or point logging.run_dir elsewhere) and resume."
     code = err.errno if err is not None and err.errno is not None else -1
     return _ADVICE.get(code, default)
+
+
+def save_failed(
+    *, step: int, tmp: Path, root: Path, exc: BaseException, last_good: Path | None
+) -> CheckpointError:
+    """One paragraph for a failed save: the cause, what to do, and that nothing was
+    lost (the partial directory is removed; the last good checkpoint is named)."""
+    kept = (
+        f"the last good checkpoint, {last_good}, is untouched and loadable "
+        "(checkpoint.resume=auto picks it)"
+        if last_good is not None
+        else f"there is no earlier complete checkpoint in {root}"
+    )
+    return CheckpointError(
+        f"saving checkpoint step {step} to {tmp} failed: {describe_failure(exc)}. "
+        f"{write_advice(exc)} Nothing was torn: the partial {tmp.name} is removed and {kept}."
+    )
 
 
 @contextmanager

@@ -58,6 +58,17 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
     return out
 
 
+def state_info(state: dict[str, Any]) -> dict[str, Any]:
+    """Facts about ``state``'s layout that offline tools need (export finds the model)."""
+    model = [k for k, v in state.items() if isinstance(v, ModelOptimizerState)]
+    return {
+        "keys": sorted(state),
+        "model_prefix": f"{model[0]}.{MODEL_KEY}." if model else None,
+        "tied": tied_aliases(state[model[0]].model) if model else {},
+        "rank_local": sorted(k for k, v in state.items() if isinstance(v, RankLocal)),
+    }
+
+
 class ModelOptimizerState(Stateful):
     """Model + optimizer via get_state_dict/set_state_dict (sharded, any world size).
 
