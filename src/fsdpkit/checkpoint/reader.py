@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from fsdpkit.checkpoint.checksum import crc32, hex32
-from fsdpkit.checkpoint.records import TAIL, dense_span, tensor_record
+from fsdpkit.checkpoint.records import HEAD, dense_span, tensor_record
 
 _GAP = 8 << 20
 
@@ -83,14 +83,11 @@ class _File:
         os.close(self.fd)
 
     def prefetch(self, offset: int, length: int) -> None:
-        """Start reading an item's first and last ``TAIL`` bytes into the page cache
-        without waiting: the small reads that locate its tensor (the zip directory at
-        its end, ``data.pkl`` at its start) then hit memory instead of costing a disk
-        round trip each, and the kernel's sequential read-ahead is not reset by them."""
+        """Start reading an item's first ``HEAD`` bytes into the page cache without
+        waiting: the small read that locates its tensor then hits memory instead of
+        costing a disk round trip."""
         if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self.fd, offset, min(length, TAIL), os.POSIX_FADV_WILLNEED)
-            tail = max(offset, offset + length - TAIL)
-            os.posix_fadvise(self.fd, tail, offset + length - tail, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(self.fd, offset, min(length, HEAD), os.POSIX_FADV_WILLNEED)
 
     def pread_into(self, view: memoryview, offset: int) -> None:
         t0 = time.perf_counter()

@@ -1,14 +1,15 @@
 """Where a tensor's bytes sit inside one DCP item, without ``torch.load``.
 
-DCP's file writer stores each tensor item as a ``torch.save`` zip (``data.pkl`` saying
-dtype/shape/strides, then ``data/0`` holding the storage's raw bytes, uncompressed and
-64-byte aligned, then the central directory). DCP's reader ``torch.load``s every item:
-a fresh storage (a page fault per 4 KiB), a copy into it, then a second copy into the
-target. ``tensor_record`` instead reads the zip's central directory and ``data.pkl``
-(with an unpickler that admits only torch's tensor-rebuild function, storage types and
-``OrderedDict``), so the reader can put the payload bytes straight into the target
-tensor. Anything unexpected returns None and the reader falls back to
-``torch.load(weights_only=True)``.
+DCP's file writer stores each tensor item as a ``torch.save`` zip: ``data.pkl`` first
+(dtype, shape, strides), a few small records, ``data/<key>`` holding the storage's raw
+bytes (uncompressed, 64-byte aligned), then the central directory. DCP's reader
+``torch.load``s every item: a fresh storage (a page fault per 4 KiB), a copy into it,
+then a second copy into the target. ``tensor_record`` reads only the item's first
+``HEAD`` bytes: ``data.pkl`` (with an unpickler that admits only torch's tensor-rebuild
+function, storage types and ``OrderedDict``) and the local header of ``data/<key>``,
+found by its exact name, so the reader can put the payload bytes straight into the
+target tensor and read each item front to back. Anything unexpected returns None and
+the reader falls back to ``torch.load(weights_only=True)`` on the whole item.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import math
 import pickle
 import struct
 import sys
-import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
-TAIL = 4096
-"""Bytes read from an item's end to find its central directory (~1 KiB for one tensor)."""
+HEAD = 4096
+"""Bytes read from an item's start to locate its tensor (~700 for one tensor)."""
 _LOCAL = struct.Struct("<4s22sHH")  # signature, fixed fields, name length, extra length
+_SIG = b"PK\x03\x04"
 ReadAt = Callable[[int, int], bytes]
 """``read_at(offset, n)``: ``n`` bytes of the item starting at ``offset``."""
 
@@ -85,37 +86,6 @@ def dense_span(
     return sum(o * s for o, s in zip(offsets, strides)), math.prod(lengths)
 
 
-class _TailFile(io.RawIOBase):
-    """A seekable file of ``length`` bytes of which only the last ``len(tail)`` are known:
-    enough for ``zipfile`` to read the end record and central directory."""
-
-    def __init__(self, tail: bytes, length: int) -> None:
-        super().__init__()
-        self._tail, self._start, self._length, self._pos = tail, length - len(tail), length, 0
-
-    def seekable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._length}[whence]
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def read(self, n: int = -1) -> bytes:
-        if self._pos < self._start:
-            raise OSError("outside the item tail")
-        end = self._length if n is None or n < 0 else min(self._pos + n, self._length)
-        out = self._tail[self._pos - self._start : end - self._start]
-        self._pos = end
-        return bytes(out)
-
-
 def _storage_dtype(name: str) -> torch.dtype:
     from torch.storage import _get_dtype_from_pickle_storage_type
 
@@ -149,45 +119,61 @@ class _TensorHeader(pickle.Unpickler):
         return {"key": str(key), "dtype": dtype, "numel": int(numel)}
 
 
-def _members(read_at: ReadAt, length: int) -> dict[str, zipfile.ZipInfo]:
-    n = min(length, TAIL)
-    with zipfile.ZipFile(_TailFile(read_at(length - n, n), length)) as zf:
-        return {info.filename.split("/", 1)[-1]: info for info in zf.infolist()}
+def _local(head: bytes, pos: int) -> tuple[str, int] | None:
+    """(name, data offset) of the zip local header at ``pos``, if one is there."""
+    if pos + _LOCAL.size > len(head):
+        return None
+    sig, _, name_len, extra_len = _LOCAL.unpack_from(head, pos)
+    start = pos + _LOCAL.size
+    if sig != _SIG or start + name_len > len(head):
+        return None
+    try:
+        name = head[start : start + name_len].decode()
+    except UnicodeDecodeError:
+        return None
+    return name, start + name_len + extra_len
 
 
-def _data_offset(read_at: ReadAt, info: zipfile.ZipInfo) -> int:
-    sig, _, name_len, extra_len = _LOCAL.unpack(read_at(info.header_offset, _LOCAL.size))
-    if sig != b"PK\x03\x04" or info.compress_type != zipfile.ZIP_STORED:
-        raise ValueError("not a stored zip member")
-    return info.header_offset + _LOCAL.size + name_len + extra_len
+def _member(head: bytes, name: str, after: int) -> int | None:
+    """Data offset of the record called ``name``: the first local header at or after
+    ``after`` that carries exactly that name."""
+    pos = head.find(_SIG, after)
+    while pos >= 0:
+        found = _local(head, pos)
+        if found is not None and found[0] == name:
+            return found[1]
+        pos = head.find(_SIG, pos + 1)
+    return None
 
 
 def tensor_record(read_at: ReadAt, length: int) -> TensorRecord | None:
     """Describe the tensor ``torch.save`` wrote in an item of ``length`` bytes, or None
     if the item is anything but one plain little-endian CPU tensor."""
-    if sys.byteorder != "little" or length < 64:
+    if sys.byteorder != "little":
         return None
+    head = read_at(0, min(length, HEAD))
+    first = _local(head, 0)
+    if first is None or not first[0].endswith("data.pkl"):
+        return None
+    prefix, pkl = first[0][: -len("data.pkl")], io.BytesIO(head[first[1] :])
     try:
-        members = _members(read_at, length)
-        order = members.get("byteorder")
-        if (
-            order is not None
-            and read_at(_data_offset(read_at, order), order.file_size) != b"little"
-        ):
-            return None
-        pkl = members["data.pkl"]
-        header = _TensorHeader(io.BytesIO(read_at(_data_offset(read_at, pkl), pkl.file_size)))
-        desc = header.load()
-        data = members[f"data/{desc['key']}"]
-        if data.file_size != desc["numel"] * desc["dtype"].itemsize:
-            return None
-        return TensorRecord(
-            payload=_data_offset(read_at, data),
-            dtype=desc["dtype"],
-            storage_numel=desc["numel"],
-            storage_offset=desc["offset"],
-            size=desc["size"],
-            stride=desc["stride"],
-        )
+        desc = _TensorHeader(pkl).load()
     except Exception:
         return None
+    if not isinstance(desc, dict) or "size" not in desc:
+        return None
+    after = first[1] + pkl.tell()
+    order = _member(head, f"{prefix}byteorder", after)
+    if order is not None and head[order : order + 3] != b"lit":
+        return None
+    payload = _member(head, f"{prefix}data/{desc['key']}", after)
+    if payload is None or payload + desc["numel"] * desc["dtype"].itemsize > length:
+        return None
+    return TensorRecord(
+        payload=payload,
+        dtype=desc["dtype"],
+        storage_numel=desc["numel"],
+        storage_offset=desc["offset"],
+        size=desc["size"],
+        stride=desc["stride"],
+    )

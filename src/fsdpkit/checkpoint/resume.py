@@ -191,10 +191,10 @@ def load(
         raise
     except BaseException as exc:
         problems, unsafe = _mismatches(exc)
+        if unsafe is not None:  # refused like a file that fails its checksum
+            problems.append(str(unsafe))
         if problems:
             return problems, reader.stats
-        if unsafe is not None:
-            raise CheckpointError(str(unsafe)) from None
         raise CheckpointError(
             f"loading checkpoint {choice.path} failed: {describe_failure(exc)}. The checkpoint "
             "does not fit this run's state (different model shape, optimizer or state keys?); "
