@@ -251,14 +251,22 @@ class Checkpointer:
         job.timings["bytes"] = float(stats.bytes)
 
     def _stage(self, job: _Job, state: dict[str, Any]) -> dict[str, Any]:
-        """Copy the state into the reused staging buffers; all an async save blocks for."""
+        """Copy the state into the reused staging buffers; all an async save blocks for.
+        Collective: if staging fails on any rank, every rank raises (none starts a
+        background write whose collectives would wait for the failed rank forever)."""
         t0 = time.perf_counter()
-        plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+        staged: dict[str, Any] = {}
+        problem = None
         try:
+            plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
             staged = self._stager.stage(plain)
         except Exception as exc:
+            problem = f"rank {self.rank}: staging failed: {type(exc).__name__}: {exc}"
+        gathered = self._gather(problem)
+        problems = self._broadcast([p for p in gathered if p] if self.rank == 0 else None)
+        if problems:
             self._abandon(job)
-            raise self._save_error(job, exc) from None
+            raise self._save_error(job, RuntimeError("; ".join(problems)))
         job.timings["staging"] = time.perf_counter() - t0
         return staged
 

@@ -118,8 +118,9 @@ class _File:
 
     def skip_to(self, end: int) -> None:
         """Owner: read and hash [pos, end) without keeping it."""
-        if self._gap is None and end > self.pos:
-            self._gap = bytearray(min(_GAP, end - self.pos))
+        want = min(_GAP, end - self.pos)
+        if want > 0 and (self._gap is None or len(self._gap) < want):
+            self._gap = bytearray(max(want, 64 << 10))
         while self.pos < end:
             assert self._gap is not None
             chunk = memoryview(self._gap)[: min(len(self._gap), end - self.pos)]

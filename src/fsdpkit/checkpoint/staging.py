@@ -16,11 +16,11 @@ the planner.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.tensor import DTensor
 
 
@@ -50,11 +50,48 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
+def _host_like(t: torch.Tensor, *, pin: bool) -> torch.Tensor:
+    if isinstance(t, DTensor):
+        local = _host_like(t.to_local(), pin=pin)
+        return DTensor.from_local(
+            local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu", pin_memory=pin)
+
+
+def _allocate(obj: Any, *, pin: bool) -> Any:
+    """Host buffers shaped like every tensor in ``obj`` (containers mirrored)."""
+    if isinstance(obj, torch.Tensor):
+        return _host_like(obj, pin=pin)
+    if isinstance(obj, Mapping):
+        return {k: _allocate(v, pin=pin) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_allocate(v, pin=pin) for v in obj]
+    return None
+
+
+def _copy(src: Any, buf: Any, *, non_blocking: bool) -> Any:
+    """``src`` with every tensor copied into its buffer; other values as they are."""
+    if isinstance(src, torch.Tensor):
+        target = buf.to_local() if isinstance(buf, DTensor) else buf
+        source = src.to_local() if isinstance(src, DTensor) else src
+        target.copy_(source.detach(), non_blocking=non_blocking)
+        return buf
+    if isinstance(src, Mapping):
+        return {k: _copy(v, buf[k], non_blocking=non_blocking) for k, v in src.items()}
+    if isinstance(src, list | tuple):
+        out = [_copy(v, b, non_blocking=non_blocking) for v, b in zip(src, buf)]
+        return tuple(out) if isinstance(src, tuple) else out
+    if src is None or isinstance(src, int | float | str | bytes | bool):
+        return src
+    return copy.deepcopy(src)  # an object training may still mutate
+
+
 class Stager:
     """Copies a state dict into reused host buffers ([Note: staging buffers])."""
 
     def __init__(self) -> None:
-        self._buffers: dict[str, Any] | None = None
+        self._buffers: Any = None
         self._signature: list[tuple[Any, ...]] = []
         self.allocations = 0
         """How many times buffers were (re)allocated; 1 in a steady run."""
@@ -62,22 +99,20 @@ class Stager:
     @property
     def nbytes(self) -> int:
         """Host memory the buffers hold (0 before the first async save)."""
-        return tensor_bytes(self._buffers) if self._buffers is not None else 0
+        return tensor_bytes(self._buffers)
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A copy of ``state_dict`` (tensors in the reused buffers; other values as
         they are, containers rebuilt). Blocks until the copies are done."""
+        on_device = torch.cuda.is_available()
         signature = _signature(state_dict)
         if self._buffers is None or signature != self._signature:
             self._buffers = None  # free the old buffers before allocating new ones
-            pin = torch.cuda.is_available()
-            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=pin)
+            self._buffers = _allocate(state_dict, pin=on_device)
             self._signature = signature
             self.allocations += 1
-        on_device = torch.cuda.is_available()
-        staged = _copy_state_dict(
-            state_dict, self._buffers, non_blocking=on_device, type_check=False
-        )
+        with torch.no_grad():
+            staged = _copy(state_dict, self._buffers, non_blocking=on_device)
         if on_device:
             torch.cuda.synchronize()
         return staged
