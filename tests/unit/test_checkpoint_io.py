@@ -118,6 +118,28 @@ def test_resume_fails_before_any_state_is_applied(tmp_path: Path) -> None:
     assert state["probe"].loaded == 0
 
 
+class _Evil:
+    """Pickles as a call to os.system: what a crafted non-tensor value would hold."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_pickled_values_that_would_run_code_are_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+    saver = Checkpointer(run_dir=tmp_path, cfg=CheckpointConfig(), run_meta={})
+    saver.save(1, {"t": {"x": torch.ones(2), "evil": _Evil(marker)}})  # checksums match
+    state = {"t": {"x": torch.zeros(2), "evil": None}}
+    with pytest.raises(CheckpointError, match="does not load safely"):
+        Checkpointer(run_dir=tmp_path, cfg=CheckpointConfig(), run_meta={}).resume(state)
+    assert not marker.exists()
+
+
 def test_tensor_record_reads_zip64_and_refuses_anything_else() -> None:
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     buf = io.BytesIO()
