@@ -53,9 +53,20 @@ def tensor_bytes(obj: Any) -> int:
 def _host_like(t: torch.Tensor, *, pin: bool) -> torch.Tensor:
     if isinstance(t, DTensor):
         local = _host_like(t.to_local(), pin=pin)
-        return DTensor.from_local(
-            local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
-        )
+        if t.device.type == "cpu":
+            return DTensor.from_local(
+                local,
+                t.device_mesh,
+                t.placements,
+                run_check=False,
+                shape=t.shape,
+                stride=t.stride(),
+            )
+        # from_local would move the buffer to the mesh's device: build the host DTensor
+        # the way DCP's own stager does (once per run), then give it the pinned buffer
+        host: Any = t.to("cpu")
+        host._local_tensor = local
+        return host
     return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu", pin_memory=pin)
 
 
