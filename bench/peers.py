@@ -200,7 +200,7 @@ def _torchtitan(tmp: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated row names")
     parser.add_argument("--out", type=Path, default=None, help="keep logs, JSON and the plot")
     parser.add_argument("--no-probes", action="store_true")

@@ -44,7 +44,7 @@ class Spec:
     preset: str = "tiny"
     seq_len: int = 128
     micro_batch: int = 4
-    steps: int = 10
+    steps: int = 8
     warmup: int = 2
     lr: float = 3e-3
     beta1: float = 0.9

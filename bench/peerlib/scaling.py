@@ -89,9 +89,9 @@ def plot(results: dict[int, Any], path: Any) -> None:
     for ax, key, title in zip(
         fig.subplots(1, 2), ("model_state", "peak"), ("model state per rank", "step peak per rank")
     ):
-        for strategy in STRATEGIES:
+        for strategy, marker, width in zip(STRATEGIES, "osD^", (4, 1.5, 1.5, 1.5)):
             mib = [results[w][0][strategy][key] / 2**20 for w in worlds]
-            ax.plot(worlds, mib, marker="o", label=strategy)
+            ax.plot(worlds, mib, marker=marker, linewidth=width, label=strategy)
         one = results[worlds[0]][0]["full"][key] / 2**20
         ax.plot(worlds, [one / w for w in worlds], "k--", label="ideal 1/N")
         ax.set_title(f"{title} (tiny Llama, fp32)")

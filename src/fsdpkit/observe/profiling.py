@@ -46,7 +46,7 @@ class StepProfiler:
     def before(self, step: int) -> None:
         if not self.first <= step <= self.last:
             return
-        if step == self.first:
+        if self.prof is None:  # the first profiled step (a resumed run may start later)
             activities = [ProfilerActivity.CPU]
             if self.device_type == "cuda":
                 activities.append(ProfilerActivity.CUDA)
@@ -80,7 +80,9 @@ class StepProfiler:
         path = self.dir / f"trace-rank{self.rank}.json"
         self.prof.export_chrome_trace(str(path))
         steps = step_breakdown(json.loads(path.read_text())["traceEvents"])
-        measured = [self.measured.get(s["step"], 0.0) * 1000 for s in steps]
+        for s in steps:  # this rank's own wall-clock time of the step (the loop's dt)
+            s["measured_ms"] = self.measured.get(s["step"], 0.0) * 1000
+        measured = [s["measured_ms"] for s in steps]
         out: dict[str, Any] = {
             "rank": self.rank,
             "trace": path.name,
