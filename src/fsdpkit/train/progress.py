@@ -64,7 +64,7 @@ class Progress:
         if self.mode == "none":
             return
         if self.mode == "bar":
-            self.stream.write("\r" + " " * 100 + "\r")
+            self.stream.write("\r" + " " * 160 + "\r")
         self.stream.write(text + "\n")
         self.stream.flush()
 
