@@ -41,9 +41,9 @@ def worker(rank: int, world: int, seq_len: int, micro_batch: int) -> dict[str, d
     from fsdpkit.models.factory import next_token_loss
     from fsdpkit.models.llama import Llama, preset
     from fsdpkit.planner.measure import enable_process_wide_accounting, live_bytes, peak_bytes
-    from fsdpkit.planner.step import train_step
     from fsdpkit.sharding import shard
     from fsdpkit.train.optim import build_optimizer
+    from fsdpkit.train.step import train_step
 
     enable_process_wide_accounting()
     out = {}
@@ -58,8 +58,9 @@ def worker(rank: int, world: int, seq_len: int, micro_batch: int) -> dict[str, d
             model = Llama(preset("tiny", max_seq_len=max(seq_len, 256)))
         shard(model, cfg, mesh=mesh)
         opt = build_optimizer(model, cfg.train)
-        train_step(model, opt, batch)  # creates the AdamW states
-        peak = peak_bytes(lambda m=model, o=opt: train_step(m, o, batch)) - base
+        step = {"loss_fn": next_token_loss, "max_norm": cfg.train.grad_clip}
+        train_step(model, opt, batch, **step)  # creates the AdamW states
+        peak = peak_bytes(lambda m=model, o=opt, k=step: train_step(m, o, batch, **k)) - base
         next_token_loss(model, batch[0]).backward()  # gradients as the optimizer sees them
         params = list(model.parameters())
         grads = [p.grad for p in params]
