@@ -1,5 +1,6 @@
 # Two commands set everything up on a fresh machine:
-#   make demo   creates .venv, installs fsdpkit, runs `fsdpkit train` on its built-in default
+#   make demo   creates .venv, installs fsdpkit[dev] (with the report and tensorboard extras),
+#               runs `fsdpkit train` on its built-in default (ends with runs/default/report.html)
 #   make test   creates .venv, installs fsdpkit[dev], runs the whole test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -7,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fsdpkit-installed
 
-.PHONY: venv demo test test-fast lint bench clean
+.PHONY: venv demo test test-fast lint bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +34,13 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/step_overhead.py
+
+# Peers (Accelerate, Lightning, DeepSpeed, torchtitan) come only from the `bench` extra,
+# installed with torch pinned so no peer can replace it; then the side-by-side table.
+bench-peers: $(STAMP)
+	echo "torch==$(TORCH_VERSION)" > $(VENV)/torch-pin.txt
+	$(PY) -m pip install -q -c $(VENV)/torch-pin.txt -e ".[bench]"
+	$(PY) bench/peers.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -73,4 +73,5 @@ FAST = [
     "model.n_heads=4",
     "model.n_kv_heads=2",
     "checkpoint.resume=never",
+    "logging.report=false",  # ~3 s of plotting per run; test_observe_cli covers reports
 ]

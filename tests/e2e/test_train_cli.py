@@ -39,6 +39,7 @@ def test_default_run_trains_and_loss_falls(tmp_path: Path) -> None:
     assert last < first - 1.0, (first, last)
     assert "summary" in result.stdout and "sample:" in result.stdout
     assert (run_dir / "config.toml").is_file()
+    assert (run_dir / "report.html").is_file() and (run_dir / "plots" / "loss.png").is_file()
 
 
 def test_resolved_config_reproduces_the_run(tmp_path: Path) -> None:

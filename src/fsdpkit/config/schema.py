@@ -184,6 +184,18 @@ class LoggingConfig:
     """Write metrics every N steps."""
     progress: Literal["auto", "bar", "lines", "none"] = "auto"
     """Progress display on rank 0: auto = a bar on a terminal, plain lines otherwise."""
+    report: bool = True
+    """At the end write report.html and PNG plots into the run dir (needs matplotlib:
+    pip install 'fsdpkit[report]'; without it one line says so and the run goes on)."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard event files to RUN_DIR/tensorboard (rank 0;
+    needs pip install 'fsdpkit[tensorboard]')."""
+    wandb: Literal["off", "offline", "online"] = "off"
+    """Also log the metrics to Weights & Biases (needs wandb); offline needs no network
+    (upload later with `wandb sync`)."""
+    profile_steps: list[int] = field(default_factory=list)
+    """[first, last]: torch profiler trace of these steps (1-based) on every rank plus a
+    table of where the step time went, in RUN_DIR/profile; empty = off."""
 
 
 @dataclass(frozen=True)

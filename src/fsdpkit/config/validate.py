@@ -49,6 +49,19 @@ def validate(cfg: RunConfig) -> None:
     if not 0.0 <= cfg.data.val_fraction < 0.5:
         raise ConfigError(f"data.val_fraction must be in [0, 0.5), got {cfg.data.val_fraction}.")
     _validate_combinations(cfg)
+    _validate_logging(cfg)
+
+
+def _validate_logging(cfg: RunConfig) -> None:
+    steps = cfg.logging.profile_steps
+    if not steps:
+        return
+    if len(steps) != 2 or not 1 <= steps[0] <= steps[1] <= cfg.train.steps:
+        raise ConfigError(
+            f"logging.profile_steps = {steps} must be [first, last] with 1 <= first <= last "
+            f"<= train.steps ({cfg.train.steps}), e.g. logging.profile_steps=[5,6]; "
+            "leave it empty to profile nothing."
+        )
 
 
 def _validate_floats(cfg: RunConfig) -> None:

@@ -44,7 +44,7 @@ def enable_process_wide_accounting() -> None:
 
 
 @contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
+def quiet_stderr() -> Iterator[None]:
     """Kineto prints a line on every profiler start/stop straight to fd 2."""
     saved = os.dup(2)
     with open(os.devnull, "w") as null:
@@ -56,7 +56,7 @@ def _quiet_stderr() -> Iterator[None]:
             os.close(saved)
 
 
-def _totals(prof: profile) -> list[tuple[int, int, int]]:
+def allocation_events(prof: profile) -> list[tuple[int, int, int]]:
     """(time, live total after the event, size) of every allocation event, in order."""
     out = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
@@ -70,9 +70,9 @@ def _totals(prof: profile) -> list[tuple[int, int, int]]:
 
 
 def _profiled(fn: Callable[[], object]) -> list[tuple[int, int, int]]:
-    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    return _totals(prof)
+    return allocation_events(prof)
 
 
 def live_bytes() -> int:

@@ -15,9 +15,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from fsdpkit.checkpoint import any_rank
 from fsdpkit.errors import UserError
+from fsdpkit.observe.breakdown import DATA_NAME
+from fsdpkit.observe.observer import Observer
 from fsdpkit.train.generate import sample
 from fsdpkit.train.guards import check_finite
 from fsdpkit.train.progress import Progress
@@ -44,9 +47,11 @@ def _global_mean(value: torch.Tensor) -> float:
 def _step(s: Session) -> tuple[float, float]:
     """One optimizer step on the next micro-batches; (mean loss over ranks, grad norm).
     The scheduler steps too, so read the step's LR before calling this."""
-    batches = [
-        s.loader.next_batch().to(s.device, non_blocking=True) for _ in range(s.cfg.train.grad_accum)
-    ]
+    with record_function(DATA_NAME):  # the profiler's "data" category
+        batches = [
+            s.loader.next_batch().to(s.device, non_blocking=True)
+            for _ in range(s.cfg.train.grad_accum)
+        ]
     result = train_step(
         s.model,
         s.optimizer,
@@ -101,7 +106,9 @@ def _record(
     }
 
 
-def _maybe_eval(s: Session, *, step: int, progress: Progress, summary: RunSummary) -> None:
+def _maybe_eval(
+    s: Session, *, step: int, progress: Progress, summary: RunSummary, obs: Observer
+) -> None:
     every = s.cfg.train.eval_every
     if every and (step % every == 0 or step == s.cfg.train.steps):
         val = evaluate(s)
@@ -109,21 +116,26 @@ def _maybe_eval(s: Session, *, step: int, progress: Progress, summary: RunSummar
             summary.val_losses.append(val)
             progress.message(f"step {step}: validation loss {val:.4f}")
             s.metrics.write({"step": step, "val_loss": val})
+            obs.on_eval(step, val)
 
 
-def _maybe_checkpoint(s: Session, *, step: int, progress: Progress) -> None:
+def _maybe_checkpoint(s: Session, *, step: int, progress: Progress, obs: Observer) -> None:
     if s.checkpointer is None:
         return
     if s.checkpointer.maybe_save(step, s.app_state(), final=step == s.cfg.train.steps):
         blocking = s.checkpointer.last_blocking_s
         s.metrics.write({"step": step, "checkpoint_blocking_s": blocking})
+        obs.on_checkpoint(step, blocking)
         progress.message(f"step {step}: checkpoint saved ({blocking:.2f}s blocking)")
 
 
-def _run_steps(s: Session, *, progress: Progress, summary: RunSummary, stop_flag: Any) -> None:
+def _run_steps(
+    s: Session, *, progress: Progress, summary: RunSummary, stop_flag: Any, obs: Observer
+) -> None:
     cfg = s.cfg
     rates = []
     while s.state.step < cfg.train.steps:
+        obs.before_step(s.state.step + 1)
         t0 = time.perf_counter()
         lr = float(s.scheduler.get_last_lr()[0])
         try:
@@ -138,15 +150,23 @@ def _run_steps(s: Session, *, progress: Progress, summary: RunSummary, stop_flag
             loss=loss, grad_norm=norm, step=step, scaled=bool(s.scaler), checkpointer=s.checkpointer
         )
         dt = time.perf_counter() - t0
+        if note := obs.after_step(step, step_time_s=dt):
+            progress.message(note)
         if step % cfg.logging.log_every == 0 or step == cfg.train.steps:
             record = _record(s, step=step, loss=loss, norm=norm, lr=lr, dt=dt)
             s.metrics.write(record)
+            obs.on_step(record)
             rates.append(record["tokens_per_s"])
             summary.peak_mem_mib = max(record["peak_mem_mib"])
-            progress.update(step=step, loss=loss, tokens_per_s=record["tokens_per_s"])
+            progress.update(
+                step=step,
+                loss=loss,
+                tokens_per_s=record["tokens_per_s"],
+                mem_mib=record["peak_mem_mib"],
+            )
         summary.final_loss = loss
-        _maybe_eval(s, step=step, progress=progress, summary=summary)
-        _maybe_checkpoint(s, step=step, progress=progress)
+        _maybe_eval(s, step=step, progress=progress, summary=summary, obs=obs)
+        _maybe_checkpoint(s, step=step, progress=progress, obs=obs)
         if stop_flag is not None and any_rank(stop_flag(), device=s.device):
             assert s.checkpointer is not None  # the flag is only installed with one
             if s.checkpointer.last_step != step:
@@ -158,11 +178,14 @@ def _run_steps(s: Session, *, progress: Progress, summary: RunSummary, stop_flag
     summary.steps = s.state.step
 
 
-def run(s: Session) -> RunSummary:
+def run(s: Session, *, obs: Observer | None = None) -> RunSummary:
     """Train ``s`` to ``train.steps`` (collective: every rank runs it), resuming from
-    a checkpoint when one is configured."""
+    a checkpoint when one is configured. ``obs``: made before the session to count CPU
+    tensor memory for the profiler (fsdpkit.observe.observer); made here otherwise."""
     cfg, env = s.cfg, s.env
+    obs = obs or Observer(cfg, env, cpu_memory=False)
     write_run_dir(s)
+    obs.start()
     resumed = s.checkpointer.resume(s.app_state()) if s.checkpointer else None
     s.metrics.start(resumed_step=resumed or 0)
     progress = Progress(
@@ -177,9 +200,11 @@ def run(s: Session) -> RunSummary:
         from fsdpkit.checkpoint import install_sigterm_flag
 
         stop_flag = install_sigterm_flag()
-    _run_steps(s, progress=progress, summary=summary, stop_flag=stop_flag)
+    _run_steps(s, progress=progress, summary=summary, stop_flag=stop_flag, obs=obs)
     if s.checkpointer is not None:
         s.checkpointer.wait()
+    if note := obs.close():
+        progress.message(note)
     progress.close()
     if s.llama is not None and cfg.train.sample_tokens and s.state.step == cfg.train.steps:
         summary.sample_text = sample(

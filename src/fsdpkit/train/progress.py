@@ -1,4 +1,7 @@
-"""What rank 0 shows while training: a live bar on a terminal, plain lines otherwise."""
+"""What rank 0 shows while training: a live bar on a terminal, plain lines otherwise.
+
+Each update shows the step, loss, tokens/s, ETA and every rank's peak memory so far
+(min-max past four ranks)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,14 @@ def _duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def _memory(mem_mib: list[float] | None) -> str:
+    if not mem_mib:
+        return ""
+    if len(mem_mib) <= 4:
+        return "  mem " + "/".join(f"{m:,.0f}" for m in mem_mib) + " MiB"
+    return f"  mem {min(mem_mib):,.0f}-{max(mem_mib):,.0f} MiB ({len(mem_mib)} ranks)"
 
 
 class Progress:
@@ -28,18 +39,20 @@ class Progress:
         self.t0 = time.monotonic()
         self.line_every = max(total // 20, 1)
 
-    def update(self, *, step: int, loss: float, tokens_per_s: float) -> None:
-        """``step`` is the number of completed steps."""
+    def update(
+        self, *, step: int, loss: float, tokens_per_s: float, mem_mib: list[float] | None = None
+    ) -> None:
+        """``step`` is the number of completed steps; ``mem_mib`` one peak per rank."""
         if self.mode == "none":
             return
         done = step - self.start
         eta = (time.monotonic() - self.t0) / max(done, 1) * (self.total - step)
         text = (
             f"step {step}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  "
-            f"ETA {_duration(eta)}"
+            f"ETA {_duration(eta)}{_memory(mem_mib)}"
         )
         if self.mode == "bar":
-            width = 24
+            width = 20
             fill = int(width * step / self.total)
             self.stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {text}   ")
         elif step % self.line_every == 0 or step == self.total or done == 1:
@@ -51,7 +64,7 @@ class Progress:
         if self.mode == "none":
             return
         if self.mode == "bar":
-            self.stream.write("\r" + " " * 100 + "\r")
+            self.stream.write("\r" + " " * 160 + "\r")
         self.stream.write(text + "\n")
         self.stream.flush()
 

@@ -29,6 +29,7 @@ def train_worker(path: str | None, overrides: Sequence[str], env: DistEnv) -> in
     """Train on this rank; the exit code (0 done, 143 stopped early). Raises on errors."""
     import torch.distributed as dist
 
+    from fsdpkit.observe.observer import Observer
     from fsdpkit.train.loop import run
     from fsdpkit.train.session import build_session
     from fsdpkit.train.summary import print_summary
@@ -36,7 +37,8 @@ def train_worker(path: str | None, overrides: Sequence[str], env: DistEnv) -> in
     cfg = resolve(
         path, overrides, world_size=env.world_size, local_world_size=env.local_world_size
     ).config
-    summary = run(build_session(cfg, env))
+    obs = Observer(cfg, env)  # before the model exists: CPU tensor memory for the profiler
+    summary = run(build_session(cfg, env), obs=obs)
     if env.rank == 0:
         print_summary(summary, cfg=cfg)
     if dist.is_initialized():
