@@ -251,3 +251,23 @@ def test_marker_and_metadata_checks(tmp_path: Path) -> None:
     (ckpt / META_FILE).write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="not a valid fsdpkit checkpoint marker"):
         read_meta(ckpt)
+
+
+def test_foreign_dcp_metadata_is_read_without_running_code(tmp_path: Path) -> None:
+    """Checkpoints fsdpkit did not write (FSDP1's, read by `model.init_from`) have no
+    checksum to check: their .metadata still goes through the restricted unpickler."""
+    import pickle
+
+    from fsdpkit.checkpoint.untrusted import RestrictedReader, UnsafeCheckpointError
+
+    good = tmp_path / "good"
+    with quiet_single_process():
+        dcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(good), no_dist=True)
+    assert "w" in RestrictedReader(str(good)).read_metadata().state_dict_metadata
+    marker = tmp_path / "PWNED"
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    (evil / ".metadata").write_bytes(pickle.dumps(_Evil(marker)))
+    with pytest.raises(UnsafeCheckpointError, match=r"posix\.system|os\.system"):
+        RestrictedReader(str(evil)).read_metadata()
+    assert not marker.exists()

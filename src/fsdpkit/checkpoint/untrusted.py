@@ -29,11 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
 from fsdpkit.checkpoint.checksum import crc32, hex32
@@ -159,3 +160,20 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
+
+
+class RestrictedReader(FileSystemReader):
+    """DCP's ``FileSystemReader`` for checkpoints fsdpkit did not write (no
+    fsdpkit.json to check the bytes against, e.g. an FSDP1 checkpoint): ``.metadata``
+    goes through ``MetadataUnpickler`` instead of ``pickle.load``. Pair it with
+    ``SafeLoadPlanner`` so non-tensor values are read without executing code either."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = metadata_from_bytes(stream.read(), source=str(path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        assert metadata.storage_meta is not None
+        metadata.storage_meta.load_id = self.load_id
+        return metadata

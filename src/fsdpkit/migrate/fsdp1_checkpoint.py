@@ -136,12 +136,13 @@ def _model_state(model: nn.Module) -> tuple[dict[str, Any], dict[str, str]]:
 
 def _load_dcp(model: nn.Module, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from fsdpkit.checkpoint.untrusted import RestrictedReader, SafeLoadPlanner
 
     sd, aliases = _model_state(model)
     with dcp_errors_as(lambda cause: f"reading the DCP metadata of {path} failed: {cause}"):
-        metadata = FileSystemReader(str(path)).read_metadata()
+        metadata = RestrictedReader(str(path)).read_metadata()
     ckpt_shapes = {
         k: tuple(md.size)
         for k, md in metadata.state_dict_metadata.items()
@@ -163,7 +164,7 @@ def _load_dcp(model: nn.Module, path: Path) -> None:
             "is complete (every __*.distcp file the .metadata lists)."
         )
     ):
-        dcp.load(request, storage_reader=FileSystemReader(str(path)))
+        dcp.load(request, storage_reader=RestrictedReader(str(path)), planner=SafeLoadPlanner())
     _check_tied(path, {alias: (copies[alias], sd[aliases[alias]]) for alias in copies})
     for alias, name in aliases.items():
         sd[alias] = sd[name]
