@@ -1,23 +1,29 @@
-"""Starting ranks with torch's own distributed runtime, and reporting their failures.
+"""Starting ranks with torch's own distributed runtime, and reporting how they ended.
 
 Two ways in:
 - spawn: ``fsdpkit train --nproc N`` starts N local workers through
   ``torch.distributed.launcher`` (the elastic agent torchrun uses); each worker runs
   ``python -m fsdpkit train ...`` again and joins.
-- join: under torchrun (RANK/WORLD_SIZE set) or SLURM (SLURM_PROCID/SLURM_NTASKS,
-  with MASTER_ADDR/MASTER_PORT exported by the batch script) the process is a worker.
+- join: under torchrun (RANK/WORLD_SIZE set) or SLURM (SLURM_PROCID/SLURM_NTASKS, see
+  fsdpkit.slurm) the process is a worker.
 
 This is the only module that reads the environment. Workers write their error, if
-any, to ``$FSDPKIT_ERROR_DIR/rank-N.json``; the spawning launcher prints the root
-cause once (the first rank that failed for a reason other than a lost peer).
+any, to ``$FSDPKIT_ERROR_DIR/rank-N-attempt-A.json`` and rank 0 a stop record
+(``stop.json``) after a signal; the spawning launcher prints what happened once
+([Note: root cause] in fsdpkit.failures, [Note: stopping a spawned run] in
+fsdpkit.interrupts). Workers die with their launcher ([Note: worker lifetime] in
+fsdpkit.lifetime); every listener binds to loopback on one node ([Note: listeners]
+in fsdpkit.rendezvous).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -27,21 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdpkit import failures, netinfo, slurm
 from fsdpkit.devices import device_type, local_gpus
 
 ERROR_DIR_VAR = "FSDPKIT_ERROR_DIR"
-# Messages of ranks that failed only because another rank went away first.
-_SECONDARY = (
-    "connection closed",
-    "connection reset",
-    "broken pipe",
-    "timed out",
-    "sigterm",
-    "terminated",
-    "socket",
-    "gloo",
-    "nccl",
-)
+LAUNCHER_PID_VAR = "FSDPKIT_LAUNCHER_PID"
+"""Set by the spawning launcher: the pid workers bind their lifetime to."""
+LOCKED_VAR = "FSDPKIT_RUN_DIR_LOCKED"
+"""Set by a launcher that holds the run-dir lock itself (rank 0 then does not take it)."""
+STOP_FILE = "stop.json"
 
 
 @dataclass(frozen=True)
@@ -53,39 +53,67 @@ class DistEnv:
     local_rank: int
     local_world_size: int
     device_type: str
+    launcher_pid: int | None = None
+    """The fsdpkit launcher that spawned this worker (None: torchrun, SLURM, a test)."""
+    run_dir_locked: bool = False
+    """Whether that launcher already holds the run-dir lock ([Note: run-dir lock])."""
 
-
-def _slurm_to_torch_env() -> None:
-    """Map SLURM's variables onto torch's env:// names (MASTER_* must be exported)."""
-    env = os.environ
-    if "RANK" in env or "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
-        return
-    env["RANK"] = env["SLURM_PROCID"]
-    env["WORLD_SIZE"] = env["SLURM_NTASKS"]
-    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-    # SLURM_TASKS_PER_NODE is always set ("8(x2)" = 8 on each of 2 nodes).
-    per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "1")
-    env["LOCAL_WORLD_SIZE"] = per_node.split("(")[0].split(",")[0]
+    @property
+    def single_node(self) -> bool:
+        return self.local_world_size == self.world_size
 
 
 def joined_env() -> DistEnv | None:
     """The worker's identity when launched by torchrun/SLURM/our launcher, else None."""
-    _slurm_to_torch_env()
     env = os.environ
+    env.update(slurm.torch_env(env))
     if "RANK" not in env or "WORLD_SIZE" not in env:
         return None
     world = int(env["WORLD_SIZE"])
+    launcher = env.get(LAUNCHER_PID_VAR)
     return DistEnv(
         rank=int(env["RANK"]),
         world_size=world,
         local_rank=int(env.get("LOCAL_RANK", "0")),
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
         device_type=device_type(),
+        launcher_pid=int(launcher) if launcher else None,
+        run_dir_locked=env.get(LOCKED_VAR) == "1",
     )
+
+
+def bind_worker_lifetime(env: DistEnv) -> None:
+    """Make this worker die with the process that started it ([Note: worker
+    lifetime]): our launcher, or torchrun's agent. SLURM tasks are left to slurmstepd."""
+    from fsdpkit.lifetime import bind_to_parent
+
+    if env.launcher_pid is not None:
+        bind_to_parent(env.launcher_pid)
+    elif "TORCHELASTIC_RUN_ID" in os.environ and os.getppid() != 1:
+        bind_to_parent(os.getppid())
+
+
+def pin_collectives(env: DistEnv) -> None:
+    """Point gloo's and NCCL's sockets at one interface unless the user chose
+    ([Note: listeners]): loopback on one node, else the interface of the address the
+    other nodes reach this one at."""
+    if env.single_node:
+        name = netinfo.loopback_interface()
+    else:
+        master = os.environ.get("MASTER_ADDR")
+        name = netinfo.interface_of(netinfo.local_address_for(master)) if master else None
+    if name:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
 
 
 def rendezvous_store(env: DistEnv, *, timeout: datetime.timedelta) -> Any:
     """The c10d store for ``init_process_group``, namespaced by restart attempt.
+
+    Under an elastic agent (ours or torchrun's) the agent hosts the store and every
+    rank is a client. Otherwise (SLURM, a hand-set environment) rank 0 hosts it: on
+    loopback when all ranks share this node, else on MASTER_ADDR's address only
+    ([Note: listeners]).
 
     [Note: restart attempts]
     After the elastic agent restarts workers (``--max-restarts``), the store it serves
@@ -94,15 +122,27 @@ def rendezvous_store(env: DistEnv, *, timeout: datetime.timedelta) -> Any:
     attempt a clean namespace on the same store.
     """
     from torch.distributed import PrefixStore
-    from torch.distributed.rendezvous import _create_c10d_store
 
-    store = _create_c10d_store(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        env.rank,
-        env.world_size,
-        timeout,
-    )
+    from fsdpkit.rendezvous import connect_store, serve_store
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    if not agent and env.single_node:
+        host = "127.0.0.1"
+    if not agent and env.rank == 0:
+        try:
+            store = serve_store(host, port, timeout=timeout)
+        except OSError as exc:
+            from fsdpkit.rendezvous import RendezvousError
+
+            raise RendezvousError(
+                f"rank 0 cannot listen on {host}:{port} (MASTER_ADDR:MASTER_PORT): "
+                f"{exc.strerror or exc}; held by {netinfo.port_holder(port) or 'unknown'}. "
+                "Export another MASTER_PORT (under SLURM it defaults to 10000 + job id "
+                "mod 10000)."
+            ) from None
+    else:
+        store = connect_store(host, port, timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return PrefixStore(f"fsdpkit/attempt-{attempt}", store)
 
@@ -112,10 +152,15 @@ def default_nproc() -> int:
     return local_gpus() or 2
 
 
+def _control_dir() -> Path | None:
+    directory = os.environ.get(ERROR_DIR_VAR)
+    return Path(directory) if directory else None
+
+
 def write_error(exc: BaseException, *, rank: int, user: bool) -> None:
     """Record this rank's failure for the launcher (or print it when joined)."""
     message = str(exc) if user else _describe_crash(exc)
-    directory = os.environ.get(ERROR_DIR_VAR)
+    directory = _control_dir()
     if directory:
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         record = {
@@ -125,9 +170,19 @@ def write_error(exc: BaseException, *, rank: int, user: bool) -> None:
             "user": user,
             "message": message,
         }
-        Path(directory, f"rank-{rank}-attempt-{attempt}.json").write_text(json.dumps(record))
+        (directory / f"rank-{rank}-attempt-{attempt}.json").write_text(json.dumps(record))
     elif rank == 0 or not user:
         print(f"fsdpkit train: rank {rank}: error: {message}", file=sys.stderr, flush=True)
+
+
+def report_stop(*, signum: int, note: str) -> None:
+    """Rank 0, after a stop signal: tell the launcher what was saved (``note``), or
+    print it when joined."""
+    directory = _control_dir()
+    if directory:
+        (directory / STOP_FILE).write_text(json.dumps({"signal": signum, "note": note}))
+    else:
+        print(f"fsdpkit train: {note}", file=sys.stderr, flush=True)
 
 
 def _describe_crash(exc: BaseException) -> str:
@@ -139,25 +194,6 @@ def _describe_crash(exc: BaseException) -> str:
     return f"{exc}\n\n{trace}"
 
 
-def root_cause(directory: Path) -> dict[str, object] | None:
-    """The failure to show: of the last restart attempt, the earliest primary error,
-    else the earliest of all."""
-    records = []
-    for path in directory.glob("rank-*.json"):
-        try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    if not records:
-        return None
-    last = max(int(r.get("attempt", 0)) for r in records)
-    records = sorted(
-        (r for r in records if int(r.get("attempt", 0)) == last), key=lambda r: r["time"]
-    )
-    primary = [r for r in records if not any(k in str(r["message"]).lower() for k in _SECONDARY)]
-    return (primary or records)[0]
-
-
 @dataclass(frozen=True)
 class SpawnOptions:
     nproc: int
@@ -166,6 +202,13 @@ class SpawnOptions:
     rdzv_endpoint: str | None = None
     max_restarts: int = 0
     run_id: str | None = None
+    run_dir: Path | None = None
+    """The run's logging.run_dir, for messages naming the newest checkpoint."""
+    local_addr: str | None = None
+    """This node's address for other nodes (multi-node); default: the one on the route
+    to the rendezvous endpoint."""
+    lock_held: bool = False
+    """The launcher holds the run-dir lock (workers must not take it)."""
 
 
 def _default_run_id(opts: SpawnOptions) -> str:
@@ -175,61 +218,137 @@ def _default_run_id(opts: SpawnOptions) -> str:
     return f"fsdpkit-{uuid.uuid4().hex[:8]}"
 
 
-def spawn(argv: list[str], opts: SpawnOptions) -> int:
-    """Run ``python -m fsdpkit train *argv`` on ``opts.nproc`` local workers; the exit
-    code is 0, 2 for a user error on any rank, 1 for anything else."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+def _launch_config(opts: SpawnOptions) -> Any:
+    from torch.distributed.launcher.api import LaunchConfig
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // opts.nproc, 1)))
+    from fsdpkit.rendezvous import register
+
+    endpoint = opts.rdzv_endpoint or "127.0.0.1:0"
+    local = opts.local_addr
+    if local is None:
+        host = endpoint.rsplit(":", 1)[0].strip("[]")
+        local = "127.0.0.1" if opts.nnodes == 1 else netinfo.local_address_for(host)
     static = opts.node_rank is not None
-    config = LaunchConfig(
+    return LaunchConfig(
         min_nodes=opts.nnodes,
         max_nodes=opts.nnodes,
         nproc_per_node=opts.nproc,
         run_id=opts.run_id or _default_run_id(opts),
-        rdzv_backend="static" if static else "c10d",
-        rdzv_endpoint=opts.rdzv_endpoint or "127.0.0.1:0",
+        rdzv_backend=register(),
+        rdzv_endpoint=endpoint,
         rdzv_configs={"rank": opts.node_rank} if static else {},
         max_restarts=opts.max_restarts,
         monitor_interval=0.2,
         start_method="spawn",
+        local_addr=local,
+        signals_to_handle="",  # fsdpkit.interrupts handles them ([Note: stopping a spawned run])
     )
-    with tempfile.TemporaryDirectory(prefix="fsdpkit-errors-") as errors:
-        os.environ[ERROR_DIR_VAR] = errors
+
+
+def _worker_env(opts: SpawnOptions, control: str, local_addr: str) -> dict[str, str]:
+    env = {ERROR_DIR_VAR: control, LAUNCHER_PID_VAR: str(os.getpid())}
+    if opts.lock_held:
+        env[LOCKED_VAR] = "1"
+    iface = netinfo.interface_of(local_addr) if local_addr else None
+    if iface:
+        env.setdefault("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", iface))
+        env.setdefault("NCCL_SOCKET_IFNAME", os.environ.get("NCCL_SOCKET_IFNAME", iface))
+    return env
+
+
+def _quiet_elastic_loggers() -> None:
+    """The agent's loggers set their own levels (torch's LOGLEVEL); fsdpkit prints
+    what happened itself."""
+    names = [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed")]
+    for name in ["torch.distributed.elastic", *names]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def spawn(argv: list[str], opts: SpawnOptions) -> int:
+    """Run ``python -m fsdpkit train *argv`` on ``opts.nproc`` local workers; the exit
+    code is 0, 2 for a user error on any rank, 128 + N after signal N, 1 otherwise."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    from fsdpkit.interrupts import ImmediateStop, LauncherSignals
+
+    _quiet_elastic_loggers()
+    os.environ.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // opts.nproc, 1)))
+    config = _launch_config(opts)
+    oom_before = failures.OomCounters.read()
+    with tempfile.TemporaryDirectory(prefix="fsdpkit-control-") as control:
+        added = _worker_env(opts, control, config.local_addr)
+        saved = {k: os.environ.get(k) for k in added}
+        os.environ.update(added)
         try:
-            elastic_launch(config, sys.executable)("-m", "fsdpkit", "train", *argv)
+            with LauncherSignals():
+                elastic_launch(config, sys.executable)("-m", "fsdpkit", "train", *argv)
         except ChildFailedError as exc:
-            return _report_failure(Path(errors), exc)
+            return _report_failure(Path(control), exc, oom_before=oom_before, opts=opts)
         except SignalException as exc:
-            print(
-                f"fsdpkit train: stopped by {exc.sigval.name}; workers checkpointed the "
-                "current step if checkpointing is configured.",
-                file=sys.stderr,
-            )
-            return 128 + int(exc.sigval)
+            return _report_stop(Path(control), int(exc.sigval), opts=opts)
+        except ImmediateStop as exc:
+            return _report_immediate(exc.signum, opts=opts)
         finally:
-            os.environ.pop(ERROR_DIR_VAR, None)
+            for key, value in saved.items():
+                os.environ.pop(key, None) if value is None else os.environ.update({key: value})
     return 0
 
 
-def _report_failure(errors: Path, exc: Exception) -> int:
-    cause = root_cause(errors)
-    if cause is None:
-        failures = getattr(exc, "failures", {})
-        detail = "; ".join(
-            f"rank {f.rank} exit code {f.exitcode}"
-            + (f" ({f.signal_name()})" if f.exitcode < 0 else "")
-            for f in failures.values()
+def _say(text: str) -> None:
+    with contextlib.suppress(OSError):  # the terminal hung up
+        print(f"fsdpkit train: {text}", file=sys.stderr, flush=True)
+
+
+def _report_stop(control: Path, signum: int, *, opts: SpawnOptions) -> int:
+    from fsdpkit.checkpoint.signals import describe_stop
+
+    what = describe_stop(signum)
+    try:
+        note = json.loads((control / STOP_FILE).read_text())["note"]
+    except (OSError, ValueError, KeyError):
+        note = (
+            f"{what}: the workers ended before they could save (a save waits for the "
+            "current step to finish; they are killed after TORCH_ELASTIC_SHUTDOWN_TIMEOUT, "
+            f"30 s by default). {failures.newest_checkpoint_note(opts.run_dir)}"
         )
-        print(
-            f"fsdpkit train: error: a worker died without reporting an error ({detail}). "
-            "A negative code is a signal: SIGKILL often means the machine ran out of memory "
-            "(try `fsdpkit plan` for a config that fits).",
-            file=sys.stderr,
-        )
+    _say(note)
+    return 128 + signum
+
+
+def _report_immediate(signum: int, *, opts: SpawnOptions) -> int:
+    name = signal.Signals(signum).name
+    how = "SIGQUIT" if signum == signal.SIGQUIT else f"a second {name}"
+    _say(
+        f"{how}: stopped at once without saving (the workers were killed; an unfinished "
+        f"save is left as an ignored .tmp directory). "
+        f"{failures.newest_checkpoint_note(opts.run_dir)}"
+    )
+    return 128 + signum
+
+
+def _report_failure(
+    control: Path, exc: Any, *, oom_before: failures.OomCounters, opts: SpawnOptions
+) -> int:
+    stop = control / STOP_FILE
+    if stop.is_file():  # a stop signal sent to the workers themselves
+        return _report_stop(control, int(json.loads(stop.read_text())["signal"]), opts=opts)
+    cause = failures.root_cause(control)
+    if cause is not None and not failures.is_secondary(str(cause["message"])):
+        _say(f"error on rank {cause['rank']}: {cause['message']}")
+        return 2 if cause["user"] else 1
+    deaths = failures.signal_deaths(getattr(exc, "failures", {}))
+    if deaths:
+        oom = failures.OomCounters.read().rose_since(oom_before)
+        death = failures.describe_signal_death(deaths[0], oom=oom)
+        _say(f"error: {death} {failures.newest_checkpoint_note(opts.run_dir)}")
         return 1
-    print(f"fsdpkit train: error on rank {cause['rank']}: {cause['message']}", file=sys.stderr)
-    return 2 if cause["user"] else 1
+    if cause is not None:
+        _say(f"error on rank {cause['rank']}: {cause['message']}")
+        return 2 if cause["user"] else 1
+    detail = "; ".join(
+        f"rank {rank} exit code {f.exitcode}" for rank, f in getattr(exc, "failures", {}).items()
+    )
+    _say(f"error: a worker exited without reporting an error ({detail}).")
+    return 1

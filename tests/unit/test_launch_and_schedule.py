@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fsdpkit.config import TrainConfig
-from fsdpkit.launch import root_cause
+from fsdpkit.failures import root_cause
 from fsdpkit.train.optim import lr_factor
 
 

@@ -8,8 +8,10 @@ Modules, each owning one job:
     toml      the one TOML writer
     docs      ``--help-config`` text
     resolve   ``resolve``: load + ``parallel.auto`` + world checks, for launcher and workers
+    batch     ``batch_split``: a step's sequences over ranks and micro-batches
 """
 
+from fsdpkit.config.batch import BatchSplit, batch_split
 from fsdpkit.config.coerce import suggest
 from fsdpkit.config.docs import describe, field_docs
 from fsdpkit.config.io import (
@@ -41,6 +43,7 @@ from fsdpkit.errors import ConfigError
 __all__ = [
     "SECTIONS",
     "ActivationsConfig",
+    "BatchSplit",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
@@ -53,6 +56,7 @@ __all__ = [
     "RunConfig",
     "TrainConfig",
     "apply_dotted",
+    "batch_split",
     "describe",
     "field_docs",
     "from_dict",

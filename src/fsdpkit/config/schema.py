@@ -72,6 +72,9 @@ class DataConfig:
     """Share of the token stream held out for validation."""
     max_bytes: int = 4_000_000
     """Read at most this many bytes of text (bounds start-up time on huge corpora)."""
+    allow_binary: bool = False
+    """Train on files that look binary (NUL bytes or mostly invalid UTF-8); by default
+    such a file is refused by name."""
 
 
 @dataclass(frozen=True)
@@ -80,10 +83,16 @@ class TrainConfig:
     """Optimizer steps to run."""
     seed: int = 0
     """Seed for weights, data order and dropout-free determinism."""
+    global_batch_size: int | None = None
+    """Sequences per optimizer step over all ranks; micro-batches and accumulation are
+    derived per world size, so a resume at another world size keeps the training math
+    (see fsdpkit.config.batch). Empty = micro_batch_size x grad_accum per rank."""
     micro_batch_size: int = 4
-    """Sequences per rank per micro-batch."""
+    """Sequences per rank per micro-batch; with global_batch_size set, the largest
+    micro-batch a rank may take (memory)."""
     grad_accum: int = 1
-    """Micro-batches per optimizer step (only the last one reduces gradients)."""
+    """Micro-batches per optimizer step (only the last one reduces gradients); only
+    when global_batch_size is empty (otherwise it is derived)."""
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
@@ -173,7 +182,8 @@ class CheckpointConfig:
     resume: str = "auto"
     """auto (newest complete checkpoint in the run dir), never, or a checkpoint path."""
     save_on_sigterm: bool = True
-    """On SIGTERM (preemption) checkpoint the current step before exiting."""
+    """On SIGTERM (preemption), SIGINT (Ctrl-C) or SIGHUP checkpoint the current step
+    before exiting; false stops at the step boundary without saving."""
 
 
 @dataclass(frozen=True)

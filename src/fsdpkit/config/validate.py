@@ -8,6 +8,7 @@ import dataclasses
 import math
 from typing import Any
 
+from fsdpkit.config.batch import batch_split
 from fsdpkit.config.schema import ModelConfig, RunConfig
 from fsdpkit.errors import ConfigError
 from fsdpkit.precision import PRESETS
@@ -45,6 +46,10 @@ def validate(cfg: RunConfig) -> None:
     ]:
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, got {value}.")
+    if cfg.train.global_batch_size is not None and cfg.train.global_batch_size <= 0:
+        raise ConfigError(
+            f"train.global_batch_size must be > 0 (or empty), got {cfg.train.global_batch_size}."
+        )
     _validate_floats(cfg)
     if not 0.0 <= cfg.data.val_fraction < 0.5:
         raise ConfigError(f"data.val_fraction must be in [0, 0.5), got {cfg.data.val_fraction}.")
@@ -156,6 +161,7 @@ def mesh_shape(cfg: RunConfig, *, world_size: int, local_world_size: int) -> tup
 
 def validate_for_world(cfg: RunConfig, *, world_size: int, local_world_size: int) -> None:
     """Checks that depend on the world size, run before any process group starts."""
+    batch_split(cfg.train, dp_world=world_size)
     _, shard = mesh_shape(cfg, world_size=world_size, local_world_size=local_world_size)
     raf = cfg.parallel.reshard_after_forward
     if isinstance(raf, int) and not isinstance(raf, bool) and shard % raf:

@@ -97,9 +97,9 @@ def read_documents(cfg: DataConfig) -> list[str]:
         if budget.remaining <= 0:
             break
         if file.suffix == ".jsonl":
-            docs.extend(_read_jsonl(file, text_field=cfg.text_field, budget=budget))
+            docs.extend(_read_jsonl(file, cfg=cfg, budget=budget))
         else:
-            docs.append(_read_text(file, budget=budget))
+            docs.append(_read_text(file, budget=budget, cfg=cfg))
     return [doc for doc in docs if doc]
 
 
@@ -174,22 +174,57 @@ def _glob_files(pattern: str) -> list[Path]:
     return files
 
 
-def _read_text(file: Path, *, budget: _Budget) -> str:
-    """One file as one document, decoded as UTF-8 (bad bytes become U+FFFD)."""
+SNIFF_BYTES = 65536
+"""How much of each file ``binary_reason`` looks at."""
+MAX_INVALID_UTF8 = 0.02
+"""Share of invalid UTF-8 bytes above which a file counts as binary (text in another
+encoding, e.g. Latin-1 with many accents, can exceed it too: data.allow_binary)."""
+
+
+def binary_reason(raw: bytes) -> str | None:
+    """Why ``raw`` (a file's first bytes) looks binary rather than text, or None."""
+    sample = raw[:SNIFF_BYTES]
+    if b"\0" in sample:
+        return "it contains NUL bytes"
+    valid = len(sample.decode("utf-8", errors="ignore").encode("utf-8"))
+    bad = max(len(sample) - valid - 3, 0)  # up to 3 bytes: a character cut at the end
+    if sample and bad / len(sample) > MAX_INVALID_UTF8:
+        return f"{100 * bad / len(sample):.0f}% of its first {len(sample):,} bytes are not UTF-8"
+    return None
+
+
+def _refuse_binary(file: Path, raw: bytes, cfg: DataConfig) -> None:
+    why = None if cfg.allow_binary else binary_reason(raw)
+    if why:
+        raise DataError(
+            f"data.path: {file} does not look like text ({why}); training on it would "
+            "model the bytes of a program or archive, not language. Point data.path at "
+            "text files (.txt, .md, .py, .jsonl...), or set data.allow_binary = true to "
+            "train on it anyway."
+        )
+
+
+def _read_text(file: Path, *, budget: _Budget, cfg: DataConfig) -> str:
+    """One file as one document, decoded as UTF-8 (bad bytes become U+FFFD); a file
+    that looks binary is refused unless data.allow_binary."""
     try:
         with file.open("rb") as f:
             raw = f.read(budget.remaining)
     except OSError as e:
         raise _unreadable(file, e) from e
+    _refuse_binary(file, raw, cfg)
     # final=False drops a multi-byte character cut in half by the byte budget.
     text = codecs.getincrementaldecoder("utf-8")(errors="replace").decode(raw, final=False)
     budget.remaining -= len(raw)
     return text
 
 
-def _read_jsonl(file: Path, *, text_field: str, budget: _Budget) -> Iterator[str]:
+def _read_jsonl(file: Path, *, cfg: DataConfig, budget: _Budget) -> Iterator[str]:
     """Each record's ``text_field`` as one document; the first bad line is an error."""
+    text_field = cfg.text_field
     try:
+        with file.open("rb") as head:
+            _refuse_binary(file, head.read(SNIFF_BYTES), cfg)
         with file.open(encoding="utf-8", errors="replace") as f:
             for line_no, line in enumerate(f, start=1):
                 if budget.remaining <= 0:

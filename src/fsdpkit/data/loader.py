@@ -6,21 +6,25 @@ The token stream is cut into sequences of ``seq_len + 1`` tokens at a stride of
 END of the stream (``split_tokens``), so adding training data later leaves it alone.
 
 [Note: equal batches on every rank]
-One global step takes ``W * B`` sequences (``W`` = data-parallel world size, ``B`` =
-micro-batch size) and rank ``r`` gets the ``r``-th chunk of ``B``. An epoch has
-``floor(num_sequences / (W * B))`` steps on every rank; the remainder is dropped (the
-same sequences on all ranks), so no rank runs out first and leaves the others hanging
-in a collective. The loader is infinite: each epoch is a fresh permutation drawn from
-``(seed, epoch)``, the same on every rank.
+One optimizer step takes ``G = W * B * A`` sequences (``W`` = data-parallel world
+size, ``B`` = micro-batch size, ``A`` = micro-batches per step; see
+fsdpkit.config.batch): micro-batch ``k`` of rank ``r`` is the ``(k * W + r)``-th chunk
+of ``B``. An epoch has ``floor(num_sequences / G)`` steps on every rank; the
+remainder is dropped (the same sequences on all ranks), so no rank runs out first
+and leaves the others hanging in a collective. Epochs end only between optimizer
+steps, so a step never mixes two epochs and, for a fixed ``G``, the order of
+sequences does not depend on how ``G`` is split over ranks. The loader is infinite:
+each epoch is a fresh permutation drawn from ``(seed, epoch)``, the same on every rank.
 
 [Note: Data position maps sensibly]
 The position is ``{"epoch": e, "consumed": c}``: ``c`` counts GLOBAL sequences of
-epoch ``e``'s permutation already handed out, whatever the world size. Global step
-``g`` takes ``perm[g*W*B : (g+1)*W*B]``. A position saved at world size 2 and loaded at
-world size 4 continues at the same point of the same permutation: the next W=4 step
-holds exactly the sequences the next two W=2 steps would have, regrouped across ranks.
-When fewer than ``W * B`` sequences remain in an epoch (which depends on ``W``), the
-epoch ends and the next one starts at ``consumed = 0``.
+epoch ``e``'s permutation already handed out, whatever the world size. Step ``g``
+takes ``perm[g*G : (g+1)*G]``. A position saved at world size 2 and loaded at world
+size 3 with the same ``G`` (``train.global_batch_size``) continues at the same point
+of the same permutation: every later step holds exactly the sequences the
+uninterrupted run's would, regrouped across ranks, none skipped or repeated. When
+fewer than ``G`` sequences remain in an epoch, the epoch ends and the next one starts
+at ``consumed = 0``.
 """
 
 from __future__ import annotations
@@ -80,10 +84,13 @@ class PackedLoader:
         dp_world: int,
         seed: int,
         shuffle: bool = True,
+        grad_accum: int = 1,
     ) -> None:
         _check_args(
             seq_len=seq_len, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_world=dp_world
         )
+        if grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
         self._tokens = tokens.reshape(-1)
         self._seq_len = seq_len
         self._batch = micro_batch_size
@@ -92,20 +99,27 @@ class PackedLoader:
         self._seed = seed
         self._shuffle = shuffle
         self._num_seqs = num_sequences(self._tokens.numel(), seq_len)
-        self._global = dp_world * micro_batch_size
-        if self._num_seqs < self._global:
+        self._micro_global = dp_world * micro_batch_size
+        self._accum = grad_accum
+        self._step_seqs = self._micro_global * grad_accum
+        if self._num_seqs < self._step_seqs:
             raise _too_small(
-                self._tokens.numel(), seq_len=seq_len, batch=micro_batch_size, world=dp_world
+                self._tokens.numel(),
+                seq_len=seq_len,
+                batch=micro_batch_size * grad_accum,
+                world=dp_world,
             )
         self._epoch = 0
         self._consumed = 0
+        self._micro = 0
+        """Micro-batches of the current step already handed out."""
         self._perm_epoch = -1
         self._perm = torch.empty(0, dtype=torch.int64)
 
     @property
     def steps_per_epoch(self) -> int:
-        """Micro-batches per epoch, identical on every rank."""
-        return self._num_seqs // self._global
+        """Optimizer steps per epoch, identical on every rank."""
+        return self._num_seqs // self._step_seqs
 
     @property
     def num_sequences(self) -> int:
@@ -113,15 +127,21 @@ class PackedLoader:
         return self._num_seqs
 
     def next_batch(self) -> torch.Tensor:
-        """This rank's share of the next global step; rolls into the next epoch as needed."""
-        if self._num_seqs - self._consumed < self._global:
+        """This rank's next micro-batch; a step's first one rolls into the next epoch
+        when the current one has fewer than a step's sequences left."""
+        if self._micro == 0 and self._num_seqs - self._consumed < self._step_seqs:
             self._epoch += 1
             self._consumed = 0
         perm = self._permutation(self._epoch)
         start = self._consumed + self._rank * self._batch
         batch = _gather(self._tokens, perm[start : start + self._batch], self._seq_len)
-        self._consumed += self._global
+        self._consumed += self._micro_global
+        self._micro = (self._micro + 1) % self._accum
         return batch
+
+    def next_step(self) -> list[torch.Tensor]:
+        """This rank's micro-batches of the next optimizer step."""
+        return [self.next_batch() for _ in range(self._accum)]
 
     def state_dict(self) -> dict[str, int]:
         """The position as (epoch, global sequences consumed): independent of world size."""
@@ -142,7 +162,7 @@ class PackedLoader:
                 f"the saved data position {state!r} has a negative epoch or count; resume "
                 "from another checkpoint or start the run afresh."
             )
-        self._epoch, self._consumed = epoch, consumed
+        self._epoch, self._consumed, self._micro = epoch, consumed, 0
 
     def _permutation(self, epoch: int) -> torch.Tensor:
         """Epoch ``epoch``'s sequence order: the same on every rank (seeded by (seed, epoch))."""
@@ -161,9 +181,10 @@ def _too_small(num_tokens: int, *, seq_len: int, batch: int, world: int) -> Data
     return DataError(
         f"The training data is too small for one step: it has {num_tokens} tokens (after "
         f"holding out data.val_fraction), but one step across {world} data-parallel "
-        f"rank(s) x train.micro_batch_size {batch} x (data.seq_len {seq_len} + 1, "
+        f"rank(s) x {batch} sequences per rank x (data.seq_len {seq_len} + 1, "
         f"sharing one token) needs at least {needed} tokens. Use more data (data.path, "
-        "data.max_bytes), or a smaller data.seq_len, train.micro_batch_size or world size."
+        "data.max_bytes), or a smaller data.seq_len, train.global_batch_size, "
+        "train.micro_batch_size x train.grad_accum or world size."
     )
 
 

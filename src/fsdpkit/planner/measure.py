@@ -26,7 +26,7 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-from fsdpkit.config import RunConfig, mesh_shape
+from fsdpkit.config import RunConfig, batch_split, mesh_shape
 from fsdpkit.mesh import build_mesh
 from fsdpkit.models.factory import next_token_loss
 from fsdpkit.models.llama import Llama, LlamaConfig
@@ -113,9 +113,10 @@ def _step_peaks(
     shard(model, cfg, mesh=mesh)
     opt = build_optimizer(model, cfg.train)  # the trainer's: foreach, two groups
     gen = torch.Generator().manual_seed(rank)
-    size = (cfg.train.micro_batch_size, cfg.data.seq_len + 1)
+    split = batch_split(cfg.train, dp_world=world_size)
+    size = (split.micro_batch, cfg.data.seq_len + 1)
     batches = [
-        torch.randint(0, shape.vocab_size, size, generator=gen) for _ in range(cfg.train.grad_accum)
+        torch.randint(0, shape.vocab_size, size, generator=gen) for _ in range(split.grad_accum)
     ]
 
     def step() -> None:

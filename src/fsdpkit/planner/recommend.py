@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from fsdpkit.config import RunConfig, with_changes
+from fsdpkit.config import RunConfig, batch_split, with_changes
 from fsdpkit.devices import Device
 from fsdpkit.errors import UserError
 from fsdpkit.planner.api import DEFAULT_MARGIN, plan_scenario
@@ -117,9 +117,19 @@ def _reshards(strategy: dict[str, object], world: int, per_node: int) -> list[ob
     return options
 
 
+def _micro_changes(cfg: RunConfig, *, world: int) -> list[dict[str, object]]:
+    """Micro-batch choices that keep the global batch ([Note: batch split]): with
+    train.global_batch_size set only the per-rank cap changes, else the product
+    micro x accumulation per rank stays."""
+    total = batch_split(cfg.train, dp_world=world).per_rank
+    micros = _divisors(total)[-4:]
+    if cfg.train.global_batch_size is not None:
+        return [{"train.micro_batch_size": m} for m in micros]
+    return [{"train.micro_batch_size": m, "train.grad_accum": total // m} for m in micros]
+
+
 def _grid(cfg: RunConfig, *, world: int, per_node: int, gpu: bool) -> list[dict[str, object]]:
-    total = cfg.train.micro_batch_size * cfg.train.grad_accum
-    micros = [m for m in _divisors(total)][-4:]
+    micros = _micro_changes(cfg, world=world)
     acs = [("none", 2), ("every", 2), ("full", 2)]
     grid = []
     for strat in _strategies(world, per_node):
@@ -131,7 +141,7 @@ def _grid(cfg: RunConfig, *, world: int, per_node: int, gpu: bool) -> list[dict[
                     strat
                     | {"parallel.reshard_after_forward": raf, "offload.params": offload}
                     | {"activations.mode": ac, "activations.every": every}
-                    | {"train.micro_batch_size": micro, "train.grad_accum": total // micro}
+                    | micro
                 )
     return grid
 

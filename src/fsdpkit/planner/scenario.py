@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fsdpkit import precision as presets
-from fsdpkit.config import RunConfig, mesh_shape, validate, validate_for_world
+from fsdpkit.config import RunConfig, batch_split, mesh_shape, validate, validate_for_world
 from fsdpkit.devices import Device
 from fsdpkit.errors import UserError
 from fsdpkit.models.factory import llama_shape
@@ -169,6 +169,7 @@ def scenario(
     if cfg.model.vocab_size is None and vocab is None and cfg.model.preset != "tiny":
         notes.append(_VOCAB_NOTE.format(PRESETS[cfg.model.preset].vocab_size))
     dev = device if device is not None else Device("unspecified", "cpu", None)
+    split = batch_split(cfg.train, dp_world=world_size)
     return Scenario(
         model=shape,
         world_size=world_size,
@@ -183,9 +184,9 @@ def scenario(
         ac_mode=cfg.activations.mode,
         ac_every=cfg.activations.every,
         offload=cfg.offload.params,
-        micro_batch=cfg.train.micro_batch_size,
+        micro_batch=split.micro_batch,
         seq_len=cfg.data.seq_len,
-        grad_accum=cfg.train.grad_accum,
+        grad_accum=split.grad_accum,
         keep_unsharded=cfg.parallel.accum_keep_unsharded,
         device=dev,
         ranks_per_node=local,

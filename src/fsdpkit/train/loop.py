@@ -3,8 +3,10 @@
 ``run(session)`` drives a built ``Session`` (fsdpkit.train.session) to
 ``train.steps``; each step is ``fsdpkit.train.step.train_step`` (the function the
 planner traces). The logged loss is the mean over all data-parallel ranks. Rank 0
-writes metrics and shows progress. The loop runs the same under the CLI's workers
-and under ``fsdpkit.testing.run_ranks`` in a test.
+claims the run directory (checks, lock, ``config.toml``), writes metrics and shows
+progress. SIGTERM, SIGINT and SIGHUP stop the run at a step boundary with a
+checkpoint ([Note: agreeing to stop]). The loop runs the same under the CLI's
+workers and under ``fsdpkit.testing.run_ranks`` in a test.
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from fsdpkit.checkpoint import any_rank
+from fsdpkit.checkpoint.signals import StopFlag, agreed_signal, describe_stop, install_stop_flag
 from fsdpkit.errors import UserError
+from fsdpkit.failures import newest_checkpoint_note
 from fsdpkit.observe.breakdown import DATA_NAME
 from fsdpkit.observe.observer import Observer
+from fsdpkit.rundir import RunDirError, check_run_dir
+from fsdpkit.runlock import RunLock, acquire
 from fsdpkit.train.generate import sample
 from fsdpkit.train.guards import check_finite
 from fsdpkit.train.progress import Progress
@@ -48,10 +53,7 @@ def _step(s: Session) -> tuple[float, float]:
     """One optimizer step on the next micro-batches; (mean loss over ranks, grad norm).
     The scheduler steps too, so read the step's LR before calling this."""
     with record_function(DATA_NAME):  # the profiler's "data" category
-        batches = [
-            s.loader.next_batch().to(s.device, non_blocking=True)
-            for _ in range(s.cfg.train.grad_accum)
-        ]
+        batches = [b.to(s.device, non_blocking=True) for b in s.loader.next_step()]
     result = train_step(
         s.model,
         s.optimizer,
@@ -82,8 +84,7 @@ def _record(
     s: Session, *, step: int, loss: float, norm: float, lr: float, dt: float
 ) -> dict[str, Any]:
     cfg = s.cfg
-    tokens = cfg.train.micro_batch_size * cfg.data.seq_len * cfg.train.grad_accum
-    tokens_per_s = tokens * s.env.world_size / dt
+    tokens_per_s = s.split.global_batch * cfg.data.seq_len / dt
     peak = device_peak_flops(device_type=s.env.device_type, low_precision=s.precision.low_precision)
     mfu = None
     if peak and s.llama is not None:
@@ -115,7 +116,7 @@ def _maybe_eval(
         if val is not None:
             summary.val_losses.append(val)
             progress.message(f"step {step}: validation loss {val:.4f}")
-            s.metrics.write({"step": step, "val_loss": val})
+            _write_metrics(s, {"step": step, "val_loss": val})
             obs.on_eval(step, val)
 
 
@@ -124,17 +125,65 @@ def _maybe_checkpoint(s: Session, *, step: int, progress: Progress, obs: Observe
         return
     if s.checkpointer.maybe_save(step, s.app_state(), final=step == s.cfg.train.steps):
         blocking = s.checkpointer.last_blocking_s
-        s.metrics.write({"step": step, "checkpoint_blocking_s": blocking})
+        _write_metrics(s, {"step": step, "checkpoint_blocking_s": blocking})
         obs.on_checkpoint(step, blocking)
         progress.message(f"step {step}: checkpoint saved ({blocking:.2f}s blocking)")
 
 
+def _write_metrics(s: Session, record: dict[str, Any]) -> None:
+    """Append to metrics.jsonl (rank 0); a file-system fault names the newest
+    checkpoint so the user knows what a rerun resumes from."""
+    try:
+        s.metrics.write(record)
+    except RunDirError as exc:
+        raise RunDirError(
+            f"{exc} Training stopped after step {s.state.step}. {newest_checkpoint_note(s.run_dir)}"
+        ) from None
+
+
+def _stop_for_signal(s: Session, *, signum: int, step: int) -> str:
+    """Save (or not) after a stop signal; what happened, for the user."""
+    what = describe_stop(signum)
+    ckpt = s.checkpointer
+    if ckpt is None:
+        return (
+            f"{what}: stopped after step {step}; no checkpoint saved: checkpointing is off "
+            "(checkpoint.every = 0 and checkpoint.resume = never)."
+        )
+    if not s.cfg.checkpoint.save_on_sigterm:
+        return (
+            f"{what}: stopped after step {step}; no checkpoint saved "
+            f"(checkpoint.save_on_sigterm = false). {newest_checkpoint_note(s.run_dir)}"
+        )
+    if step == 0:
+        return f"{what}: stopped before the first step; nothing to save."
+    if ckpt.last_step != step:
+        ckpt.save(step, s.app_state(), blocking=True)
+    ckpt.wait()
+    return (
+        f"{what}: checkpointed step {step} ({ckpt.root / f'step-{step:08d}'}); run the "
+        "same command again to resume from it."
+    )
+
+
+def _stop_requested(s: Session, stop: StopFlag, summary: RunSummary, progress: Progress) -> bool:
+    """Collective ([Note: agreeing to stop]): whether any rank got a stop signal; if so
+    every rank saves the current step and ``summary`` records what happened."""
+    signum = agreed_signal(stop.signum, device=s.device)
+    if not signum:
+        return False
+    summary.stop_signal = signum
+    summary.stop_note = _stop_for_signal(s, signum=signum, step=s.state.step)
+    progress.message(summary.stop_note)
+    return True
+
+
 def _run_steps(
-    s: Session, *, progress: Progress, summary: RunSummary, stop_flag: Any, obs: Observer
+    s: Session, *, progress: Progress, summary: RunSummary, stop: StopFlag, obs: Observer
 ) -> None:
     cfg = s.cfg
     rates = []
-    while s.state.step < cfg.train.steps:
+    while s.state.step < cfg.train.steps and not _stop_requested(s, stop, summary, progress):
         obs.before_step(s.state.step + 1)
         t0 = time.perf_counter()
         lr = float(s.scheduler.get_last_lr()[0])
@@ -154,7 +203,7 @@ def _run_steps(
             progress.message(note)
         if step % cfg.logging.log_every == 0 or step == cfg.train.steps:
             record = _record(s, step=step, loss=loss, norm=norm, lr=lr, dt=dt)
-            s.metrics.write(record)
+            _write_metrics(s, record)
             obs.on_step(record)
             rates.append(record["tokens_per_s"])
             summary.peak_mem_mib = max(record["peak_mem_mib"])
@@ -167,40 +216,88 @@ def _run_steps(
         summary.final_loss = loss
         _maybe_eval(s, step=step, progress=progress, summary=summary, obs=obs)
         _maybe_checkpoint(s, step=step, progress=progress, obs=obs)
-        if stop_flag is not None and any_rank(stop_flag(), device=s.device):
-            assert s.checkpointer is not None  # the flag is only installed with one
-            if s.checkpointer.last_step != step:
-                s.checkpointer.save(step, s.app_state(), blocking=True)
-            progress.message(f"SIGTERM: checkpointed step {step}, exiting")
-            break
     steady = rates[1:] or rates
     summary.tokens_per_s = sum(steady) / len(steady) if steady else 0.0
     summary.steps = s.state.step
 
 
-def run(s: Session, *, obs: Observer | None = None) -> RunSummary:
+def _broadcast_error(s: Session, message: str | None) -> str | None:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return message
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def claim_run_dir(s: Session) -> RunLock | None:
+    """Rank 0 checks the run dir, takes its lock unless the launcher holds it
+    ([Note: run-dir lock]) and writes ``config.toml`` (``write_run_dir``); collective:
+    every rank raises the same error, or none."""
+    lock, error = None, None
+    if s.env.rank == 0:
+        try:
+            check_run_dir(s.run_dir)
+            if not s.env.run_dir_locked:
+                lock = acquire(s.run_dir)
+            write_run_dir(s)
+        except UserError as exc:
+            if lock is not None:
+                lock.release()
+            error = f"{exc}"
+    error = _broadcast_error(s, error)
+    if error is not None:
+        raise RunDirError(error)
+    return lock
+
+
+def reapply_schedule(s: Session) -> None:
+    """Set the LR THIS config's schedule gives the next step: a resumed checkpoint
+    holds the optimizer's LR (and base LR) of the old config, so a changed train.steps,
+    train.lr, warm-up or schedule would otherwise apply one step late. Bit-identical to
+    the saved LR when nothing changed (the same expression on the same numbers)."""
+    sched = s.scheduler
+    sched.base_lrs = [s.cfg.train.lr for _ in s.optimizer.param_groups]
+    lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+    for group, lr in zip(s.optimizer.param_groups, lrs):
+        group["initial_lr"] = s.cfg.train.lr
+        group["lr"] = lr
+    sched._last_lr = lrs  # what get_last_lr() reports
+
+
+def run(s: Session, *, obs: Observer | None = None, stop: StopFlag | None = None) -> RunSummary:
     """Train ``s`` to ``train.steps`` (collective: every rank runs it), resuming from
     a checkpoint when one is configured. ``obs``: made before the session to count CPU
-    tensor memory for the profiler (fsdpkit.observe.observer); made here otherwise."""
+    tensor memory for the profiler (fsdpkit.observe.observer); made here otherwise.
+    ``stop``: a stop-signal flag installed earlier (the worker installs one before
+    building the session); installed here otherwise."""
+    stop = stop if stop is not None else install_stop_flag()
+    lock = claim_run_dir(s)
+    try:
+        return _train(s, obs=obs or Observer(s.cfg, s.env, cpu_memory=False), stop=stop)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(s: Session, *, obs: Observer, stop: StopFlag) -> RunSummary:
     cfg, env = s.cfg, s.env
-    obs = obs or Observer(cfg, env, cpu_memory=False)
-    write_run_dir(s)
     obs.start()
     resumed = s.checkpointer.resume(s.app_state()) if s.checkpointer else None
+    if resumed is not None:
+        reapply_schedule(s)
     s.metrics.start(resumed_step=resumed or 0)
     progress = Progress(
         total=cfg.train.steps, start=s.state.step, mode=cfg.logging.progress, enabled=env.rank == 0
     )
-    progress.message(f"fsdpkit: {env.world_size} ranks ({env.device_type}), {s.plan.describe()}")
+    progress.message(
+        f"fsdpkit: {env.world_size} ranks ({env.device_type}), {s.plan.describe()}; "
+        f"{s.split.global_batch} sequences per step ({s.split.grad_accum} x "
+        f"{s.split.micro_batch} per rank)"
+    )
     if resumed is not None:
         progress.message(f"resumed from step {resumed}")
     summary = RunSummary()
-    stop_flag = None
-    if s.checkpointer is not None and cfg.checkpoint.save_on_sigterm:
-        from fsdpkit.checkpoint import install_sigterm_flag
-
-        stop_flag = install_sigterm_flag()
-    _run_steps(s, progress=progress, summary=summary, stop_flag=stop_flag, obs=obs)
+    _run_steps(s, progress=progress, summary=summary, stop=stop, obs=obs)
     if s.checkpointer is not None:
         s.checkpointer.wait()
     if note := obs.close():

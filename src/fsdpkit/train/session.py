@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpkit.checkpoint import Checkpointer
-from fsdpkit.config import RunConfig, mesh_shape, to_toml
+from fsdpkit.config import BatchSplit, RunConfig, batch_split, mesh_shape, to_toml
 from fsdpkit.data import (
     PackedLoader,
     Tokenizer,
@@ -26,13 +26,14 @@ from fsdpkit.data import (
     split_tokens,
     validation_batches,
 )
-from fsdpkit.launch import DistEnv, rendezvous_store
+from fsdpkit.launch import DistEnv, pin_collectives, rendezvous_store
 from fsdpkit.mesh import build_mesh
 from fsdpkit.models.buffers import require_buffer_source
 from fsdpkit.models.factory import LossFn, build_model
 from fsdpkit.models.hf import with_model_tokenizer
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.precision import Precision
+from fsdpkit.rundir import RunDirError, describe_os_error, write_text_atomically
 from fsdpkit.sharding import ShardPlan, detect_blocks, make_grad_scaler, resolve_precision, shard
 from fsdpkit.sharding.materialize import is_meta
 from fsdpkit.train.optim import build_optimizer, build_scheduler
@@ -44,6 +45,8 @@ from fsdpkit.train.telemetry import MetricsWriter
 class Session:
     cfg: RunConfig
     env: DistEnv
+    split: BatchSplit
+    """This world size's micro-batches and accumulation ([Note: batch split])."""
     mesh: DeviceMesh
     device: torch.device
     run_dir: Path
@@ -95,6 +98,7 @@ def init_process_group(cfg: RunConfig, env: DistEnv) -> torch.device:
         device = torch.device("cpu")
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
+        pin_collectives(env)  # gloo / NCCL sockets on one interface ([Note: listeners])
         dist.init_process_group(
             backend=_backend(cfg, env),
             store=rendezvous_store(env, timeout=timeout),
@@ -106,12 +110,14 @@ def init_process_group(cfg: RunConfig, env: DistEnv) -> torch.device:
     return device
 
 
-def _data(cfg: RunConfig, env: DistEnv) -> tuple[Tokenizer, PackedLoader, list[torch.Tensor]]:
+def _data(
+    cfg: RunConfig, env: DistEnv, split: BatchSplit
+) -> tuple[Tokenizer, PackedLoader, list[torch.Tensor]]:
     tokenizer = build_tokenizer(cfg.data)
     train_tokens, val_tokens = split_tokens(
         load_token_stream(cfg.data, tokenizer), val_fraction=cfg.data.val_fraction
     )
-    seq, batch = cfg.data.seq_len, cfg.train.micro_batch_size
+    seq, batch = cfg.data.seq_len, split.micro_batch
     loader = PackedLoader(
         train_tokens,
         seq_len=seq,
@@ -119,6 +125,7 @@ def _data(cfg: RunConfig, env: DistEnv) -> tuple[Tokenizer, PackedLoader, list[t
         dp_rank=env.rank,
         dp_world=env.world_size,
         seed=cfg.train.seed,
+        grad_accum=split.grad_accum,
     )
     val = validation_batches(
         val_tokens,
@@ -136,7 +143,8 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     choice are checked before the process group starts, so bad input fails every rank
     alike without any collective."""
     cfg = with_model_tokenizer(cfg)
-    tokenizer, loader, val = _data(cfg, env)
+    split = batch_split(cfg.train, dp_world=env.world_size)
+    tokenizer, loader, val = _data(cfg, env, split)
     built = build_model(
         cfg.model, vocab_size=tokenizer.vocab_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed
     )
@@ -165,6 +173,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     return Session(
         cfg=cfg,
         env=env,
+        split=split,
         mesh=mesh,
         device=device,
         run_dir=run_dir,
@@ -209,12 +218,21 @@ def _checkpointer(
 
 
 def write_run_dir(session: Session) -> None:
-    """Resolved config (re-runnable with ``fsdpkit train config.toml``), rank 0 only."""
+    """Resolved config (re-runnable with ``fsdpkit train config.toml``), and for
+    model.hf its HF files; rank 0 only (the caller: fsdpkit.train.loop.claim_run_dir).
+    RunDirError on a file-system fault ([Note: run-dir faults])."""
     if session.env.rank != 0:
         return
-    session.run_dir.mkdir(parents=True, exist_ok=True)
-    (session.run_dir / "config.toml").write_text(to_toml(session.cfg))
+    write_text_atomically(
+        session.run_dir / "config.toml", to_toml(session.cfg), what="the resolved config"
+    )
     if session.cfg.model.hf:  # what `fsdpkit ckpt export --format hf` ships with the weights
         from fsdpkit.models.hf import HF_RUN_DIR, copy_hf_files
 
-        copy_hf_files(Path(session.cfg.model.hf).expanduser(), session.run_dir / HF_RUN_DIR)
+        try:
+            copy_hf_files(Path(session.cfg.model.hf).expanduser(), session.run_dir / HF_RUN_DIR)
+        except OSError as exc:
+            raise RunDirError(
+                f"cannot copy the model's HF files into {session.run_dir / HF_RUN_DIR}: "
+                f"{describe_os_error(exc)}. Free space or fix the permissions of logging.run_dir."
+            ) from None

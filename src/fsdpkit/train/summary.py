@@ -17,6 +17,10 @@ class RunSummary:
     tokens_per_s: float = 0.0
     peak_mem_mib: float = 0.0
     sample_text: str | None = None
+    stop_signal: int | None = None
+    """The signal that stopped the run early (SIGTERM, SIGINT, SIGHUP), if any."""
+    stop_note: str = ""
+    """What the stop saved, for the user ([Note: agreeing to stop])."""
 
 
 def format_summary(summary: RunSummary, *, cfg: RunConfig) -> str:

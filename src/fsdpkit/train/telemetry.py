@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from fsdpkit.devices import detected_device
+from fsdpkit.rundir import append_line, read_jsonl, write_text_atomically
 
 
 def device_peak_flops(*, device_type: str, low_precision: bool) -> float | None:
@@ -45,35 +46,24 @@ def peak_memory_kind(device_type: str) -> str:
     return "cuda_max_allocated" if device_type == "cuda" else "cpu_max_rss"
 
 
-def _step_of(line: str) -> int | None:
-    """The step of a metrics line; None for a torn line (a killed writer leaves one)."""
-    try:
-        return int(json.loads(line).get("step", 0))
-    except (ValueError, AttributeError):
-        return None
-
-
 class MetricsWriter:
-    """Appends one JSON object per logged step to ``metrics.jsonl`` (rank 0 only)."""
+    """Appends one JSON object per logged step to ``metrics.jsonl`` (rank 0 only),
+    whole lines only ([Note: run-dir faults] in fsdpkit.rundir)."""
 
     def __init__(self, path: Path, *, enabled: bool) -> None:
         self.path = path
         self.enabled = enabled
 
     def start(self, *, resumed_step: int) -> None:
-        """Drop records past the resumed step (a fresh run keeps none), so a restarted
-        or re-run job leaves one consistent history."""
-        if not self.enabled or not self.path.exists():
+        """Drop records past the resumed step (a fresh run keeps none), and a torn
+        last line, so a restarted or re-run job leaves one consistent history. The
+        file is replaced atomically: a fault here never loses the kept records."""
+        if not self.enabled or not self.path.is_file():
             return
-        kept = [
-            line
-            for line in self.path.read_text().splitlines()
-            if _step_of(line) is not None and _step_of(line) <= resumed_step  # type: ignore[operator]
-        ]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        kept = [r for r in read_jsonl(self.path) if int(r.get("step", 0)) <= resumed_step]
+        text = "".join(json.dumps(r) + "\n" for r in kept)
+        write_text_atomically(self.path, text, what="the metrics file")
 
     def write(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        if self.enabled:
+            append_line(self.path, record, what="the metrics file")

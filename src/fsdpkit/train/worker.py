@@ -1,32 +1,36 @@
 """The body of one training worker: resolve the config, train, report, exit.
 
 ``fsdpkit train`` runs this in every process the launcher spawns, and in every
-process torchrun or SLURM starts (they join). It resolves the config exactly as the
+process torchrun or SLURM starts (they join). It installs the stop-signal flag first
+(a Ctrl-C during setup then stops cleanly too), resolves the config exactly as the
 launcher did (``fsdpkit.config.resolve``), builds the session, runs the loop, prints
 the summary on rank 0 and leaves with ``os._exit`` (gloo can abort during interpreter
 shutdown otherwise; see ../shared/cpu-fsdp-facts.md). Errors are recorded for the
-launcher's root-cause report (``fsdpkit.launch.write_error``).
+launcher's root-cause report (``fsdpkit.launch.write_error``), and rank 0 reports
+what a stop signal saved (``fsdpkit.launch.report_stop``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from fsdpkit.checkpoint.signals import StopFlag, install_stop_flag
 from fsdpkit.config import resolve
 from fsdpkit.errors import UserError
-from fsdpkit.launch import DistEnv, write_error
-
-PREEMPTED_EXIT = 128 + 15
-"""A run stopped early by SIGTERM exits like a process ended by it, so schedulers do
-not take it for finished."""
+from fsdpkit.launch import DistEnv, report_stop, write_error
 
 
-def train_worker(path: str | None, overrides: Sequence[str], env: DistEnv) -> int:
-    """Train on this rank; the exit code (0 done, 143 stopped early). Raises on errors."""
+def train_worker(
+    path: str | None, overrides: Sequence[str], env: DistEnv, *, stop: StopFlag | None = None
+) -> int:
+    """Train on this rank; the exit code (0 done, 128 + N when signal N stopped the run
+    early: 143 SIGTERM, 130 SIGINT, 129 SIGHUP). Raises on errors."""
     import torch.distributed as dist
 
     from fsdpkit.observe.observer import Observer
@@ -38,28 +42,44 @@ def train_worker(path: str | None, overrides: Sequence[str], env: DistEnv) -> in
         path, overrides, world_size=env.world_size, local_world_size=env.local_world_size
     ).config
     obs = Observer(cfg, env)  # before the model exists: CPU tensor memory for the profiler
-    summary = run(build_session(cfg, env), obs=obs)
+    summary = run(build_session(cfg, env), obs=obs, stop=stop)
     if env.rank == 0:
         print_summary(summary, cfg=cfg)
+        if summary.stop_signal:
+            report_stop(signum=summary.stop_signal, note=summary.stop_note)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    return PREEMPTED_EXIT if summary.steps < cfg.train.steps else 0
+    return 128 + summary.stop_signal if summary.stop_signal else 0
+
+
+def _say_second_signal(rank: int) -> Callable[[int], None]:
+    def note(signum: int) -> None:
+        if rank == 0:
+            name = signal.Signals(signum).name
+            text = f"fsdpkit train: second {name}: stopping at once without saving.\n"
+            with contextlib.suppress(OSError):
+                os.write(2, text.encode())
+
+    return note
 
 
 def main(path: str | None, overrides: Sequence[str], env: DistEnv) -> NoReturn:
     """Run ``train_worker`` and exit the process with its code (2 for a user error,
     1 for anything else, after recording the error for the launcher)."""
+    stop = install_stop_flag()
+    stop.on_second = _say_second_signal(env.rank)
     # The built-in loss never modifies logits in place, which is what this warns about.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     try:
-        code = train_worker(path, overrides, env)
+        code = train_worker(path, overrides, env, stop=stop)
     except UserError as exc:
         write_error(exc, rank=env.rank, user=True)
         code = 2
     except BaseException as exc:
         write_error(exc, rank=env.rank, user=False)
         code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
+    with contextlib.suppress(OSError):  # a hung-up terminal
+        sys.stdout.flush()
+        sys.stderr.flush()
     os._exit(code)
