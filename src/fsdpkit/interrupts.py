@@ -71,6 +71,8 @@ class LauncherSignals:
     def __init__(self) -> None:
         self.first: int | None = None
         """The signal that asked the workers to stop and save."""
+        self.settled = False
+        """The workers are gone; later signals are ignored while the launcher reports."""
         self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
@@ -87,6 +89,8 @@ class LauncherSignals:
 
         if signum == signal.SIGHUP:
             silence_terminal()
+        if self.settled:
+            return
         if self.first is None and signum in GRACEFUL:
             self.first = signum
             raise SignalException(f"fsdpkit launcher got {signum}", signal.Signals(signum))

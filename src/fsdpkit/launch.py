@@ -281,15 +281,20 @@ def spawn(argv: list[str], opts: SpawnOptions) -> int:
         added = _worker_env(opts, control, config.local_addr)
         saved = {k: os.environ.get(k) for k in added}
         os.environ.update(added)
+        signals = LauncherSignals()
         try:
-            with LauncherSignals():
-                elastic_launch(config, sys.executable)("-m", "fsdpkit", "train", *argv)
-        except ChildFailedError as exc:
-            return _report_failure(Path(control), exc, oom_before=oom_before, opts=opts)
-        except SignalException as exc:
-            return _report_stop(Path(control), int(exc.sigval), opts=opts)
-        except ImmediateStop as exc:
-            return _report_immediate(exc.signum, opts=opts)
+            with signals:
+                try:
+                    elastic_launch(config, sys.executable)("-m", "fsdpkit", "train", *argv)
+                except ChildFailedError as exc:
+                    signals.settled = True
+                    return _report_failure(Path(control), exc, oom_before=oom_before, opts=opts)
+                except SignalException as exc:
+                    signals.settled = True
+                    return _report_stop(Path(control), int(exc.sigval), opts=opts)
+                except ImmediateStop as exc:
+                    signals.settled = True
+                    return _report_immediate(exc.signum, opts=opts)
         finally:
             for key, value in saved.items():
                 os.environ.pop(key, None) if value is None else os.environ.update({key: value})

@@ -106,17 +106,23 @@ def command_of(pid: int) -> str:
     return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:160] or "?"
 
 
+def port_holder_pid(port: int) -> int | None:
+    """The pid of the process listening on TCP ``port`` here, when /proc tells."""
+    inodes = {lst.inode for lst in _socket_table() if lst.port == port}
+    if inodes:
+        for pid in _all_pids():
+            if _socket_inodes(pid) & inodes:
+                return pid
+    return None
+
+
 def port_holder(port: int) -> str | None:
     """``pid 123 (python -m http.server 8000)`` for the process listening on ``port``
-    here; ``a process of another user`` or None (nothing listens) when unknowable."""
-    table = [lst for lst in _socket_table() if lst.port == port]
-    if not table:
+    here; ``a process this user cannot inspect`` or None (nothing listens)."""
+    if not any(lst.port == port for lst in _socket_table()):
         return None
-    inodes = {lst.inode for lst in table}
-    for pid in _all_pids():
-        if _socket_inodes(pid) & inodes:
-            return f"pid {pid} ({command_of(pid)})"
-    return "a process this user cannot inspect"
+    pid = port_holder_pid(port)
+    return f"pid {pid} ({command_of(pid)})" if pid else "a process this user cannot inspect"
 
 
 def loopback_interface() -> str | None:

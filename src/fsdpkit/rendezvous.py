@@ -155,14 +155,23 @@ def _host_or_join(host: str, port: int, *, nnodes: int, run_id: str, join_s: flo
             raise _busy(host, port, "the port is in use") from None
         if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
             raise _busy(host, port, exc.strerror or str(exc)) from None
-        holder = netinfo.port_holder(port) if exc.errno == errno.EADDRINUSE else None
-        if holder and "fsdpkit" not in holder:
+        pid = netinfo.port_holder_pid(port) if exc.errno == errno.EADDRINUSE else None
+        if pid is not None and not _is_fsdpkit_launcher(netinfo.command_of(pid)):
             raise _busy(host, port, "another program listens there") from None
         return _join(host, port, nnodes=nnodes, run_id=run_id, join_s=join_s)
     record = {"run_id": run_id, "nnodes": nnodes, "host": socket.gethostname()}
     record["started"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     store.set(MARKER, json.dumps(record))
     return store
+
+
+def _is_fsdpkit_launcher(command: str) -> bool:
+    """Another node of a job started on this machine (``fsdpkit train --nnodes``)."""
+    return (
+        "-m fsdpkit train" in command
+        or "fsdpkit train" in command
+        or ("fsdpkit/__main__.py train" in command)
+    )
 
 
 def _join(host: str, port: int, *, nnodes: int, run_id: str, join_s: float) -> TCPStore:

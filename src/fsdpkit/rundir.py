@@ -115,9 +115,9 @@ def append_line(path: Path, record: dict[str, Any], *, what: str) -> None:
     try:
         size = os.fstat(fd).st_size
         try:
-            written = os.write(fd, data)
-            if written != len(data):
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            rest = memoryview(data)
+            while rest:  # a short write is retried: the retry reports the real errno
+                rest = rest[os.write(fd, rest) :]
         except OSError as exc:
             _cut(fd, size)
             raise RunDirError(

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,16 +39,47 @@ def fsdpkit(
     )
 
 
-def start(*args: str, cwd: Path) -> subprocess.Popen[str]:
-    """``python -m fsdpkit *args`` in the background (run independent commands at once)."""
+def start(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """``python -m fsdpkit *args`` in the background (run independent commands at once),
+    in a session of its own: a test can signal or kill its process group as a terminal
+    or a scheduler would."""
     return subprocess.Popen(
         [sys.executable, "-m", "fsdpkit", *args],
         cwd=cwd,
-        env=cli_env(),
+        env=cli_env(env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,
     )
+
+
+def wait_for_step(
+    run_dir: Path, step: int, proc: subprocess.Popen[str], *, timeout: float = 180
+) -> int:
+    """Wait until metrics.jsonl logs ``step`` or later; the step seen."""
+    deadline = time.monotonic() + timeout
+    path = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if path.exists():
+            lines = path.read_text().splitlines()
+            try:
+                seen = int(json.loads(lines[-1]).get("step", 0)) if lines else 0
+            except ValueError:  # a line being written
+                seen = 0
+            if seen >= step:
+                return seen
+        time.sleep(0.02)
+    raise AssertionError(f"run did not reach step {step}: exit {proc.poll()}")
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (the launcher's workers)."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
 
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:

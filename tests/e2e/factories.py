@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -51,3 +52,16 @@ def gpt2_nan_on_rank1() -> tuple[nn.Module, Any]:
         return loss
 
     return GPT2LMHeadModel(tiny_config("gpt2", vocab_size=256, dim=32)), loss_fn
+
+
+class Sluggish(MLPNet):
+    """Sleeps ``FSDPKIT_TEST_FORWARD_DELAY`` seconds per forward (default 0): steps
+    long enough for a test to signal a run in the middle of one."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        time.sleep(float(os.environ.get("FSDPKIT_TEST_FORWARD_DELAY", "0")))
+        return super().forward(tokens)
+
+
+def sluggish() -> nn.Module:
+    return Sluggish(vocab=256)

@@ -8,18 +8,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import signal
 import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from clirun import FAST, HERE, fsdpkit, losses
+from clirun import FAST, children, fsdpkit, losses, start, wait_for_step
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -34,50 +29,8 @@ ARGS = [
 ]
 
 
-@pytest.fixture
-def launched() -> Iterator[list[subprocess.Popen[str]]]:
-    """Launchers started by a test; killed with their workers if the test fails."""
-    procs: list[subprocess.Popen[str]] = []
-    yield procs
-    for proc in procs:
-        if proc.poll() is None:
-            for pid in _children(proc.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            proc.kill()
-            proc.communicate()
-
-
 def _start(run_dir: Path, *extra: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
-    return subprocess.Popen(
-        [sys.executable, "-m", "fsdpkit", "train", *extra, *ARGS, f"logging.run_dir={run_dir}"],
-        cwd=run_dir.parent,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + 180
-    path = run_dir / "metrics.jsonl"
-    while time.monotonic() < deadline and proc.poll() is None:
-        if path.exists():
-            lines = path.read_text().splitlines()
-            if lines and json.loads(lines[-1]).get("step", 0) >= step:
-                return
-        time.sleep(0.02)
-    raise AssertionError(f"run did not reach step {step}: {proc.poll()}")
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
-    return [int(p) for p in text.split()]
+    return start("train", *extra, *ARGS, f"logging.run_dir={run_dir}", cwd=run_dir.parent)
 
 
 def _reference(tmp_path: Path) -> list[float]:
@@ -93,7 +46,7 @@ def test_sigterm_checkpoints_and_rerun_resumes_bit_exactly(
     run_dir = tmp_path / "preempted"
     proc = _start(run_dir)
     launched.append(proc)
-    _wait_for_step(run_dir, 12, proc)
+    wait_for_step(run_dir, 12, proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode != 0, "a preempted run must not report success"
@@ -113,8 +66,8 @@ def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(
     run_dir = tmp_path / "killed"
     proc = _start(run_dir, "--max-restarts", "1")
     launched.append(proc)
-    _wait_for_step(run_dir, 12, proc)
-    workers = _children(proc.pid)
+    wait_for_step(run_dir, 12, proc)
+    workers = children(proc.pid)
     assert len(workers) == 2, workers
     os.kill(workers[-1], signal.SIGKILL)
     out, err = proc.communicate(timeout=240)
