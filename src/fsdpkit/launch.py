@@ -8,8 +8,8 @@ Two ways in:
   fsdpkit.slurm) the process is a worker.
 
 This is the only module that reads the environment. Workers write their error, if
-any, to ``$FSDPKIT_ERROR_DIR/rank-N-attempt-A.json`` and rank 0 a stop record
-(``stop.json``) after a signal; the spawning launcher prints what happened once
+any, to ``$FSDPKIT_ERROR_DIR/rank-N-attempt-A.json`` and rank 0 how the run ended
+(``outcome.json``); the spawning launcher prints what happened once
 ([Note: root cause] in fsdpkit.failures, [Note: stopping a spawned run] in
 fsdpkit.interrupts). Workers die with their launcher ([Note: worker lifetime] in
 fsdpkit.lifetime); every listener binds to loopback on one node ([Note: listeners]
@@ -41,7 +41,7 @@ LAUNCHER_PID_VAR = "FSDPKIT_LAUNCHER_PID"
 """Set by the spawning launcher: the pid workers bind their lifetime to."""
 LOCKED_VAR = "FSDPKIT_RUN_DIR_LOCKED"
 """Set by a launcher that holds the run-dir lock itself (rank 0 then does not take it)."""
-STOP_FILE = "stop.json"
+OUTCOME_FILE = "outcome.json"
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def rendezvous_store(env: DistEnv, *, timeout: datetime.timedelta) -> Any:
     """
     from torch.distributed import PrefixStore
 
-    from fsdpkit.rendezvous import connect_store, serve_store
+    from fsdpkit.rendezvous import ANSWER_S, connect_store, serve_store
 
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
@@ -142,7 +142,7 @@ def rendezvous_store(env: DistEnv, *, timeout: datetime.timedelta) -> Any:
                 "mod 10000)."
             ) from None
     else:
-        store = connect_store(host, port, timeout=timeout)
+        store = connect_store(host, port, timeout=timeout, answer_s=None if agent else ANSWER_S)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return PrefixStore(f"fsdpkit/attempt-{attempt}", store)
 
@@ -175,13 +175,13 @@ def write_error(exc: BaseException, *, rank: int, user: bool) -> None:
         print(f"fsdpkit train: rank {rank}: error: {message}", file=sys.stderr, flush=True)
 
 
-def report_stop(*, signum: int, note: str) -> None:
-    """Rank 0, after a stop signal: tell the launcher what was saved (``note``), or
-    print it when joined."""
+def report_outcome(*, signum: int | None, note: str) -> None:
+    """Rank 0, at the end: tell the launcher how the run ended (``signum``: the stop
+    signal, None: all steps done) and what was saved (``note``); printed when joined."""
     directory = _control_dir()
     if directory:
-        (directory / STOP_FILE).write_text(json.dumps({"signal": signum, "note": note}))
-    else:
+        (directory / OUTCOME_FILE).write_text(json.dumps({"signal": signum or 0, "note": note}))
+    elif signum:
         print(f"fsdpkit train: {note}", file=sys.stderr, flush=True)
 
 
@@ -311,8 +311,14 @@ def _report_stop(control: Path, signum: int, *, opts: SpawnOptions) -> int:
 
     what = describe_stop(signum)
     try:
-        note = json.loads((control / STOP_FILE).read_text())["note"]
+        record = json.loads((control / OUTCOME_FILE).read_text())
+        note, stopped = str(record["note"]), int(record["signal"])
     except (OSError, ValueError, KeyError):
+        note, stopped = "", -1
+    if stopped == 0:  # the signal came as the last step finished
+        _say(f"{what} arrived as the run ended: {note}")
+        return 0
+    if stopped < 0:
         note = (
             f"{what}: the workers ended before they could save (a save waits for the "
             "current step to finish; they are killed after TORCH_ELASTIC_SHUTDOWN_TIMEOUT, "
@@ -336,9 +342,10 @@ def _report_immediate(signum: int, *, opts: SpawnOptions) -> int:
 def _report_failure(
     control: Path, exc: Any, *, oom_before: failures.OomCounters, opts: SpawnOptions
 ) -> int:
-    stop = control / STOP_FILE
-    if stop.is_file():  # a stop signal sent to the workers themselves
-        return _report_stop(control, int(json.loads(stop.read_text())["signal"]), opts=opts)
+    stop = control / OUTCOME_FILE
+    stopped = int(json.loads(stop.read_text())["signal"]) if stop.is_file() else 0
+    if stopped:  # a stop signal sent to the workers themselves
+        return _report_stop(control, stopped, opts=opts)
     cause = failures.root_cause(control)
     if cause is not None and not failures.is_secondary(str(cause["message"])):
         _say(f"error on rank {cause['rank']}: {cause['message']}")

@@ -56,8 +56,9 @@ from fsdpkit.errors import UserError
 BACKEND = "fsdpkit"
 """The elastic rendezvous backend name this module registers."""
 MARKER = "fsdpkit/rendezvous"
-ANSWER_S = 10.0
-"""Seconds a listener gets to answer like an fsdpkit rendezvous store."""
+ANSWER_S = 30.0
+"""Seconds a listener gets to answer like a rendezvous store (generous: a loaded
+machine is slow, a foreign program never answers)."""
 DEFAULT_PORT = 29400
 
 
@@ -122,11 +123,14 @@ def _wait_accepting(host: str, port: int, deadline: float) -> None:
 
 
 def connect_store(
-    host: str, port: int, *, timeout: datetime.timedelta, answer_s: float = ANSWER_S
+    host: str, port: int, *, timeout: datetime.timedelta, answer_s: float | None = ANSWER_S
 ) -> TCPStore:
     """A TCPStore client of ``host:port``. Waits up to ``timeout`` for the port to
     accept, then ``answer_s`` seconds for a store to answer ([Note: busy rendezvous
-    port]); RendezvousError otherwise."""
+    port]); RendezvousError otherwise. ``answer_s=None``: a store known to be ours
+    (the agent's), connected to directly."""
+    if answer_s is None:
+        return TCPStore(host, port, is_master=False, timeout=timeout)
     _wait_accepting(host, port, time.monotonic() + timeout.total_seconds())
     box: dict[str, Any] = {}
 

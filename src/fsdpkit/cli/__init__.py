@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"fsdpkit {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before a run started (a run handles its own)
+        print(f"fsdpkit {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

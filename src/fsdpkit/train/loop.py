@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from fsdpkit.checkpoint import step_dir_name
 from fsdpkit.checkpoint.signals import StopFlag, agreed_signal, describe_stop, install_stop_flag
 from fsdpkit.errors import UserError
 from fsdpkit.failures import newest_checkpoint_note
@@ -161,7 +162,7 @@ def _stop_for_signal(s: Session, *, signum: int, step: int) -> str:
         ckpt.save(step, s.app_state(), blocking=True)
     ckpt.wait()
     return (
-        f"{what}: checkpointed step {step} ({ckpt.root / f'step-{step:08d}'}); run the "
+        f"{what}: checkpointed step {step} ({ckpt.root / step_dir_name(step)}); run the "
         "same command again to resume from it."
     )
 

@@ -7,7 +7,7 @@ launcher did (``fsdpkit.config.resolve``), builds the session, runs the loop, pr
 the summary on rank 0 and leaves with ``os._exit`` (gloo can abort during interpreter
 shutdown otherwise; see ../shared/cpu-fsdp-facts.md). Errors are recorded for the
 launcher's root-cause report (``fsdpkit.launch.write_error``), and rank 0 reports
-what a stop signal saved (``fsdpkit.launch.report_stop``).
+how the run ended and what a stop signal saved (``fsdpkit.launch.report_outcome``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import NoReturn
 from fsdpkit.checkpoint.signals import StopFlag, install_stop_flag
 from fsdpkit.config import resolve
 from fsdpkit.errors import UserError
-from fsdpkit.launch import DistEnv, report_stop, write_error
+from fsdpkit.launch import DistEnv, report_outcome, write_error
 
 
 def train_worker(
@@ -45,8 +45,8 @@ def train_worker(
     summary = run(build_session(cfg, env), obs=obs, stop=stop)
     if env.rank == 0:
         print_summary(summary, cfg=cfg)
-        if summary.stop_signal:
-            report_stop(signum=summary.stop_signal, note=summary.stop_note)
+        note = summary.stop_note or f"all {summary.steps} steps done."
+        report_outcome(signum=summary.stop_signal, note=note)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
