@@ -32,18 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
+from clirun import FAST
+
 PY = sys.executable
 ARGS = [
+    *[a for a in FAST if not a.startswith(("train.steps", "train.eval", "checkpoint.resume"))],
     "train.steps=40",
     "train.eval_every=0",
-    "train.sample_tokens=0",
-    "data.max_bytes=300000",
-    "data.seq_len=64",
-    "model.n_layers=2",
-    "model.dim=64",
-    "model.ffn_dim=128",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
     "checkpoint.every=5",
     "checkpoint.resume=auto",
     "logging.progress=lines",
