@@ -72,6 +72,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     text = "processes started by the tests were still running (now killed):\n" + "\n".join(lines)
     if reporter is not None:
+        reporter.write_line("")
         reporter.write_line(text, red=True)
     else:
         print(text, file=sys.stderr)
