@@ -29,6 +29,7 @@ import tempfile
 import time
 import traceback
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -246,14 +247,30 @@ def _launch_config(opts: SpawnOptions) -> Any:
 
 
 def _worker_env(opts: SpawnOptions, control: str, local_addr: str) -> dict[str, str]:
+    """What the launcher tells its workers through the environment."""
     env = {ERROR_DIR_VAR: control, LAUNCHER_PID_VAR: str(os.getpid())}
     if opts.lock_held:
         env[LOCKED_VAR] = "1"
     iface = netinfo.interface_of(local_addr) if local_addr else None
-    if iface:
-        env.setdefault("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", iface))
-        env.setdefault("NCCL_SOCKET_IFNAME", os.environ.get("NCCL_SOCKET_IFNAME", iface))
+    if iface:  # [Note: listeners]; a user's own choice wins
+        for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            env[key] = os.environ.get(key, iface)
     return env
+
+
+@contextlib.contextmanager
+def _environ(changes: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``changes`` (the workers inherit it), restored after."""
+    saved = {k: os.environ.get(k) for k in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _quiet_elastic_loggers() -> None:
@@ -267,37 +284,37 @@ def _quiet_elastic_loggers() -> None:
 def spawn(argv: list[str], opts: SpawnOptions) -> int:
     """Run ``python -m fsdpkit train *argv`` on ``opts.nproc`` local workers; the exit
     code is 0, 2 for a user error on any rank, 128 + N after signal N, 1 otherwise."""
+    _quiet_elastic_loggers()
+    os.environ.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // opts.nproc, 1)))
+    config = _launch_config(opts)
+    with (
+        tempfile.TemporaryDirectory(prefix="fsdpkit-control-") as control,
+        _environ(_worker_env(opts, control, config.local_addr)),
+    ):
+        return _launch(config, argv, control=Path(control), opts=opts)
+
+
+def _launch(config: Any, argv: list[str], *, control: Path, opts: SpawnOptions) -> int:
+    """The elastic launch under the launcher's signal handling; how it ended, said once."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     from fsdpkit.interrupts import ImmediateStop, LauncherSignals
 
-    _quiet_elastic_loggers()
-    os.environ.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // opts.nproc, 1)))
-    config = _launch_config(opts)
     oom_before = failures.OomCounters.read()
-    with tempfile.TemporaryDirectory(prefix="fsdpkit-control-") as control:
-        added = _worker_env(opts, control, config.local_addr)
-        saved = {k: os.environ.get(k) for k in added}
-        os.environ.update(added)
-        signals = LauncherSignals()
+    with LauncherSignals() as signals:
         try:
-            with signals:
-                try:
-                    elastic_launch(config, sys.executable)("-m", "fsdpkit", "train", *argv)
-                except ChildFailedError as exc:
-                    signals.settled = True
-                    return _report_failure(Path(control), exc, oom_before=oom_before, opts=opts)
-                except SignalException as exc:
-                    signals.settled = True
-                    return _report_stop(Path(control), int(exc.sigval), opts=opts)
-                except ImmediateStop as exc:
-                    signals.settled = True
-                    return _report_immediate(exc.signum, opts=opts)
-        finally:
-            for key, value in saved.items():
-                os.environ.pop(key, None) if value is None else os.environ.update({key: value})
+            elastic_launch(config, sys.executable)("-m", "fsdpkit", "train", *argv)
+        except ChildFailedError as exc:
+            signals.settled = True
+            return _report_failure(control, exc, oom_before=oom_before, opts=opts)
+        except SignalException as exc:
+            signals.settled = True
+            return _report_stop(control, int(exc.sigval), opts=opts)
+        except ImmediateStop as exc:
+            signals.settled = True
+            return _report_immediate(exc.signum, opts=opts)
     return 0
 
 

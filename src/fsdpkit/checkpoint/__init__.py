@@ -13,7 +13,7 @@ Modules, each owning one thing:
     state         Stateful adapters: model+optimizer, rank-local state, RNG streams
     checkpointer  Checkpointer: save (sync/async), retention, resume
     resume        choose the checkpoint to resume from, precheck, load it
-    signals       SIGTERM flag and cross-rank agreement for preemption
+    signals       stop-signal flag (SIGTERM, SIGINT, SIGHUP) and cross-rank agreement
     hf / export   HF config, load_hf_weights, offline export (hf | torch)
     summary       inspect / list data for the CLI
 
@@ -34,7 +34,7 @@ from fsdpkit.checkpoint.layout import (
     verify,
 )
 from fsdpkit.checkpoint.retention import steps_to_delete
-from fsdpkit.checkpoint.signals import any_rank, install_sigterm_flag
+from fsdpkit.checkpoint.signals import any_rank, install_sigterm_flag, install_stop_flag
 from fsdpkit.checkpoint.staging import async_staging_bytes
 from fsdpkit.checkpoint.state import ModelOptimizerState, RankLocal, RNGState
 from fsdpkit.checkpoint.summary import inspect_checkpoint, list_run
@@ -56,6 +56,7 @@ __all__ = [
     "hf_config",
     "inspect_checkpoint",
     "install_sigterm_flag",
+    "install_stop_flag",
     "list_entries",
     "list_run",
     "llama_config",
