@@ -102,8 +102,9 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         shutil.copytree(good, ckpt)
         _plant(ckpt, evil, match=case == "match")
         for kind, resume in (("auto", "auto"), ("path", str(ckpt))):
-            if case == "match":
-                args = [*FAST, f"checkpoint.resume={resume}", f"logging.run_dir={run}"]
+            if case == "match":  # at once: each in its own run dir (one run per run dir)
+                run_dir = run if kind == "auto" else tmp / f"{case}-{kind}-run"
+                args = [*FAST, f"checkpoint.resume={resume}", f"logging.run_dir={run_dir}"]
                 procs[f"{case}-train-{kind}"] = start("train", "--nproc", "1", *args, cwd=tmp)
             else:
                 results[f"{case}-train-{kind}"] = _resume(run, resume)
