@@ -25,6 +25,8 @@ epoch ends and the next one starts at ``consumed = 0``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -112,16 +114,20 @@ class PackedLoader:
         """Training sequences in one epoch before the remainder is dropped."""
         return self._num_seqs
 
-    def next_batch(self) -> torch.Tensor:
+    def next_batch(self) -> Any:
         """This rank's share of the next global step; rolls into the next epoch as needed."""
         if self._num_seqs - self._consumed < self._global:
             self._epoch += 1
             self._consumed = 0
         perm = self._permutation(self._epoch)
         start = self._consumed + self._rank * self._batch
-        batch = _gather(self._tokens, perm[start : start + self._batch], self._seq_len)
+        batch = self._rows(perm[start : start + self._batch])
         self._consumed += self._global
         return batch
+
+    def _rows(self, seq_ids: torch.Tensor) -> Any:
+        """The sequences ``seq_ids`` as one micro-batch (SFTLoader returns an SFTBatch)."""
+        return _gather(self._tokens, seq_ids, self._seq_len)
 
     def state_dict(self) -> dict[str, int]:
         """The position as (epoch, global sequences consumed): independent of world size."""
@@ -186,11 +192,21 @@ def validation_batches(
         seq_len=seq_len, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_world=dp_world
     )
     flat = tokens.reshape(-1)
+    ids = validation_ids(
+        num_sequences(flat.numel(), seq_len),
+        micro_batch_size=micro_batch_size,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+        max_batches=max_batches,
+    )
+    return [_gather(flat, seq_ids, seq_len) for seq_ids in ids]
+
+
+def validation_ids(
+    num_seqs: int, *, micro_batch_size: int, dp_rank: int, dp_world: int, max_batches: int
+) -> list[torch.Tensor]:
+    """Sequence ids of this rank's validation micro-batches (see ``validation_batches``)."""
     per_step = dp_world * micro_batch_size
-    count = min(max(max_batches, 0), num_sequences(flat.numel(), seq_len) // per_step)
-    batches = []
-    for i in range(count):
-        first = i * per_step + dp_rank * micro_batch_size
-        seq_ids = torch.arange(first, first + micro_batch_size)
-        batches.append(_gather(flat, seq_ids, seq_len))
-    return batches
+    count = min(max(max_batches, 0), num_seqs // per_step)
+    firsts = [i * per_step + dp_rank * micro_batch_size for i in range(count)]
+    return [torch.arange(first, first + micro_batch_size) for first in firsts]

@@ -192,9 +192,12 @@ def run(s: Session, *, obs: Observer | None = None) -> RunSummary:
         total=cfg.train.steps, start=s.state.step, mode=cfg.logging.progress, enabled=env.rank == 0
     )
     progress.message(f"fsdpkit: {env.world_size} ranks ({env.device_type}), {s.plan.describe()}")
+    for note in (s.finetune.describe() if s.finetune else None, s.data_note):
+        if note:
+            progress.message(note)
     if resumed is not None:
         progress.message(f"resumed from step {resumed}")
-    summary = RunSummary()
+    summary = RunSummary(params=s.finetune.counts.describe() if s.finetune else None)
     stop_flag = None
     if s.checkpointer is not None and cfg.checkpoint.save_on_sigterm:
         from fsdpkit.checkpoint import install_sigterm_flag

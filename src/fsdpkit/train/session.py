@@ -26,12 +26,15 @@ from fsdpkit.data import (
     split_tokens,
     validation_batches,
 )
+from fsdpkit.data.sft import is_sft
+from fsdpkit.finetune import Finetune, base_view, prepare
 from fsdpkit.launch import DistEnv, rendezvous_store
 from fsdpkit.mesh import build_mesh
 from fsdpkit.models.buffers import require_buffer_source
-from fsdpkit.models.factory import LossFn, build_model
+from fsdpkit.models.factory import LossFn, build_model, next_token_loss
 from fsdpkit.models.hf import with_model_tokenizer
 from fsdpkit.models.llama import LlamaConfig
+from fsdpkit.models.sft_loss import sft_loss
 from fsdpkit.precision import Precision
 from fsdpkit.sharding import ShardPlan, detect_blocks, make_grad_scaler, resolve_precision, shard
 from fsdpkit.sharding.materialize import is_meta
@@ -49,7 +52,8 @@ class Session:
     run_dir: Path
     tokenizer: Tokenizer
     loader: PackedLoader
-    val: list[torch.Tensor]
+    val: list[Any]
+    """This rank's validation micro-batches (token ids, or SFTBatch for SFT data)."""
     model: nn.Module
     loss_fn: LossFn
     llama: LlamaConfig | None
@@ -61,6 +65,10 @@ class Session:
     state: TrainerState
     checkpointer: Checkpointer | None
     metrics: MetricsWriter
+    finetune: Finetune | None = None
+    """What model.freeze / [lora] did (None for sessions built without them)."""
+    data_note: str | None = None
+    """What the data pipeline reports at the start (SFT rows, truncation counts)."""
 
     @property
     def dp_rank(self) -> int:
@@ -70,12 +78,18 @@ class Session:
         """What a checkpoint holds (DCP Statefuls)."""
         from fsdpkit.checkpoint import ModelOptimizerState, RankLocal, RNGState
 
-        return {
-            "app": ModelOptimizerState(self.model, self.optimizer),
+        only = self.cfg.checkpoint.adapters_only
+        state: dict[str, Any] = {
+            "app": ModelOptimizerState(self.model, self.optimizer, trainable_only=only),
             "scheduler": self.scheduler,
             "trainer": self.state,
             "rng": RankLocal(RNGState()),
         }
+        if self.finetune is not None and self.finetune.active:
+            from fsdpkit.checkpoint.frozen import FrozenBase
+
+            state["frozen"] = FrozenBase(self.model, check=only)
+        return state
 
 
 def _backend(cfg: RunConfig, env: DistEnv) -> str:
@@ -106,8 +120,29 @@ def init_process_group(cfg: RunConfig, env: DistEnv) -> torch.device:
     return device
 
 
-def _data(cfg: RunConfig, env: DistEnv) -> tuple[Tokenizer, PackedLoader, list[torch.Tensor]]:
+def _sft_data(
+    cfg: RunConfig, env: DistEnv, tokenizer: Tokenizer
+) -> tuple[PackedLoader, list[Any], str]:
+    from fsdpkit.data.sft_loader import SFTLoader, load_sft, sft_validation_batches
+
+    data = load_sft(cfg.data, tokenizer)
+    batch = cfg.train.micro_batch_size
+    ranks = {"dp_rank": env.rank, "dp_world": env.world_size}
+    loader = SFTLoader(
+        data.train, seq_len=cfg.data.seq_len, micro_batch_size=batch, seed=cfg.train.seed, **ranks
+    )
+    val = sft_validation_batches(
+        data.val, micro_batch_size=batch, max_batches=cfg.train.eval_batches, **ranks
+    )
+    return loader, val, data.describe(cfg.data)
+
+
+def _data(
+    cfg: RunConfig, env: DistEnv, *, sft: bool
+) -> tuple[Tokenizer, PackedLoader, list[Any], str | None]:
     tokenizer = build_tokenizer(cfg.data)
+    if sft:
+        return tokenizer, *_sft_data(cfg, env, tokenizer)
     train_tokens, val_tokens = split_tokens(
         load_token_stream(cfg.data, tokenizer), val_fraction=cfg.data.val_fraction
     )
@@ -128,7 +163,7 @@ def _data(cfg: RunConfig, env: DistEnv) -> tuple[Tokenizer, PackedLoader, list[t
         dp_world=env.world_size,
         max_batches=cfg.train.eval_batches,
     )
-    return tokenizer, loader, val
+    return tokenizer, loader, val, None
 
 
 def build_session(cfg: RunConfig, env: DistEnv) -> Session:
@@ -136,11 +171,14 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     choice are checked before the process group starts, so bad input fails every rank
     alike without any collective."""
     cfg = with_model_tokenizer(cfg)
-    tokenizer, loader, val = _data(cfg, env)
+    sft = is_sft(cfg.data)
+    tokenizer, loader, val, data_note = _data(cfg, env, sft=sft)
     built = build_model(
         cfg.model, vocab_size=tokenizer.vocab_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed
     )
     model = built.module
+    precision = resolve_precision(cfg.precision, device_type=env.device_type)
+    finetune = prepare(model, cfg, precision=precision, init=built.init)
     if is_meta(model):  # never train on buffers that to_empty leaves as garbage
         require_buffer_source(model)
     detect_blocks(model, class_names=cfg.parallel.block_classes or None)
@@ -151,14 +189,14 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     mesh = build_mesh(replicate=replicate, shard=shard_deg, device_type=env.device_type)
     if not is_meta(model):  # fully_shard moves the shards; this only puts buffers in place
         model.to(device)
-    plan = shard(model, cfg, mesh=mesh, init=built.init)
+    plan = shard(model, cfg, mesh=mesh, init=finetune.init)
     if cfg.model.init_from:
         from fsdpkit.checkpoint import load_hf_weights
         from fsdpkit.migrate.fsdp1_checkpoint import detect, load_fsdp1_checkpoint
 
         path = Path(cfg.model.init_from)
-        (load_fsdp1_checkpoint if detect(path) else load_hf_weights)(model, path)
-    precision = resolve_precision(cfg.precision, device_type=env.device_type)
+        with base_view(model):  # the base model's names ([Note: LoRA with FSDP2])
+            (load_fsdp1_checkpoint if detect(path) else load_hf_weights)(model, path)
     optimizer = build_optimizer(model, cfg.train)
     scaler = make_grad_scaler(precision, device_type=env.device_type)
     run_dir = Path(cfg.logging.run_dir)
@@ -172,7 +210,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         loader=loader,
         val=val,
         model=model,
-        loss_fn=built.loss_fn,
+        loss_fn=sft_loss if sft and built.loss_fn is next_token_loss else built.loss_fn,
         llama=built.llama,
         plan=plan,
         precision=precision,
@@ -181,9 +219,16 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         scaler=scaler,
         state=TrainerState(loader=loader, scaler=scaler),
         checkpointer=_checkpointer(
-            cfg, env, run_dir=run_dir, mesh=(replicate, shard_deg), llama=built.llama
+            cfg,
+            env,
+            run_dir=run_dir,
+            mesh=(replicate, shard_deg),
+            llama=built.llama,
+            finetune=finetune.record(model),
         ),
         metrics=MetricsWriter(run_dir / "metrics.jsonl", enabled=env.rank == 0),
+        finetune=finetune,
+        data_note=data_note,
     )
 
 
@@ -194,6 +239,7 @@ def _checkpointer(
     run_dir: Path,
     mesh: tuple[int, int],
     llama: LlamaConfig | None,
+    finetune: dict[str, Any] | None = None,
 ) -> Checkpointer | None:
     """None when the run neither saves nor resumes (checkpoint.every = 0, resume = never)."""
     if cfg.checkpoint.every == 0 and cfg.checkpoint.resume == "never":
@@ -204,6 +250,7 @@ def _checkpointer(
         "strategy": cfg.parallel.strategy,
         "config": cfg.to_dict(),
         "model": llama.to_dict() if llama is not None else None,
+        "finetune": finetune,
     }
     return Checkpointer(run_dir=run_dir, cfg=cfg.checkpoint, run_meta=meta)
 

@@ -17,6 +17,8 @@ class RunSummary:
     tokens_per_s: float = 0.0
     peak_mem_mib: float = 0.0
     sample_text: str | None = None
+    params: str | None = None
+    """Trainable vs total parameters."""
 
 
 def format_summary(summary: RunSummary, *, cfg: RunConfig) -> str:
@@ -31,6 +33,7 @@ def format_summary(summary: RunSummary, *, cfg: RunConfig) -> str:
         ("best validation loss", f"{min(val):.4f}" if val else "-"),
         ("tokens/s (all ranks)", f"{summary.tokens_per_s:,.0f}"),
         ("peak memory per rank", f"{summary.peak_mem_mib:,.0f} MiB"),
+        ("parameters", summary.params or "-"),
         ("run directory", cfg.logging.run_dir),
     ]
     width = max(len(k) for k, _ in rows)
