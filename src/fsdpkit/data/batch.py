@@ -41,6 +41,11 @@ class SFTBatch:
     """(batch, seq) int64 next-token ids, IGNORE_INDEX where no loss is taken."""
     positions: torch.Tensor | None = None
     """(batch, seq) int64 position ids restarting at each packed example; None unpacked."""
+    normalizer: float | None = None
+    """What the sum of this micro-batch's token losses is divided by: the answer tokens
+    of the whole data-parallel micro-step (all ranks) over the number of ranks, so the
+    averaged gradient is the mean over every answer token of the micro-step, however
+    it is split over ranks ([Note: SFT loss weighting]). None: this batch's own count."""
 
     @property
     def device(self) -> torch.device:
@@ -59,6 +64,7 @@ class SFTBatch:
             inputs=self.inputs.to(device, non_blocking=non_blocking),
             targets=self.targets.to(device, non_blocking=non_blocking),
             positions=move(self.positions),
+            normalizer=self.normalizer,
         )
 
     def target_count(self) -> int:

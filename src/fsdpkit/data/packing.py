@@ -44,12 +44,18 @@ class Rows:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
-    def take(self, index: torch.Tensor) -> SFTBatch:
-        """The rows ``index`` as a micro-batch."""
+    def targets_in(self, index: torch.Tensor) -> int:
+        """Answer tokens (loss targets) in the rows ``index``."""
+        return int(self.train[index][:, 1:].sum())
+
+    def take(self, index: torch.Tensor, *, normalizer: float | None = None) -> SFTBatch:
+        """The rows ``index`` as a micro-batch (``normalizer``: see ``SFTBatch``)."""
         tokens, train = self.tokens[index], self.train[index]
         targets = torch.where(train[:, 1:], tokens[:, 1:], IGNORE_INDEX)
         positions = None if self.positions is None else self.positions[index][:, :-1]
-        return SFTBatch(inputs=tokens[:, :-1], targets=targets, positions=positions)
+        return SFTBatch(
+            inputs=tokens[:, :-1], targets=targets, positions=positions, normalizer=normalizer
+        )
 
 
 @dataclass(frozen=True)

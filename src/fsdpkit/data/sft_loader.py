@@ -7,6 +7,17 @@ sensibly]: the same number of micro-batches on every rank, a fresh permutation o
 rows per epoch from (seed, epoch), and a position (epoch, global rows consumed) that
 is independent of the world size. The validation split is the last
 ``data.val_fraction`` of the examples (in file order), packed on their own.
+
+[Note: SFT loss weighting]
+Rows hold different numbers of answer tokens, so a per-micro-batch mean would weigh a
+token by how the global batch happens to be split over ranks: resuming at another
+world size (same global batch) would change the loss. Each ``SFTBatch`` therefore
+carries a ``normalizer``: the answer tokens of the whole data-parallel micro-step (all
+ranks' rows, known to every rank since each holds the permutation) divided by the
+number of ranks. The loss is the sum of this rank's token losses over it; FSDP's
+gradient average over ranks then gives the gradient of the mean over every answer
+token of the micro-step, independent of the world size. Micro-steps of one optimizer
+step (gradient accumulation) are averaged with equal weight, as for plain text.
 """
 
 from __future__ import annotations
@@ -44,7 +55,12 @@ class SFTLoader(PackedLoader):
         super().__init__(stream, seq_len=seq_len, micro_batch_size=micro_batch_size, **kwargs)
 
     def _rows(self, seq_ids: torch.Tensor) -> SFTBatch:
-        return self._table.take(seq_ids)
+        # The base class hands out perm[consumed + rank * B ...] and counts ``consumed``
+        # up afterwards, so the whole micro-step (every rank's rows) starts at consumed.
+        step = self._world * self._batch
+        micro_step = self._permutation(self._epoch)[self._consumed : self._consumed + step]
+        normalizer = self._table.targets_in(micro_step) / self._world
+        return self._table.take(seq_ids, normalizer=normalizer)
 
 
 @dataclass(frozen=True)
@@ -97,4 +113,10 @@ def sft_validation_batches(
         dp_world=dp_world,
         max_batches=max_batches,
     )
-    return [rows.take(i) for i in ids]
+    step = dp_world * micro_batch_size
+    out = []
+    for seq_ids in ids:
+        first = int(seq_ids[0]) - dp_rank * micro_batch_size
+        total = rows.targets_in(torch.arange(first, first + step))
+        out.append(rows.take(seq_ids, normalizer=total / dp_world))
+    return out

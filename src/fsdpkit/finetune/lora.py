@@ -99,15 +99,17 @@ def _natural(name: str) -> list[Any]:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
-def peft_config(cfg: LoraConfig, *, targets: list[str], modules_to_save: list[str]) -> Any:
-    """The ``peft.LoraConfig`` of these adapters (also what an export writes)."""
+def peft_config(cfg: LoraConfig, *, targets: list[str]) -> Any:
+    """The ``peft.LoraConfig`` the adapters are injected with. Fully trained modules
+    (``lora.trainable``) are not peft's ``modules_to_save`` here: that would wrap a copy
+    of them (and untie a tied embedding); they simply keep ``requires_grad``, and only an
+    export names them ``modules_to_save`` (fsdpkit.checkpoint.adapters)."""
     peft = peft_module()
     return peft.LoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=list(targets),
-        modules_to_save=list(modules_to_save) or None,
         bias="none",
     )
 

@@ -135,7 +135,7 @@ def prepare(
             adapters.trainable_modules(model, cfg.lora.trainable) if cfg.lora.trainable else []
         )
         _no_overlap(targets, modules)
-        config = adapters.peft_config(cfg.lora, targets=targets, modules_to_save=modules)
+        config = adapters.peft_config(cfg.lora, targets=targets)
         adapters.inject(model, config, seed=cfg.train.seed)
         for name in modules:
             model.get_submodule(name).requires_grad_(True)

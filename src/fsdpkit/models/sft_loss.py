@@ -7,10 +7,10 @@ each example), and the loss is the mean cross-entropy over the targets that are 
 ``IGNORE_INDEX``, in fp32. A plain (batch, seq + 1) tensor falls back to
 ``next_token_loss``, so evaluation and sampling code need not care.
 
-The mean is over this micro-batch's answer tokens; data-parallel ranks and
-accumulated micro-batches are then averaged with equal weight (as for plain text, and
-as TRL does per device), so a micro-batch with few answer tokens weighs as much as one
-with many.
+The loader's batches carry a ``normalizer`` ([Note: SFT loss weighting] in
+fsdpkit.data.sft_loader): the sum of token losses is divided by it, so the gradient
+averaged over ranks is that of the mean over all answer tokens of the micro-step,
+whatever the world size. Without one, the mean over this micro-batch's answer tokens.
 """
 
 from __future__ import annotations
@@ -23,12 +23,17 @@ from torch import nn
 
 from fsdpkit.data.batch import SFTBatch
 from fsdpkit.models.factory import IGNORE_INDEX, logits_of, next_token_loss
+from fsdpkit.models.hf_init import is_hf_model
 
 
 def _logits(model: nn.Module, batch: SFTBatch) -> torch.Tensor:
     kwargs: dict[str, Any] = {}
     if batch.positions is not None:
         kwargs["position_ids"] = batch.positions
+        if is_hf_model(model):
+            # transformers builds the block-diagonal mask from position-id resets only
+            # without a KV cache (with one it silently attends across examples)
+            kwargs["use_cache"] = False
     return logits_of(model(batch.inputs, **kwargs), tokens=batch.inputs)
 
 
@@ -37,11 +42,13 @@ def sft_loss(model: nn.Module, batch: SFTBatch | torch.Tensor) -> torch.Tensor:
     if isinstance(batch, torch.Tensor):
         return next_token_loss(model, batch)
     logits = _logits(model, batch)
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]),
-        batch.targets.reshape(-1),
-        ignore_index=IGNORE_INDEX,
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    if batch.normalizer is None:
+        return F.cross_entropy(flat, batch.targets.reshape(-1), ignore_index=IGNORE_INDEX)
+    total = F.cross_entropy(
+        flat, batch.targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+    return total / batch.normalizer
 
 
 def token_losses(model: nn.Module, batch: SFTBatch) -> torch.Tensor:
