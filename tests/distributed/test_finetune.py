@@ -94,11 +94,13 @@ def _optimizer_bytes(opt: torch.optim.Optimizer) -> int:
     return total
 
 
-def _one_arch(rank: int, world: int, model_dir: str, run_dir: str) -> dict[str, Any]:
+def _one_arch(
+    rank: int, world: int, model_dir: str, run_dir: str, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
     from fsdpkit.checkpoint import Checkpointer, ModelOptimizerState
     from fsdpkit.config import CheckpointConfig
 
-    cfg = _config(model_dir)
+    cfg = _config(model_dir, *extra)
     model, ft = _build(cfg)
     shard(model, cfg, mesh=build_mesh(), init=ft.init)
     before = full_state(model)
@@ -116,7 +118,8 @@ def _one_arch(rank: int, world: int, model_dir: str, run_dir: str) -> dict[str, 
     }
     meta = {"config": cfg.to_dict(), "finetune": ft.record(model)}
     ckpt = Checkpointer(run_dir=Path(run_dir), cfg=CheckpointConfig(every=1), run_meta=meta)
-    ckpt.save(STEPS, {"app": ModelOptimizerState(model, None)})
+    only = cfg.checkpoint.adapters_only
+    ckpt.save(STEPS, {"app": ModelOptimizerState(model, None, trainable_only=only)})
     return out
 
 
@@ -140,8 +143,22 @@ def _bf16_base(rank: int, world: int, model_dir: str) -> dict[str, Any]:
     return out
 
 
+EXTRA: dict[str, tuple[str, tuple[str, ...]]] = {
+    # GPT-2's embedding trained in full beside the adapters: it is tied to the head
+    "gpt2-wte": ("gpt2", ('lora.trainable=["transformer.wte"]',)),
+    # no LoRA: two frozen blocks' worth, an adapters-only checkpoint of the rest
+    "llama-freeze": (
+        "llama",
+        ("lora.rank=0", 'model.freeze=["model.embed_tokens.*","model.layers.0.*"]',
+         "checkpoint.adapters_only=true"),
+    ),
+}  # fmt: skip
+
+
 def _all(rank: int, world: int, dirs: dict[str, str], runs: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {a: _one_arch(rank, world, dirs[a], runs[a]) for a in ARCHS}
+    for name, (arch, extra) in EXTRA.items():
+        out[name] = _one_arch(rank, world, dirs[arch], runs[name], extra)
     out["bf16"] = _bf16_base(rank, world, dirs["llama"])
     return out
 
@@ -156,7 +173,8 @@ def lora_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         a: str(write_tiny_model(tmp / a, arch=a, vocab_size=VOCAB, dim=32, tokenizer=False))
         for a in ARCHS
     }
-    runs = {a: str(tmp / f"run-{a}") for a in ARCHS}
+    runs = {a: str(tmp / f"run-{a}") for a in [*ARCHS, *EXTRA]}
+    dirs.update({name: dirs[arch] for name, (arch, _) in EXTRA.items()})
     ranks = run_ranks(_all, world_size=2, args=(dirs, runs), timeout_s=400)
     return {"tmp": tmp, "dirs": dirs, "runs": runs, "ranks": ranks}
 
@@ -208,7 +226,7 @@ def test_lora_trains_only_adapters_and_matches_one_process(
     )
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [*ARCHS, "gpt2-wte"])
 def test_peft_and_merged_exports_give_the_trained_logits(
     lora_runs: dict[str, Any], arch: str
 ) -> None:
@@ -229,6 +247,26 @@ def test_peft_and_merged_exports_give_the_trained_logits(
     assert set(mine) == set(by_peft)
     for name, value in by_peft.items():  # base + (alpha / r) B @ A, as peft merges it
         torch.testing.assert_close(mine[name], value, rtol=0, atol=1e-6)
+
+
+def test_adapters_only_checkpoint_of_a_frozen_run_exports_over_its_base(
+    lora_runs: dict[str, Any],
+) -> None:
+    """No LoRA: the checkpoint holds the trainable parameters only, and the HF export
+    lays them over the base read from the model directory."""
+    from fsdpkit.checkpoint import export
+
+    got = lora_runs["ranks"][0]["llama-freeze"]
+    ckpt = Path(lora_runs["runs"]["llama-freeze"]) / "checkpoints" / "step-00000010"
+    out = export(ckpt, lora_runs["tmp"] / "freeze-hf", fmt="hf")
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    state = back.state_dict()
+    assert set(state) == set(got["after"])
+    for name, value in got["after"].items():
+        assert torch.equal(state[name], value), name
+    frozen = [n for n in got["after"] if n.startswith(("model.embed", "model.layers.0."))]
+    assert frozen and all(torch.equal(got["after"][n], got["before"][n]) for n in frozen)
+    torch.testing.assert_close(_logits(back), got["logits"], rtol=0, atol=1e-5)
 
 
 def test_bf16_base_computes_what_the_fp32_base_computes_in_bf16(

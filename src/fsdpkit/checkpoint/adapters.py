@@ -85,10 +85,42 @@ def _model_hf(meta: dict[str, Any]) -> str | None:
     return hf if isinstance(hf, str) else None
 
 
-def peft_items(items: Items, record: dict[str, Any]) -> Items:
-    """The checkpoint entries a peft adapter directory holds, under peft's file keys."""
+def _tied(meta: dict[str, Any]) -> dict[str, str]:
+    """``{alias: name}`` of tied parameters recorded with the checkpoint (type-checked)."""
+    tied = meta.get("state", {}).get("tied", {})
+    if not isinstance(tied, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in tied.items()
+    ):
+        raise CheckpointError("the checkpoint's fsdpkit.json has a malformed 'tied' record.")
+    return tied
+
+
+def modules_to_save(record: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    """``lora.trainable`` modules plus the modules tied to them ([Note: tied modules to
+    save]): peft wraps each module to save in a copy of its own, so a trained embedding
+    tied to the head must travel as both, or the head would keep the base's weights."""
+    saved = list(record["modules_to_save"])
+    for alias, name in _tied(meta).items():
+        owner, other = name.rpartition(".")[0], alias.rpartition(".")[0]
+        if owner in saved and other not in saved:
+            saved.append(other)
+    return saved
+
+
+def peft_items(items: Items, record: dict[str, Any], meta: dict[str, Any]) -> Items:
+    """The checkpoint entries a peft adapter directory holds, under peft's file keys.
+
+    [Note: tied modules to save]
+    A tied parameter is stored once (under its first name); when its module is trained
+    in full, the adapter file carries it under every tied name, and each of those
+    modules is in ``modules_to_save``, so peft's copies start equal, as the trained
+    model's shared weight. (peft's own ``ensure_weight_tying`` recognizes only
+    ``embed_tokens`` / ``lm_head``, not GPT-2's ``wte``.)"""
     owners = tuple(f"{m}." for m in record["modules_to_save"])
     chosen = {n: v for n, v in items.items() if is_adapter(n) or n.startswith(owners)}
+    for alias, name in _tied(meta).items():
+        if name in chosen:
+            chosen[alias] = chosen[name]
     missing = [t for t in record["lora_targets"] if f"{t}.lora_A{ADAPTER}weight" not in chosen]
     if missing:
         raise CheckpointError(
@@ -104,16 +136,14 @@ def write_peft_config(out: Path, record: dict[str, Any], meta: dict[str, Any]) -
 
     peft = peft_module()
     targets, conv1d = record["lora_targets"], record["conv1d"]
-    tied = bool(meta.get("state", {}).get("tied"))
     hf = _model_hf(meta)
     config = peft.LoraConfig(
         r=record["rank"],
         lora_alpha=record["alpha"],
         lora_dropout=record["dropout"],
         target_modules=targets,
-        modules_to_save=record["modules_to_save"] or None,
+        modules_to_save=modules_to_save(record, meta) or None,
         fan_in_fan_out=bool(conv1d) and len(conv1d) == len(targets),
-        ensure_weight_tying=tied and bool(record["modules_to_save"]),
         bias="none",
         task_type="CAUSAL_LM",
         base_model_name_or_path=str(Path(hf).expanduser().resolve()) if hf else None,
@@ -122,11 +152,15 @@ def write_peft_config(out: Path, record: dict[str, Any], meta: dict[str, Any]) -
 
 
 def write_peft_weights(out: Path, tensors: dict[str, torch.Tensor]) -> None:
-    save_file(
-        {k: t.contiguous() for k, t in tensors.items()},
-        str(out / "adapter_model.safetensors"),
-        metadata={"format": "pt"},
-    )
+    """``adapter_model.safetensors`` (a tied tensor saved under each name: a copy each,
+    as safetensors stores no shared memory)."""
+    seen: set[int] = set()
+    own = {}
+    for key, t in tensors.items():
+        t = t.contiguous()
+        own[key] = t.clone() if t.data_ptr() in seen else t
+        seen.add(t.data_ptr())
+    save_file(own, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
 # ----------------------------------------------------------------------------- merge
@@ -170,10 +204,13 @@ ReadDCP = Callable[[Items], dict[str, torch.Tensor]]
 
 
 def merged_reader(
-    items: Items, record: dict[str, Any], meta: dict[str, Any], *, read_dcp: ReadDCP
+    items: Items, record: dict[str, Any] | None, meta: dict[str, Any], *, read_dcp: ReadDCP
 ) -> tuple[Items, ReadDCP]:
     """(the tensors a merged export writes, under the base model's names; a reader that
-    loads one shard of them with the adapters folded in)."""
+    loads one shard of them with the adapters folded in). Without a LoRA ``record`` (an
+    adapters-only checkpoint of a ``model.freeze`` run) the trained parameters are laid
+    over the base read from its files."""
+    record = record or {"alpha": 1.0, "rank": 1, "conv1d": [], "lora_targets": []}
     base: Items = {n.replace(".base_layer.", "."): v for n, v in items.items() if not is_adapter(n)}
     files: dict[str, Path] = {}
     if meta.get("state", {}).get("trainable_only"):
@@ -235,5 +272,11 @@ def check_lora_export(meta: dict[str, Any], *, fmt: str, merge: bool) -> dict[st
         raise CheckpointError(
             "--merge folds LoRA adapters into the base weights: it needs a checkpoint with "
             "adapters and --format hf."
+        )
+    if fmt == "torch" and meta.get("state", {}).get("trainable_only"):
+        raise CheckpointError(
+            "this checkpoint holds only the trainable parameters (checkpoint.adapters_only), "
+            "so a torch file of it would miss the frozen base. Export with --format hf "
+            "(the base is read from the run's model.hf / model.init_from) or, for LoRA runs, --format peft."
         )
     return record

@@ -141,10 +141,11 @@ def _export_hf(
     items: Any = model_tensors(ckpt)
     read = None
     record = adapters.check_lora_export(meta, fmt="hf", merge=merge)
-    if record is not None:  # fold the adapters in, under the base model's names
+    overlay = record is not None or meta.get("state", {}).get("trainable_only")
+    if overlay:  # adapters folded in / trained parameters over the base, base names
         items, read = adapters.merged_reader(items, record, meta, read_dcp=partial(_read, ckpt))
     saved_dtype = next(iter(items.values()))[1].properties.dtype
-    dtype = dtype or (saved_dtype if record is not None else None)
+    dtype = dtype or (saved_dtype if overlay else None)
     if run.get("config", {}).get("model", {}).get("hf"):
         files = hf_model_files(ckpt, run)  # before writing anything: it may refuse
         _check_target(out)
@@ -169,7 +170,7 @@ def _export_peft(ckpt: Path, out: Path, *, dtype: torch.dtype | None) -> Path:
     meta = read_meta(ckpt)
     record = adapters.check_lora_export(meta, fmt="peft", merge=False)
     assert record is not None
-    chosen = adapters.peft_items(model_tensors(ckpt), record)
+    chosen = adapters.peft_items(model_tensors(ckpt), record, meta)
     _check_target(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: t.to(dtype or t.dtype) for k, t in _read(ckpt, chosen).items()}
@@ -214,7 +215,7 @@ def export(
     torch_dtype = DTYPES[dtype] if dtype else None
     if fmt not in ("hf", "torch", "peft"):
         raise CheckpointError(f"unknown export format {fmt!r}; choose hf, peft or torch.")
-    if merge and fmt != "hf":
+    if fmt == "torch" or (merge and fmt != "hf"):
         adapters.check_lora_export(read_meta(ckpt), fmt=fmt, merge=merge)
     if fmt == "hf":
         return _export_hf(
