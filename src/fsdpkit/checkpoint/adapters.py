@@ -277,6 +277,7 @@ def check_lora_export(meta: dict[str, Any], *, fmt: str, merge: bool) -> dict[st
         raise CheckpointError(
             "this checkpoint holds only the trainable parameters (checkpoint.adapters_only), "
             "so a torch file of it would miss the frozen base. Export with --format hf "
-            "(the base is read from the run's model.hf / model.init_from) or, for LoRA runs, --format peft."
+            "(the base is read from the run's model.hf / model.init_from) or, for LoRA "
+            "runs, --format peft."
         )
     return record
