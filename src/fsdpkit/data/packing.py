@@ -11,7 +11,7 @@ does not fit in what is left of a row starts the next one, and the rest of the r
 padding (never a target). Position ids restart at 0 at each example (and at the
 padding), and both the built-in Llama and transformers 5 turn such resets into a
 block-diagonal causal mask: a token attends only to earlier tokens of its own example,
-exactly as if the example were alone in its row (tests/distributed/test_finetune.py
+exactly as if the example were alone in its row (tests/unit/test_sft_data.py
 checks per-example losses packed vs unpacked). The first token of each example is not a
 target, so nothing is predicted across a boundary. With ``data.pack = false`` each
 example gets a row of its own, padded.
