@@ -158,11 +158,21 @@ def test_bad_input_is_one_paragraph_and_exit_2(runs: dict[str, Any]) -> None:
             build_session(cfg, env)
         assert all(n in str(err.value) for n in needles), (name, str(err.value))
         assert "\n" not in str(err.value)
+    # resuming the adapters onto another base, or into a run that loads the whole model
+    from fsdpkit.testing.hf import write_tiny_model
+
+    other = write_tiny_model(tmp / "other-base", arch="llama", dim=32, chat=True, seed=1)
+    step3 = f"checkpoint.resume={tmp / 'a' / 'checkpoints' / 'step-00000003'}"
+    cases["base"] = (
+        [step3, f"model.hf={other}"],
+        ["different frozen base", "fingerprint", "model.hf"],
+    )
+    cases["whole"] = ([step3, "checkpoint.adapters_only=false"], ["holds only the trainable"])
     jobs = {
         name: start(
             *_lora(model_dir, tmp / f"bad-{name}", *cases[name][0]), "--nproc", "1", cwd=tmp
         )
-        for name in ("target", "template")
+        for name in ("target", "template", "base", "whole")
     }
     for name, job in jobs.items():
         _, err = job.communicate(timeout=120)

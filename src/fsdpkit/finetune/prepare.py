@@ -92,11 +92,11 @@ def cast_frozen(model: nn.Module, dtype: torch.dtype, *, keep_norms: bool) -> No
     """Store every frozen floating-point parameter in ``dtype`` (ties kept: a shared
     parameter is replaced once, everywhere). With ``keep_norms`` (precision.norms_fp32)
     norm layers keep their fp32 weights."""
-    from fsdpkit.sharding.apply import _is_norm
+    from fsdpkit.sharding.apply import is_norm
 
     done: dict[int, nn.Parameter] = {}
     for module in model.modules():
-        if keep_norms and _is_norm(module):
+        if keep_norms and is_norm(module):
             continue
         for key, p in module._parameters.items():
             if p is None or p.requires_grad or not p.is_floating_point() or p.dtype == dtype:

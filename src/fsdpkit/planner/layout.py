@@ -135,8 +135,9 @@ def layout_of(model: nn.Module, *, class_names: Sequence[str] | None = None) -> 
 
 
 def _norms_frozen(blocks: Sequence[nn.Module]) -> bool:
-    norms = [p for b in blocks for m in b.modules() if type(m).__name__.endswith("Norm")
-             for p in m.parameters(recurse=False)]  # fmt: skip
+    from fsdpkit.sharding.apply import is_norm
+
+    norms = [p for b in blocks for m in b.modules() if is_norm(m) for p in m.parameters(False)]
     return bool(norms) and not any(p.requires_grad for p in norms)
 
 
