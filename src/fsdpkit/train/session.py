@@ -1,7 +1,9 @@
 """Everything one rank needs to train, built in the order FSDP2 requires.
 
-process group -> mesh -> tokenizer and data -> model (meta) -> shard -> weights
-(init or ``init_from``) -> optimizer -> scheduler -> scaler -> checkpointer.
+tokenizer and data (plain text, or SFT rows) -> model (meta) -> LoRA / model.freeze
+(fsdpkit.finetune.prepare) -> process group -> mesh -> shard -> weights (init or
+``init_from``) -> optimizer (trainable parameters) -> scheduler -> scaler ->
+checkpointer.
 """
 
 from __future__ import annotations
@@ -191,12 +193,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         model.to(device)
     plan = shard(model, cfg, mesh=mesh, init=finetune.init)
     if cfg.model.init_from:
-        from fsdpkit.checkpoint import load_hf_weights
-        from fsdpkit.migrate.fsdp1_checkpoint import detect, load_fsdp1_checkpoint
-
-        path = Path(cfg.model.init_from)
-        with base_view(model):  # the base model's names ([Note: LoRA with FSDP2])
-            (load_fsdp1_checkpoint if detect(path) else load_hf_weights)(model, path)
+        _init_from(model, Path(cfg.model.init_from))
     optimizer = build_optimizer(model, cfg.train)
     scaler = make_grad_scaler(precision, device_type=env.device_type)
     run_dir = Path(cfg.logging.run_dir)
@@ -230,6 +227,16 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         finetune=finetune,
         data_note=data_note,
     )
+
+
+def _init_from(model: nn.Module, path: Path) -> None:
+    """``model.init_from``: HF safetensors or an FSDP1 checkpoint, read into the base
+    model's names ([Note: LoRA with FSDP2])."""
+    from fsdpkit.checkpoint import load_hf_weights
+    from fsdpkit.migrate.fsdp1_checkpoint import detect, load_fsdp1_checkpoint
+
+    with base_view(model):
+        (load_fsdp1_checkpoint if detect(path) else load_hf_weights)(model, path)
 
 
 def _checkpointer(
