@@ -3,6 +3,7 @@
     python examples/make_tiny_hf_model.py tiny-llama                     # Llama, with weights
     python examples/make_tiny_hf_model.py tiny-gpt2 --arch gpt2 --dim 128 --layers 4
     python examples/make_tiny_hf_model.py tiny-cfg --config-only         # config.json only
+    python examples/make_tiny_hf_model.py tiny-chat --chat   # + a ChatML chat template (SFT)
     fsdpkit train model.hf=tiny-llama train.steps=50
 
 The directory gets config.json, generation_config.json, model.safetensors (the model's
@@ -32,6 +33,9 @@ def main() -> None:
         "--config-only", action="store_true", help="no weights: random init at train time"
     )
     p.add_argument("--no-tokenizer", action="store_true", help="no tokenizer files")
+    p.add_argument(
+        "--chat", action="store_true", help="tokenizer with a ChatML chat template (chat SFT data)"
+    )
     args = p.parse_args()
     out = write_tiny_model(
         args.out,
@@ -39,6 +43,7 @@ def main() -> None:
         seed=args.seed,
         weights=not args.config_only,
         tokenizer=not args.no_tokenizer,
+        chat=args.chat,
         vocab_size=args.vocab,
         dim=args.dim,
         layers=args.layers,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from fsdpkit.checkpoint import adapters
+from fsdpkit.checkpoint.adapters import ReadDCP
 from fsdpkit.checkpoint.errors import CheckpointError
 from fsdpkit.checkpoint.hf import (
     EMBED,
@@ -111,14 +114,17 @@ def _write_shards(
     *,
     dtype: torch.dtype | None,
     max_shard_bytes: int,
+    read: ReadDCP | None = None,
 ) -> None:
-    """Safetensors shards + index, one shard's tensors in memory at a time."""
+    """Safetensors shards + index, one shard's tensors in memory at a time (``read``
+    loads a shard; default: straight from the checkpoint)."""
     itemsize = dtype.itemsize if dtype is not None else None
     shards = _shards(items, itemsize=itemsize, limit=max_shard_bytes)
+    load = read or partial(_read, ckpt)
     weight_map, total = {}, 0
     for i, shard in enumerate(shards, start=1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {n: t.to(dtype or t.dtype).contiguous() for n, t in _read(ckpt, shard).items()}
+        tensors = {n: t.to(dtype or t.dtype).contiguous() for n, t in load(shard).items()}
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, fname))
@@ -127,15 +133,24 @@ def _write_shards(
     (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _export_hf(ckpt: Path, out: Path, *, dtype: torch.dtype | None, max_shard_bytes: int) -> Path:
-    run = read_meta(ckpt).get("run", {})
-    items = model_tensors(ckpt)
+def _export_hf(
+    ckpt: Path, out: Path, *, dtype: torch.dtype | None, max_shard_bytes: int, merge: bool
+) -> Path:
+    meta = read_meta(ckpt)
+    run = meta.get("run", {})
+    items: Any = model_tensors(ckpt)
+    read = None
+    record = adapters.check_lora_export(meta, fmt="hf", merge=merge)
+    overlay = record is not None or meta.get("state", {}).get("trainable_only")
+    if overlay:  # adapters folded in / trained parameters over the base, base names
+        items, read = adapters.merged_reader(items, record, meta, read_dcp=partial(_read, ckpt))
     saved_dtype = next(iter(items.values()))[1].properties.dtype
+    dtype = dtype or (saved_dtype if overlay else None)
     if run.get("config", {}).get("model", {}).get("hf"):
         files = hf_model_files(ckpt, run)  # before writing anything: it may refuse
         _check_target(out)
         out.mkdir(parents=True, exist_ok=True)
-        _write_shards(ckpt, out, items, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        _write_shards(ckpt, out, items, dtype=dtype, max_shard_bytes=max_shard_bytes, read=read)
         copy_hf_model_files(files, out, dtype=dtype or saved_dtype)
         return out
     cfg = llama_config(run, {n: md.size for n, (_, md) in items.items()})
@@ -145,9 +160,22 @@ def _export_hf(ckpt: Path, out: Path, *, dtype: torch.dtype | None, max_shard_by
         items.pop(HEAD, None)
     _check_target(out)
     out.mkdir(parents=True, exist_ok=True)
-    _write_shards(ckpt, out, items, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    _write_shards(ckpt, out, items, dtype=dtype, max_shard_bytes=max_shard_bytes, read=read)
     config = hf_config(cfg, dtype=dtype or saved_dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _export_peft(ckpt: Path, out: Path, *, dtype: torch.dtype | None) -> Path:
+    meta = read_meta(ckpt)
+    record = adapters.check_lora_export(meta, fmt="peft", merge=False)
+    assert record is not None
+    chosen = adapters.peft_items(model_tensors(ckpt), record, meta)
+    _check_target(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: t.to(dtype or t.dtype) for k, t in _read(ckpt, chosen).items()}
+    adapters.write_peft_weights(out, tensors)
+    adapters.write_peft_config(out, record, meta)
     return out
 
 
@@ -170,11 +198,14 @@ def export(
     fmt: str = "hf",
     dtype: str | None = None,
     max_shard_bytes: int = 5 << 30,
+    merge: bool = False,
 ) -> Path:
     """Write a checkpoint's model weights as HF safetensors (``fmt="hf"``: shards,
-    ``model.safetensors.index.json``, ``config.json``) or one torch file (``fmt="torch"``:
-    a state dict loadable with ``torch.load(..., weights_only=True)``). ``dtype``:
-    bf16, fp16, fp32 or None (as saved). Returns the path written."""
+    ``model.safetensors.index.json``, ``config.json``; of a LoRA run only with
+    ``merge``: adapters folded into the base), one torch file (``fmt="torch"``: a state
+    dict loadable with ``torch.load(..., weights_only=True)``) or a peft adapter
+    directory (``fmt="peft"``, fsdpkit.checkpoint.adapters). ``dtype``: bf16, fp16, fp32
+    or None (as saved). Returns the path written."""
     ckpt = Path(ckpt_path)
     report = verify(ckpt, metadata=True)
     if not report.ok:
@@ -182,8 +213,14 @@ def export(
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}.")
     torch_dtype = DTYPES[dtype] if dtype else None
+    if fmt not in ("hf", "torch", "peft"):
+        raise CheckpointError(f"unknown export format {fmt!r}; choose hf, peft or torch.")
+    if fmt == "torch" or (merge and fmt != "hf"):
+        adapters.check_lora_export(read_meta(ckpt), fmt=fmt, merge=merge)
     if fmt == "hf":
-        return _export_hf(ckpt, Path(out), dtype=torch_dtype, max_shard_bytes=max_shard_bytes)
-    if fmt == "torch":
-        return _export_torch(ckpt, Path(out), dtype=torch_dtype)
-    raise CheckpointError(f"unknown export format {fmt!r}; choose hf or torch.")
+        return _export_hf(
+            ckpt, Path(out), dtype=torch_dtype, max_shard_bytes=max_shard_bytes, merge=merge
+        )
+    if fmt == "peft":
+        return _export_peft(ckpt, Path(out), dtype=torch_dtype)
+    return _export_torch(ckpt, Path(out), dtype=torch_dtype)

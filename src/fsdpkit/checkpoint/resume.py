@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
 
 from fsdpkit.checkpoint.errors import CheckpointError, describe_failure
+from fsdpkit.checkpoint.frozen import FrozenBaseMismatch
 from fsdpkit.checkpoint.layout import (
     DCP_METADATA,
     complete_entries,
@@ -35,7 +36,7 @@ from fsdpkit.checkpoint.layout import (
     verify,
 )
 from fsdpkit.checkpoint.reader import ChecksumMismatch, ReadStats, VerifyingReader
-from fsdpkit.checkpoint.state import RankLocal
+from fsdpkit.checkpoint.state import RankLocal, state_info
 from fsdpkit.checkpoint.untrusted import SafeLoadPlanner, UnsafeCheckpointError, read_metadata
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class Choice:
     """fsdpkit.json's ``files``: name -> size and crc32."""
     metadata: Metadata | None = None
     problems: list[str] = field(default_factory=list)
+    trainable_only: bool = False
+    """The checkpoint holds only the trainable parameters (``checkpoint.adapters_only``)."""
 
 
 def precheck(path: Path) -> Choice:
@@ -66,7 +69,11 @@ def precheck(path: Path) -> Choice:
         metadata = read_metadata(path, meta)
     except CheckpointError as exc:
         return Choice(path, int(meta["step"]), 0, problems=[str(exc)])
-    return Choice(path, int(meta["step"]), int(meta.get("world_size", 1)), meta["files"], metadata)
+    only = bool(meta.get("state", {}).get("trainable_only", False))
+    return Choice(
+        path, int(meta["step"]), int(meta.get("world_size", 1)), meta["files"], metadata,
+        trainable_only=only,
+    )  # fmt: skip
 
 
 def _run_dir_hint(path: Path) -> str:
@@ -175,6 +182,13 @@ def load(
     not verify (nothing was applied to ``state`` then, except tensors written in place)
     and this rank's read statistics; CheckpointError if it does not fit ``state``."""
     assert choice.metadata is not None
+    if choice.trainable_only and not state_info(state)["trainable_only"]:
+        raise CheckpointError(
+            f"checkpoint {choice.path} holds only the trainable parameters "
+            "(checkpoint.adapters_only = true), but this run loads the whole model. Resume "
+            "with checkpoint.adapters_only = true: the frozen base then comes from the model "
+            "settings, as when it was saved."
+        )
     target = loadable(state, saved_world=choice.world_size, world_size=world_size)
     reader = VerifyingReader(
         choice.path,
@@ -187,8 +201,8 @@ def load(
         with quiet_single_process():
             dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
         reader.stats.load_s = time.perf_counter() - t0
-    except (KeyboardInterrupt, SystemExit):
-        raise
+    except (KeyboardInterrupt, SystemExit, FrozenBaseMismatch):
+        raise  # the mismatch is its own paragraph ([Note: adapters need their base])
     except BaseException as exc:
         problems, unsafe = _mismatches(exc)
         if unsafe is not None:  # refused like a file that fails its checksum

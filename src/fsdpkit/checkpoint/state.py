@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -66,6 +67,7 @@ def state_info(state: dict[str, Any]) -> dict[str, Any]:
         "model_prefix": f"{model[0]}.{MODEL_KEY}." if model else None,
         "tied": tied_aliases(state[model[0]].model) if model else {},
         "rank_local": sorted(k for k, v in state.items() if isinstance(v, RankLocal)),
+        "trainable_only": bool(model and state[model[0]].trainable_only),
     }
 
 
@@ -77,16 +79,30 @@ class ModelOptimizerState(Stateful):
     ``optim.param_groups...``; DCP reshards on load.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        trainable_only: bool = False,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.trainable_only = trainable_only
+        """Only parameters with ``requires_grad`` (``checkpoint.adapters_only``): the
+        frozen base is left out on save and left as it is on load."""
+
+    def _options(self) -> StateDictOptions:
+        return StateDictOptions(
+            ignore_frozen_params=self.trainable_only, strict=not self.trainable_only
+        )
 
     def state_dict(self) -> dict[str, Any]:
         if self.optimizer is None:
-            model_sd = get_model_state_dict(self.model)
+            model_sd = get_model_state_dict(self.model, options=self._options())
             out: dict[str, Any] = {MODEL_KEY: model_sd}
         else:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
             out = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
         for alias in tied_aliases(self.model):
             model_sd.pop(alias, None)
@@ -95,15 +111,17 @@ class ModelOptimizerState(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         model_sd = dict(state_dict[MODEL_KEY])
         for alias, name in tied_aliases(self.model).items():
-            model_sd.setdefault(alias, model_sd[name])
+            if name in model_sd:
+                model_sd.setdefault(alias, model_sd[name])
         if self.optimizer is None:
-            set_model_state_dict(self.model, model_sd)
+            set_model_state_dict(self.model, model_sd, options=self._options())
             return
         set_state_dict(
             self.model,
             self.optimizer,
             model_state_dict=model_sd,
             optim_state_dict=state_dict[OPTIM_KEY],
+            options=self._options(),
         )
 
 

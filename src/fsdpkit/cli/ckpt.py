@@ -4,6 +4,8 @@ fsdpkit ckpt list runs/default
 fsdpkit ckpt inspect runs/default/checkpoints/step-00000300 [--json]
 fsdpkit ckpt verify runs/default/checkpoints/step-00000300      # exit 1 if corrupt
 fsdpkit ckpt export runs/default/checkpoints/step-00000300 --format hf out/ [--dtype bf16]
+fsdpkit ckpt export CKPT --format peft adapter/      # LoRA adapters, for PeftModel
+fsdpkit ckpt export CKPT --merge --format hf merged/ # LoRA folded into the base
 """
 
 from __future__ import annotations
@@ -83,8 +85,9 @@ _STATUS = {"complete": "complete", "incomplete": "partial", "unreadable": "unrea
 
 def _export(args: argparse.Namespace) -> int:
     read_meta(Path(args.ckpt))  # a clear error first if it is not a checkpoint
-    out = export(args.ckpt, args.out, fmt=args.format, dtype=args.dtype)
-    print(f"exported {args.ckpt} -> {out} ({args.format})")
+    out = export(args.ckpt, args.out, fmt=args.format, dtype=args.dtype, merge=args.merge)
+    how = f"{args.format}, adapters merged" if args.merge else args.format
+    print(f"exported {args.ckpt} -> {out} ({how})")
     return 0
 
 
@@ -106,9 +109,19 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("run_dir", help="run directory (logging.run_dir)")
     p.set_defaults(func=_list)
-    p = sub.add_parser("export", help="write model weights as HF safetensors or a torch file")
+    p = sub.add_parser(
+        "export", help="write model weights as HF safetensors, a peft adapter dir or a torch file"
+    )
     p.add_argument("ckpt", help="checkpoint directory (step-NNNNNNNN)")
-    p.add_argument("--format", choices=["hf", "torch"], default="hf", help="output format")
-    p.add_argument("out", help="output directory (hf) or file (torch)")
+    p.add_argument(
+        "--format",
+        choices=["hf", "peft", "torch"],
+        default="hf",
+        help="output format (peft: LoRA adapters for PeftModel.from_pretrained)",
+    )
+    p.add_argument(
+        "--merge", action="store_true", help="fold LoRA adapters into the base (--format hf)"
+    )
+    p.add_argument("out", help="output directory (hf, peft) or file (torch)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="cast weights")
     p.set_defaults(func=_export)

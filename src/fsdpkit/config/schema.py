@@ -55,6 +55,10 @@ class ModelConfig:
     """Build on the meta device and materialize only local shards (no rank holds the full model)."""
     init_from: str | None = None
     """Directory of HF-layout safetensors to initialize the weights from."""
+    freeze: list[str] = field(default_factory=list)
+    """Parameter-name globs to freeze (no gradients, no optimizer state), e.g.
+    ["model.embed_tokens.*", "model.layers.[0-7].*"]; a bare name matches as a suffix
+    ("embed_tokens.weight"). Each pattern must match something. See docs/finetune.md."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,14 @@ class DataConfig:
     allow_binary: bool = False
     """Train on files that look binary (NUL bytes or mostly invalid UTF-8); by default
     such a file is refused by name."""
+    format: Literal["auto", "text", "sft"] = "auto"
+    """text: plain text packed for next-token prediction on every token; sft: .jsonl rows
+    of prompt/completion or chat messages, loss on the answers only; auto: sft when the
+    first .jsonl row has "prompt"/"completion" or "messages" and no data.text_field."""
+    pack: bool = True
+    """SFT: pack several examples into one sequence, each attending only to itself
+    (position ids restart per example: block-diagonal causal attention); false = one
+    example per sequence, padded."""
 
 
 @dataclass(frozen=True)
@@ -184,6 +196,31 @@ class CheckpointConfig:
     save_on_sigterm: bool = True
     """On SIGTERM (preemption), SIGINT (Ctrl-C) or SIGHUP checkpoint the current step
     before exiting; false stops at the step boundary without saving."""
+    adapters_only: bool = False
+    """Save only the trainable parameters (LoRA adapters, lora.trainable, what model.freeze
+    leaves) and their optimizer state; on resume the frozen base comes from model.hf /
+    init_from / the seed, checked against a fingerprint saved with the adapters."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank r of every adapter; 0 = no adapters (full fine-tune, or model.freeze)."""
+    alpha: float = 16.0
+    """LoRA alpha: the adapter's output is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (0 = none; > 0 draws per-rank masks)."""
+    targets: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module-name globs of the linear layers that get adapters ("q_proj" matches every
+    *.q_proj); "all-linear" = every Linear/Conv1D inside the blocks (not the output head).
+    Each pattern must match at least one linear layer."""
+    trainable: list[str] = field(default_factory=list)
+    """Parameter-name globs trained fully beside the adapters (peft's modules_to_save),
+    e.g. ["model.embed_tokens.weight"]."""
+    base_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Storage dtype of the frozen base: auto = the precision preset's compute dtype (bf16
+    under precision.mode bf16 / bf16-pure: half the memory, the same numbers, since the
+    base would be cast to bf16 for compute anyway), else fp32. Adapters stay fp32."""
 
 
 @dataclass(frozen=True)
@@ -220,6 +257,7 @@ class RunConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     activations: ActivationsConfig = field(default_factory=ActivationsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_dict(self) -> dict[str, Any]:

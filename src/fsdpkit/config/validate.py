@@ -54,6 +54,7 @@ def validate(cfg: RunConfig) -> None:
     if not 0.0 <= cfg.data.val_fraction < 0.5:
         raise ConfigError(f"data.val_fraction must be in [0, 0.5), got {cfg.data.val_fraction}.")
     _validate_combinations(cfg)
+    _validate_finetune(cfg)
     _validate_logging(cfg)
 
 
@@ -66,6 +67,39 @@ def _validate_logging(cfg: RunConfig) -> None:
             f"logging.profile_steps = {steps} must be [first, last] with 1 <= first <= last "
             f"<= train.steps ({cfg.train.steps}), e.g. logging.profile_steps=[5,6]; "
             "leave it empty to profile nothing."
+        )
+
+
+def _validate_finetune(cfg: RunConfig) -> None:
+    lora = cfg.lora
+    if lora.rank < 0 or lora.alpha <= 0 or not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(
+            f"lora.rank ({lora.rank}) must be >= 0, lora.alpha ({lora.alpha}) > 0 and "
+            f"lora.dropout ({lora.dropout}) in [0, 1)."
+        )
+    if lora.rank and not lora.targets:
+        raise ConfigError(
+            "lora.targets is empty, so lora.rank > 0 adds no adapter; name the layers, e.g. "
+            'lora.targets=["q_proj","v_proj"], or use ["all-linear"].'
+        )
+    mode = cfg.precision.mode
+    if lora.base_dtype == "bf16" and mode in PRESETS and not PRESETS[mode].low_precision:
+        raise ConfigError(
+            f"lora.base_dtype = 'bf16' needs bf16 compute, but precision.mode = {mode!r} "
+            "computes in fp32: the bf16 base could not multiply fp32 activations. Use "
+            "precision.mode = bf16 (the base is then stored in bf16 by default) or "
+            "lora.base_dtype = auto."
+        )
+    if cfg.checkpoint.adapters_only and not (lora.rank or cfg.model.freeze):
+        raise ConfigError(
+            "checkpoint.adapters_only = true saves only the trainable parameters, but this "
+            "run trains all of them (lora.rank = 0, model.freeze empty). Set lora.rank (or "
+            "model.freeze), or checkpoint.adapters_only = false."
+        )
+    if cfg.data.format == "sft" and not cfg.data.path:
+        raise ConfigError(
+            "data.format = 'sft' needs data.path: a .jsonl file with prompt/completion or "
+            "messages rows (the built-in corpus is plain text)."
         )
 
 

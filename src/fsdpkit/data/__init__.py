@@ -10,8 +10,12 @@ Typical use in a training loop::
     batch = loader.next_batch()          # (B, seq_len + 1); input [:, :-1], target [:, 1:]
 
 ``loader.state_dict()`` is world-size independent; see ``fsdpkit.data.loader``.
+SFT data (``.jsonl`` prompt/completion or chat rows): ``fsdpkit.data.sft`` reads and
+checks the rows, ``chat`` applies chat templates, ``packing`` lays examples into rows,
+``sft_loader.SFTLoader`` hands out ``SFTBatch`` micro-batches (docs/finetune.md).
 """
 
+from fsdpkit.data.batch import SFTBatch
 from fsdpkit.data.corpus import load_token_stream, read_documents
 from fsdpkit.data.errors import DataError
 from fsdpkit.data.loader import PackedLoader, split_tokens, validation_batches
@@ -22,6 +26,7 @@ __all__ = [
     "DataError",
     "HFTokenizer",
     "PackedLoader",
+    "SFTBatch",
     "Tokenizer",
     "build_tokenizer",
     "load_token_stream",

@@ -29,6 +29,8 @@ at ``consumed = 0``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -126,7 +128,7 @@ class PackedLoader:
         """Training sequences in one epoch before the remainder is dropped."""
         return self._num_seqs
 
-    def next_batch(self) -> torch.Tensor:
+    def next_batch(self) -> Any:
         """This rank's next micro-batch; a step's first one rolls into the next epoch
         when the current one has fewer than a step's sequences left."""
         if self._micro == 0 and self._num_seqs - self._consumed < self._step_seqs:
@@ -134,14 +136,18 @@ class PackedLoader:
             self._consumed = 0
         perm = self._permutation(self._epoch)
         start = self._consumed + self._rank * self._batch
-        batch = _gather(self._tokens, perm[start : start + self._batch], self._seq_len)
+        batch = self._rows(perm[start : start + self._batch])
         self._consumed += self._micro_global
         self._micro = (self._micro + 1) % self._accum
         return batch
 
-    def next_step(self) -> list[torch.Tensor]:
+    def next_step(self) -> list[Any]:
         """This rank's micro-batches of the next optimizer step."""
         return [self.next_batch() for _ in range(self._accum)]
+
+    def _rows(self, seq_ids: torch.Tensor) -> Any:
+        """The sequences ``seq_ids`` as one micro-batch (SFTLoader returns an SFTBatch)."""
+        return _gather(self._tokens, seq_ids, self._seq_len)
 
     def state_dict(self) -> dict[str, int]:
         """The position as (epoch, global sequences consumed): independent of world size."""
@@ -207,11 +213,21 @@ def validation_batches(
         seq_len=seq_len, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_world=dp_world
     )
     flat = tokens.reshape(-1)
+    ids = validation_ids(
+        num_sequences(flat.numel(), seq_len),
+        micro_batch_size=micro_batch_size,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+        max_batches=max_batches,
+    )
+    return [_gather(flat, seq_ids, seq_len) for seq_ids in ids]
+
+
+def validation_ids(
+    num_seqs: int, *, micro_batch_size: int, dp_rank: int, dp_world: int, max_batches: int
+) -> list[torch.Tensor]:
+    """Sequence ids of this rank's validation micro-batches (see ``validation_batches``)."""
     per_step = dp_world * micro_batch_size
-    count = min(max(max_batches, 0), num_sequences(flat.numel(), seq_len) // per_step)
-    batches = []
-    for i in range(count):
-        first = i * per_step + dp_rank * micro_batch_size
-        seq_ids = torch.arange(first, first + micro_batch_size)
-        batches.append(_gather(flat, seq_ids, seq_len))
-    return batches
+    count = min(max(max_batches, 0), num_seqs // per_step)
+    firsts = [i * per_step + dp_rank * micro_batch_size for i in range(count)]
+    return [torch.arange(first, first + micro_batch_size) for first in firsts]

@@ -197,6 +197,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + _rotate_half(x) * sin).to(x.dtype)
 
 
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """(batch, 1, seq, seq) boolean attention mask for packed rows: causal, and a token
+    sees only tokens of its own example, an example starting wherever a position is not
+    its predecessor + 1 (transformers' ``find_packed_sequence_indices`` rule). None when
+    no row holds more than one example (plain causal attention)."""
+    start = position_ids[:, :1] - 1
+    segment = (torch.diff(position_ids, prepend=start, dim=-1) != 1).cumsum(-1)
+    if bool((segment[:, -1] == 0).all()):
+        return None
+    t = position_ids.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    same = segment.unsqueeze(2) == segment.unsqueeze(1)
+    return (same & causal).unsqueeze(1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -206,7 +221,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -216,7 +233,10 @@ class Attention(nn.Module):
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -241,8 +261,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -275,16 +297,27 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits of ``tokens`` (batch, seq). ``position_ids`` (batch, seq), as in Hugging
+        Face models: RoPE positions, and a reset to a non-successor starts a new example
+        that attends only to itself (packed SFT rows, [Note: SFT batches])."""
         t = tokens.shape[1]
         if t > self.config.max_seq_len:
             raise ValueError(
                 f"sequence length {t} exceeds model.max_seq_len {self.config.max_seq_len}"
             )
         h = self.model.embed_tokens(tokens)
-        cos, sin = self.rope_cos[:t].to(h.dtype), self.rope_sin[:t].to(h.dtype)
+        mask = None
+        if position_ids is None:
+            cos, sin = self.rope_cos[:t].to(h.dtype), self.rope_sin[:t].to(h.dtype)
+        else:  # (batch, 1, seq, head_dim): broadcast over heads
+            cos = self.rope_cos[position_ids].unsqueeze(1).to(h.dtype)
+            sin = self.rope_sin[position_ids].unsqueeze(1).to(h.dtype)
+            mask = document_mask(position_ids)
         for layer in self.model.layers:  # type: ignore[union-attr]
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask)
         return self.lm_head(self.model.norm(h))
 
     def init_buffers(self) -> None:

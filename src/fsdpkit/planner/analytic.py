@@ -56,6 +56,7 @@ def sizes(sc: Scenario) -> Sizes:
         head_dim=m.head_dim,
         vocab=m.vocab_size,
         e=sc.param_bytes,
+        norm_grads=not sc.layout.norms_frozen,
     )
 
 
@@ -65,11 +66,17 @@ def _forward_summary(s: Sizes, keep: bool) -> EventSummary:
 
 
 @functools.cache
-def _backward_summary(s: Sizes, recompute: bool, sdpa_workspace: int) -> EventSummary:
+def _backward_summary(
+    s: Sizes, recompute: bool, sdpa_workspace: int, weight_grads: bool = True
+) -> EventSummary:
+    """``weight_grads=False``: a block with frozen weights (fine-tuning) computes no
+    weight gradients; its trainable ones (adapters) are added by the caller."""
     events = block_recompute(s) if recompute else []
     events += block_backward(s, sdpa_workspace=sdpa_workspace)
     if recompute and s.cast:
         events.append((ACT, -s.nde))  # the checkpointed input (fp32: freed as xf above)
+    if not weight_grads:
+        events = [(c, n) for c, n in events if c != GRAD]
     return summarize(events)
 
 
@@ -94,6 +101,7 @@ class _Step:
         # gloo (CPU ranks) all-gathers into a temporary of the output's size and
         # reduce-scatters a clone of the input; NCCL needs neither.
         self.gloo = not gpu and sc.shard > 1
+        self.dead = leading_frozen_units(sc)
 
     # ------------------------------------------------------------ unit mechanics
 
@@ -138,35 +146,40 @@ class _Step:
         self.held[u.name] = keep
 
     def post_backward(self, u: Unit, *, sync: bool) -> None:
-        """Reshard, then reduce-scatter the unit's grads (or keep them, no-sync)."""
+        """Reshard, then reduce-scatter the unit's grads (or keep them, no-sync). Only
+        trainable parameters have grads; a unit without any only reshards."""
         e, rb = self.s.e, self.sc.reduce_bytes
-        new_grads = u.numel * e
+        new_grads = u.grads_numel * e
+        if not new_grads:
+            self.led.add(UNSH, -self.held.pop(u.name))
+            return
         if not sync:
             self._accumulate(u, new_grads)
             if not self.sc.keep_unsharded:
                 self.led.add(UNSH, -self.held.pop(u.name))
             return
+        gathered = u.grads_sharded * self.sc.shard  # the reduce-scatter input
         self.led.add(COLL, -self.rs_state)  # the previous unit's input is released
         self.led.add(UNSH, -self.held.pop(u.name))
-        self.led.add(COLL, u.gathered * rb)  # copy-in, then the grads are freed
+        self.led.add(COLL, gathered * rb)  # copy-in, then the grads are freed
         self.led.add(GRAD, -new_grads - self.accumulated.pop(u.name, 0))
-        self.rs_state = u.gathered * rb
-        out = u.sharded * rb
-        gloo = u.gathered * rb if self.gloo else 0  # gloo reduces a clone of the input
+        self.rs_state = gathered * rb
+        out = u.grads_sharded * rb
+        gloo = gathered * rb if self.gloo else 0  # gloo reduces a clone of the input
         if rb == 4:
             self.led.apply([("gradients", out), (COLL, gloo), (COLL, -gloo)])
         else:  # reduced in bf16, then cast to the fp32 sharded grad
             self.led.apply([(COLL, out + gloo), (COLL, -gloo)])
-            self.led.apply([("gradients", u.sharded * 4), (COLL, -out)])
+            self.led.apply([("gradients", u.grads_sharded * 4), (COLL, -out)])
         if self.host_states:  # copied to the host right away
-            self.led.add("gradients", -u.sharded * 4)
+            self.led.add("gradients", -u.grads_sharded * 4)
 
     def _accumulate(self, u: Unit, new_grads: int) -> None:
         """No-sync micro-batch: grads stay unsharded, in the reduce dtype."""
         if u.name in self.accumulated:
             self.led.add(GRAD, -new_grads)  # added into the existing accumulator
         elif self.s.e != self.sc.reduce_bytes:
-            self.accumulated[u.name] = u.numel * self.sc.reduce_bytes
+            self.accumulated[u.name] = u.grads_numel * self.sc.reduce_bytes
             self.led.apply([(GRAD, self.accumulated[u.name]), (GRAD, -new_grads)])
         else:
             self.accumulated[u.name] = new_grads
@@ -176,10 +189,10 @@ class _Step:
     def persistent(self) -> None:
         """Sharded params and optimizer states (device or host), buffers, the batch."""
         led, m = self.led, self.sc.model
-        sharded = sum(u.sharded for u in [self.root, *self.units])
         if not self.host_states:
-            led.add("sharded_params", 4 * sharded)
-            led.add("optimizer_states", 8 * sharded)
+            for category, value in model_states(self.sc).items():
+                if category != "gradients":
+                    led.add(category, value)
         led.add("buffers_inputs", 2 * m.max_seq_len * m.head_dim * 4)  # RoPE tables
         led.add("buffers_inputs", self.sc.micro_batch * (self.sc.seq_len + 1) * 8)  # tokens
 
@@ -190,12 +203,14 @@ class _Step:
             self.unshard(self.root, forward=True)
         rope = 2 * self.sc.seq_len * self.sc.model.head_dim * s.e if s.cast else 0
         led.apply([("buffers_inputs", rope), (ACT, s.nde)])
-        for u in self.units:
+        for j, u in enumerate(self.units):
             led.at("forward", f"forward of {u.name}")
             if self.held.get(u.name, 0) < u.gathered * s.e:
                 self.unshard(u, forward=True)
             for ckpt in u.checkpointed:
-                led.apply_summary(_forward_summary(s, not ckpt))
+                led.apply_summary(_forward_summary(s, not ckpt and j >= self.dead))
+                if j < self.dead:  # nothing needs a gradient yet: the input dies here
+                    led.add(ACT, -s.nde)
             self.reshard_after_forward(u, self.reshard_of(u))
         led.at("forward", "final norm and output head")
         led.apply(head_forward(s))
@@ -214,12 +229,19 @@ class _Step:
             self.unshard(self.root, forward=False)
         if self.units:
             self.prefetch(self.units[-1])
-        led.apply(head_backward(s))
-        for j in reversed(range(len(self.units))):
+        frozen = self.sc.layout.frozen_names
+        led.apply(head_backward(s, weight_grad="head" not in frozen))
+        for j in reversed(range(self.dead, len(self.units))):
             self.unit_backward(j, sync=sync)
         led.at("backward", "embedding backward and root reduce-scatter")
-        led.apply(embedding_backward(s, tied=self.sc.model.tie_embeddings))
+        if "embedding" in frozen:  # no weight grad: autograd stops at the embedding output
+            led.add(TEMP, -s.nde)
+        else:
+            led.apply(embedding_backward(s, tied=self.sc.model.tie_embeddings))
         self.post_backward(self.root, sync=sync)
+        for flat in self.prefetched.values():  # prefetched for a unit backward skipped:
+            led.add(COLL, -flat)  # freed when FSDP2's final callback reshards everything
+        self.prefetched.clear()
         rope = 2 * self.sc.seq_len * self.sc.model.head_dim * s.e if s.cast else 0
         led.apply([("buffers_inputs", -rope), (COLL, -self.rs_state)])
         self.rs_state = 0
@@ -229,10 +251,13 @@ class _Step:
         led.at("backward", f"backward of {u.name}")
         if self.held.get(u.name, 0) < u.gathered * s.e:
             self.unshard(u, forward=False)
-        if j > 0:
+        if j > 0:  # FSDP2 prefetches by forward order, a unit backward skips included
             self.prefetch(self.units[j - 1])
+        full = u.grads_numel == u.numel  # else frozen weights: only trainable grads
         for ckpt in reversed(u.checkpointed):
-            led.apply_summary(_backward_summary(s, ckpt, self.sdpa_workspace))
+            led.apply_summary(_backward_summary(s, ckpt, self.sdpa_workspace, full))
+        if not full:
+            led.add(GRAD, u.grads_numel * s.e)
         self.post_backward(u, sync=sync)
 
     def optimizer(self) -> None:
@@ -240,8 +265,17 @@ class _Step:
         the 2-D weights in one group, whose step allocates sqrt(v) for all of them."""
         self.led.at("optimizer step", "AdamW step (foreach)")
         if not self.host_states:
-            temp = 4 * sum(u.matrix_sharded for u in [self.root, *self.units])
+            temp = 4 * sum(u.grads_matrix_sharded for u in [self.root, *self.units])
             self.led.apply([(TEMP, temp), (TEMP, -temp)])
+
+
+def leading_frozen_units(sc: Scenario) -> int:
+    """Block units that run before anything trainable (fine-tuning with a frozen
+    embedding): nothing in them needs a gradient, so autograd saves nothing there and
+    backward never reaches them (FSDP2 does not unshard them again)."""
+    if "embedding" not in sc.layout.frozen_names:
+        return 0
+    return next((j for j, u in enumerate(sc.units) if u.grads_numel), len(sc.units))
 
 
 def require_decoder_blocks(sc: Scenario) -> None:
@@ -258,9 +292,16 @@ def require_decoder_blocks(sc: Scenario) -> None:
 
 def model_states(sc: Scenario) -> dict[str, int]:
     """Sharded parameters, gradients and AdamW states per rank: 4 + 4 + 8 bytes per
-    (padded) local parameter element — ZeRO's 16 bytes per parameter / shard degree."""
-    local = sum(u.sharded for u in [sc.root, *sc.units])
-    return {"sharded_params": 4 * local, "gradients": 4 * local, "optimizer_states": 8 * local}
+    (padded) local parameter element — ZeRO's 16 bytes per parameter / shard degree.
+    Frozen parameters (fine-tuning) keep only their stored bytes: no gradient, no
+    optimizer state (fsdpkit.planner.finetune)."""
+    units = [sc.root, *sc.units]
+    trainable = sum(u.grads_sharded for u in units)
+    return {
+        "sharded_params": sum(u.sharded_param_bytes for u in units),
+        "gradients": 4 * trainable,
+        "optimizer_states": 8 * trainable,
+    }
 
 
 def analytic_memory(sc: Scenario) -> MemoryPlan:

@@ -39,6 +39,9 @@ class Sizes:
     vocab: int
     e: int
     """Bytes per element of the compute dtype."""
+    norm_grads: bool = True
+    """Whether the norms' weights train; frozen (LoRA, fsdpkit.planner.finetune), a norm
+    keeps no normalized copy for a weight gradient."""
 
     @property
     def cast(self) -> bool:
@@ -88,6 +91,10 @@ def _norm_forward(s: Sizes, *, keep: bool) -> list[Event]:
         return _norm_forward_unsaved(s)
     ev: list[Event] = [(ACT, s.nd4)] if s.cast else []
     ev += [(TEMP, s.nd4), (TEMP, 4 * s.n), (TEMP, -s.nd4), (TEMP, 4 * s.n), (TEMP, -4 * s.n)]
+    if not s.norm_grads:  # xn is used by weight * xn only: it dies there
+        ev += [(ACT, 4 * s.n), (TEMP, -4 * s.n), (TEMP, s.nd4)]
+        ev += [(TEMP, s.nd4), (ACT, s.nde), (TEMP, -s.nd4)] if s.cast else [(ACT, s.nd4)]
+        return [*ev, (TEMP, -s.nd4)]
     ev += [(ACT, 4 * s.n), (TEMP, -4 * s.n), (ACT, s.nd4)]
     ev += [(ACT, 4 * s.d)] if s.cast else []
     return ev + ([(TEMP, s.nd4), (ACT, s.nde), (TEMP, -s.nd4)] if s.cast else [(ACT, s.nd4)])
@@ -172,9 +179,12 @@ def _norm_backward(s: Sizes) -> list[Event]:
     """Backward of RMSNorm with the output's grad (N*d*e) live; ends with the
     input's grad accumulated in place into the residual grad, saved tensors freed."""
     ev: list[Event] = [(TEMP, s.nd4), (TEMP, -s.nde)] if s.cast else []
-    ev += [(TEMP, s.nd4), (TEMP, -s.nd4), (GRAD, s.d * s.e)]  # weight grad: (g*xn).sum
-    ev += [(TEMP, s.nd4), (TEMP, -s.nd4), (ACT, -s.nd4)]  # grad of xn; xn released
-    ev += [(ACT, -4 * s.d)] if s.cast else []
+    if s.norm_grads:
+        ev += [(TEMP, s.nd4), (TEMP, -s.nd4), (GRAD, s.d * s.e)]  # weight grad: (g*xn).sum
+        ev += [(TEMP, s.nd4), (TEMP, -s.nd4), (ACT, -s.nd4)]  # grad of xn; xn released
+        ev += [(ACT, -4 * s.d)] if s.cast else []
+    else:
+        ev += [(TEMP, s.nd4), (TEMP, -s.nd4)]  # grad of xn (no weight grad, nothing saved)
     ev += [(TEMP, s.nd4), (TEMP, s.nd4), (TEMP, -s.nd4), (TEMP, -s.nd4)]  # grad of xf, of r
     ev += [(ACT, -4 * s.n), (TEMP, s.nd4)]  # rsqrt released; mean's expanded grad
     ev += [(TEMP, 3 * s.nd4), (TEMP, -4 * s.nd4)]  # pow: g*(2*x.pow(1)), folded into xf's
@@ -260,10 +270,11 @@ def loss_backward(s: Sizes) -> list[Event]:
     return ev + ([(LOGITS, s.nve), (LOGITS, -s.nv4)] if s.cast else [])
 
 
-def head_backward(s: Sizes) -> list[Event]:
-    """Output head (grad of its input, then of the weight), then the final norm:
-    ends with the last block output's grad (N*d*e) live, the head weight grad kept."""
-    w = s.vocab * s.d * s.e
+def head_backward(s: Sizes, *, weight_grad: bool = True) -> list[Event]:
+    """Output head (grad of its input, then of the weight unless it is frozen), then
+    the final norm: ends with the last block output's grad (N*d*e) live, the head
+    weight grad kept."""
+    w = s.vocab * s.d * s.e if weight_grad else 0
     y = s.nde if s.cast else s.nd4
     ev: list[Event] = [(TEMP, s.nde), (GRAD, w), (LOGITS, -s.nve), (ACT, -y)]
     return ev + _norm_backward(s) + [(TEMP, s.nde)]

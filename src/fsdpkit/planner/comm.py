@@ -42,13 +42,15 @@ def comm_volume(sc: Scenario) -> CommVolume:
             raf = effective_reshard(u.reshard_after_forward, shard=sc.shard)
             v, c = _gathers(sc, u, raf, first=micro == 0)
             gather, calls = gather + v, calls + c
-    rb = sc.reduce_bytes
-    scatter = sum(_ring(u.gathered * rb, sc.shard) for u in every)
-    reduce = sum(2 * _ring(u.sharded * rb, sc.replicate) for u in every)
-    calls += len(every) * ((sc.shard > 1) + (sc.replicate > 1))
+    rb = sc.reduce_bytes  # gradients exist for trainable parameters only (fine-tuning)
+    scatter = sum(_ring(u.grads_sharded * sc.shard * rb, sc.shard) for u in every)
+    reduce = sum(2 * _ring(u.grads_sharded * rb, sc.replicate) for u in every)
+    reducing = sum(1 for u in every if u.grads_numel)
+    calls += reducing * ((sc.shard > 1) + (sc.replicate > 1))
     host = 0
     if sc.offload and sc.device.kind == "gpu":  # shards up per all-gather, grads down once
-        host = sum(u.sharded * 4 for u in every) * (1 + 2 * sc.grad_accum)
+        up = sum(u.sharded_param_bytes for u in every) * 2 * sc.grad_accum
+        host = up + sum(u.grads_sharded * 4 for u in every)
     return CommVolume(
         all_gather=gather, reduce_scatter=scatter, all_reduce=reduce, calls=calls,
         host_transfer=host,

@@ -41,6 +41,18 @@ class ModelLayout:
     decoder_blocks: bool
     """Whether the blocks are fsdpkit's Llama decoder layers, whose activations the
     analytic model ([Note: block event model]) knows op by op."""
+    frozen: tuple[tuple[bool, ...], ...] = ()
+    """Per block, per parameter (as ``blocks``): frozen (no gradient, no optimizer
+    state; fine-tuning runs, fsdpkit.planner.finetune). Empty: everything trains."""
+    root_frozen: tuple[bool, ...] = ()
+    """The same for ``root``."""
+    frozen_bytes: int = 4
+    """Bytes per element of a stored frozen parameter (2 for a bf16 base: lora.base_dtype)."""
+    frozen_names: tuple[str, ...] = ()
+    """Root parameters that are frozen, by role: "embedding", "head" (their weight
+    gradients are never computed)."""
+    norms_frozen: bool = False
+    """Every norm weight of the blocks is frozen (LoRA): norms save less for backward."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,34 @@ class Unit:
     """As ``shard()`` passes it to ``fully_shard`` (fsdpkit.sharding.units)."""
     checkpointed: tuple[bool, ...]
     """Per block: recomputed in backward."""
+    trainable_numel: int = -1
+    """Trainable parameters, unpadded (-1: all of ``numel``)."""
+    trainable_sharded: int = -1
+    """Elements of this rank's padded shard of the trainable parameters (-1: all)."""
+    trainable_matrix_sharded: int = -1
+    """The same for the trainable 2-D parameters (AdamW's foreach temporary; -1: all)."""
+    frozen_bytes: int = 4
+    """Bytes per element of the unit's stored frozen parameters."""
+
+    @property
+    def grads_numel(self) -> int:
+        """Parameters that get a gradient (fine-tuning: the trainable ones)."""
+        return self.numel if self.trainable_numel < 0 else self.trainable_numel
+
+    @property
+    def grads_sharded(self) -> int:
+        return self.sharded if self.trainable_sharded < 0 else self.trainable_sharded
+
+    @property
+    def grads_matrix_sharded(self) -> int:
+        if self.trainable_matrix_sharded < 0:
+            return self.matrix_sharded
+        return self.trainable_matrix_sharded
+
+    @property
+    def sharded_param_bytes(self) -> int:
+        """This rank's stored parameters: fp32 trainable (master) + frozen as stored."""
+        return 4 * self.grads_sharded + self.frozen_bytes * (self.sharded - self.grads_sharded)
 
 
 def _shape(p: torch.Tensor) -> Shape:
@@ -70,18 +110,49 @@ def _shape(p: torch.Tensor) -> Shape:
 
 
 def layout_of(model: nn.Module, *, class_names: Sequence[str] | None = None) -> ModelLayout:
-    """The layout of an (unsharded, e.g. meta) model."""
+    """The layout of an (unsharded, e.g. meta) model, frozen parameters included."""
     choice = choose_blocks(model, class_names=class_names)
     in_blocks = {id(p) for b in choice.blocks for p in b.parameters()}
-    root = {id(p): _shape(p) for p in model.parameters() if id(p) not in in_blocks}
+    root = {id(p): p for p in model.parameters() if id(p) not in in_blocks}
+    params = list(model.parameters())
+    frozen = [p for p in params if not p.requires_grad]
+    tuned = bool(frozen)
     return ModelLayout(
         block_class=choice.class_name,
         block_reason=choice.describe(),
         blocks=tuple(tuple(_shape(p) for p in b.parameters()) for b in choice.blocks),
-        root=tuple(root.values()),
+        root=tuple(_shape(p) for p in root.values()),
         decoder_blocks=bool(choice.blocks)
         and all(isinstance(b, DecoderLayer) for b in choice.blocks),
+        frozen=tuple(tuple(not p.requires_grad for p in b.parameters()) for b in choice.blocks)
+        if tuned
+        else (),
+        root_frozen=tuple(not p.requires_grad for p in root.values()) if tuned else (),
+        frozen_bytes=frozen[0].element_size() if frozen else 4,
+        frozen_names=_frozen_roles(model) if tuned else (),
+        norms_frozen=tuned and _norms_frozen(choice.blocks),
     )
+
+
+def _norms_frozen(blocks: Sequence[nn.Module]) -> bool:
+    from fsdpkit.sharding.apply import is_norm
+
+    norms = [p for b in blocks for m in b.modules() if is_norm(m) for p in m.parameters(False)]
+    return bool(norms) and not any(p.requires_grad for p in norms)
+
+
+def _frozen_roles(model: nn.Module) -> tuple[str, ...]:
+    """ "embedding" / "head" when that root parameter is frozen (no weight gradient)."""
+    roles = []
+    embed = getattr(model, "get_input_embeddings", lambda: None)()
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if isinstance(model, Llama):
+        embed, head = model.model.embed_tokens, model.lm_head
+    for role, module in (("embedding", embed), ("head", head)):
+        weight = getattr(module, "weight", None)
+        if weight is not None and not weight.requires_grad:
+            roles.append(role)
+    return tuple(roles)
 
 
 @functools.lru_cache(maxsize=64)
@@ -94,9 +165,10 @@ def llama_layout(shape: LlamaConfig, class_names: tuple[str, ...] = ()) -> Model
 
 def _unit(
     name: str, shapes: Sequence[Shape], *, shard: int, blocks: tuple[int, ...], raf: bool | int,
-    checkpointed: tuple[bool, ...],
+    checkpointed: tuple[bool, ...], frozen: Sequence[bool] = (), frozen_bytes: int = 4,
 ) -> Unit:  # fmt: skip
     local = [-(-rows // shard) * cols for rows, cols in shapes]
+    train = [not f for f in frozen] if frozen else [True] * len(shapes)
     return Unit(
         name=name,
         blocks=blocks,
@@ -106,6 +178,12 @@ def _unit(
         matrix_sharded=sum(n for n, (_, cols) in zip(local, shapes) if cols > 1),
         reshard_after_forward=raf,
         checkpointed=checkpointed,
+        trainable_numel=sum(r * c for (r, c), t in zip(shapes, train) if t),
+        trainable_sharded=sum(n for n, t in zip(local, train) if t),
+        trainable_matrix_sharded=sum(
+            n for n, (_, cols), t in zip(local, shapes, train) if t and cols > 1
+        ),
+        frozen_bytes=frozen_bytes,
     )
 
 
@@ -119,11 +197,14 @@ def units(
         first, last = spec.blocks[0], spec.blocks[-1]
         label = f"layers.{first}" if first == last else f"layers.{first}-{last}"
         shapes = [s for b in spec.blocks for s in layout.blocks[b]]
+        frozen = [f for b in spec.blocks for f in layout.frozen[b]] if layout.frozen else []
         out.append(
             _unit(label, shapes, shard=shard, blocks=spec.blocks,
-                  raf=spec.reshard_after_forward, checkpointed=spec.checkpointed)
+                  raf=spec.reshard_after_forward, checkpointed=spec.checkpointed,
+                  frozen=frozen, frozen_bytes=layout.frozen_bytes)
         )  # fmt: skip
     root_spec = specs[-1]
     root = _unit("root", layout.root, shard=shard, blocks=(), raf=root_spec.reshard_after_forward,
-                 checkpointed=())  # fmt: skip
+                 checkpointed=(), frozen=layout.root_frozen,
+                 frozen_bytes=layout.frozen_bytes)  # fmt: skip
     return root, tuple(out)

@@ -27,10 +27,11 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 from fsdpkit.config import RunConfig, batch_split, mesh_shape
+from fsdpkit.finetune import prepare
 from fsdpkit.mesh import build_mesh
 from fsdpkit.models.factory import next_token_loss
 from fsdpkit.models.llama import Llama, LlamaConfig
-from fsdpkit.sharding import shard
+from fsdpkit.sharding import resolve_precision, shard
 from fsdpkit.train.optim import build_optimizer
 from fsdpkit.train.step import train_step
 
@@ -110,7 +111,9 @@ def _step_peaks(
     mesh = build_mesh(replicate=replicate, shard=shard_degree, device_type="cpu")
     with torch.device("meta"):
         model = Llama(shape)
-    shard(model, cfg, mesh=mesh)
+    precision = resolve_precision(cfg.precision, device_type="cpu")
+    tuned = prepare(model, cfg, precision=precision, init=None)  # LoRA / model.freeze
+    shard(model, cfg, mesh=mesh, init=tuned.init)
     opt = build_optimizer(model, cfg.train)  # the trainer's: foreach, two groups
     gen = torch.Generator().manual_seed(rank)
     split = batch_split(cfg.train, dp_world=world_size)

@@ -121,10 +121,18 @@ def _spread_line(mem: MemoryPlan) -> str | None:
 def _states_line(mem: MemoryPlan, sc: Scenario) -> str:
     s = mem.model_states
     where = "host" if mem.host_bytes else "device"
+    units = [sc.root, *sc.units]
+    trainable = sum(u.grads_numel for u in units)
+    total = sum(u.numel for u in units)
+    why = (
+        f"16 bytes/param / shard {sc.shard}"
+        if trainable == total
+        else f"{trainable / total:.2%} of the parameters train: grads and AdamW for those only"
+    )
     return (
         f"model states per rank ({where}): params {fmt_bytes(s['sharded_params'])} + grads "
         f"{fmt_bytes(s['gradients'])} + AdamW {fmt_bytes(s['optimizer_states'])} = "
-        f"{fmt_bytes(sum(s.values()))} (16 bytes/param / shard {sc.shard})"
+        f"{fmt_bytes(sum(s.values()))} ({why})"
     )
 
 

@@ -16,6 +16,7 @@ from fsdpkit.devices import Device
 from fsdpkit.errors import UserError
 from fsdpkit.models.factory import llama_shape
 from fsdpkit.models.llama import PRESETS, LlamaConfig
+from fsdpkit.planner.finetune import finetune_layout, finetuned
 from fsdpkit.planner.layout import ModelLayout, Unit, llama_layout, units
 from fsdpkit.sharding.policy import reshard_after_forward
 
@@ -162,9 +163,12 @@ def scenario(
     replicate, shard = mesh_shape(cfg, world_size=world_size, local_world_size=local)
     vocab = vocab_size if vocab_size is not None else run_vocab_size(cfg)
     shape = model_shape(cfg, vocab_size=vocab)
-    layout = llama_layout(shape, tuple(cfg.parallel.block_classes))
-    root, blocks = units(layout, shard=shard, parallel=cfg.parallel, activations=cfg.activations)
     precision, note = planned_precision(cfg.precision.mode, device)
+    if finetuned(cfg):  # frozen parameters and adapters (fsdpkit.planner.finetune)
+        layout = finetune_layout(cfg, shape, precision=precision)
+    else:
+        layout = llama_layout(shape, tuple(cfg.parallel.block_classes))
+    root, blocks = units(layout, shard=shard, parallel=cfg.parallel, activations=cfg.activations)
     notes = [note] if note else []
     if cfg.model.vocab_size is None and vocab is None and cfg.model.preset != "tiny":
         notes.append(_VOCAB_NOTE.format(PRESETS[cfg.model.preset].vocab_size))

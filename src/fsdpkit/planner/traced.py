@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import (
     FSDPMemTracker,
     _FSDPRefType,
@@ -52,12 +52,14 @@ from torch.distributed.fsdp._fully_shard._fsdp_state import _register_group_forw
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdpkit.config import RunConfig, with_changes
+from fsdpkit.finetune import prepare
 from fsdpkit.mesh import build_mesh
 from fsdpkit.models.factory import next_token_loss
 from fsdpkit.models.llama import Llama
 from fsdpkit.planner.analytic import late_free_spread, model_states
 from fsdpkit.planner.result import CATEGORIES, MemoryPlan, PeakPoint
 from fsdpkit.planner.scenario import PlanError, Scenario
+from fsdpkit.precision import PRESETS
 from fsdpkit.sharding import shard
 from fsdpkit.train.optim import build_optimizer
 from fsdpkit.train.step import train_step
@@ -239,19 +241,38 @@ def _real_submeshes() -> Iterator[None]:
         _fully_shard_module._get_post_forward_mesh_info = original
 
 
+def _prepare(model: torch.nn.Module, cfg: RunConfig, *, precision: str, fake: Any) -> None:
+    """``fsdpkit.finetune.prepare`` (LoRA, model.freeze) on the fake model. peft cannot
+    move modules of fake tensors (``_apply`` must swap them), so the adapters are made
+    as real (small) CPU tensors outside fake mode, then turned into fake ones."""
+    if not (cfg.lora.rank or cfg.model.freeze):
+        return
+    with unset_fake_temporarily():
+        prepare(model, cfg, precision=PRESETS[precision], init=None)
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            if p is not None and not isinstance(p, FakeTensor):
+                module._parameters[key] = torch.nn.Parameter(
+                    fake.from_tensor(p), requires_grad=p.requires_grad
+                )
+
+
 def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
     mesh = build_mesh(
         replicate=sc.replicate, shard=sc.shard, device_type="cpu", world_size=sc.world_size
     )
-    with FakeTensorMode():
+    with FakeTensorMode() as fake:
         model = Llama(sc.model)
+        run_cfg = _run_config(cfg, sc)
+        _prepare(model, run_cfg, precision=sc.precision, fake=fake)
         with _real_submeshes():
-            shard(model, _run_config(cfg, sc), mesh=mesh)
+            shard(model, run_cfg, mesh=mesh)
         if sc.device.kind == "cpu" and sc.shard > 1:
             _model_gloo_buffers(model)
         opt = build_optimizer(model, cfg.train)  # the trainer's AdamW (foreach)
         for p in model.parameters():  # steady state: AdamW states exist already
-            p.grad = torch.zeros_like(p)
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad(set_to_none=True)
         shape = (sc.micro_batch, sc.seq_len + 1)

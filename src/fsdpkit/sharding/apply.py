@@ -73,7 +73,9 @@ def _m(n: int) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"
 
 
-def _is_norm(module: nn.Module) -> bool:
+def is_norm(module: nn.Module) -> bool:
+    """A norm layer with its own parameters (LayerNorm, *Norm): own fp32 units under
+    precision.norms_fp32; kept fp32 beside a bf16 frozen base (fsdpkit.finetune)."""
     is_norm_class = isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("Norm")
     return is_norm_class and any(True for _ in module.parameters(recurse=False))
 
@@ -91,7 +93,7 @@ def _shard_norms(
     model: nn.Module, *, mesh: DeviceMesh, raf: bool | int, kw: dict[str, Any]
 ) -> None:
     """Norm layers as their own fp32 units (``precision.norms_fp32``)."""
-    for norm in [m for m in model.modules() if _is_norm(m)]:
+    for norm in [m for m in model.modules() if is_norm(m)]:
         fully_shard(norm, mesh=mesh, reshard_after_forward=raf, **kw)
 
 

@@ -41,7 +41,8 @@ def copy_full_value(param: torch.Tensor, full: torch.Tensor) -> None:
             param.copy_(full.to(param.device))
 
 
-def _default_init(model: nn.Module, *, seed: int) -> None:
+def default_init(model: nn.Module, *, seed: int) -> None:
+    """fsdpkit's per-parameter init of every parameter ([Note: per-parameter init])."""
     for name, param in model.named_parameters():
         full = initial_value(model, name=name, shape=param.shape, seed=seed, dtype=param.dtype)
         copy_full_value(param, full)
@@ -68,7 +69,7 @@ def materialize(
     restore_buffers(model, kept)
     with torch.no_grad():
         if init is None:
-            _default_init(model, seed=seed)
+            default_init(model, seed=seed)
         else:
             init(model)
         init_buffers(model)

@@ -19,6 +19,15 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gpt2")
 """Architectures ``tiny_config`` knows (all decoder LMs in transformers)."""
 
 EOS = "<|endoftext|>"
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
+"""ChatML's turn markers, special tokens of a ``chat=True`` tokenizer."""
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""ChatML (Qwen's format): what ``chat=True`` puts in tokenizer_config.json."""
 
 
 def tiny_config(
@@ -74,9 +83,10 @@ def tiny_config(
     return classes[arch](**common)
 
 
-def tiny_tokenizer(*, vocab_size: int, max_bytes: int = 400_000) -> Any:
+def tiny_tokenizer(*, vocab_size: int, max_bytes: int = 400_000, chat: bool = False) -> Any:
     """A byte-level BPE ``tokenizers.Tokenizer`` with ``vocab_size`` tokens (id 0 is
-    ``EOS``), trained on the first ``max_bytes`` of the standard library's sources."""
+    ``EOS``; with ``chat`` ids 1 and 2 are ChatML's markers), trained on the first
+    ``max_bytes`` of the standard library's sources."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from fsdpkit.data.corpus import stdlib_files
@@ -95,7 +105,7 @@ def tiny_tokenizer(*, vocab_size: int, max_bytes: int = 400_000) -> Any:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS],
+        special_tokens=[EOS, *(CHAT_TOKENS if chat else ())],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -103,12 +113,15 @@ def tiny_tokenizer(*, vocab_size: int, max_bytes: int = 400_000) -> Any:
     return tok
 
 
-def write_tokenizer(out: Path, *, vocab_size: int) -> None:
-    """``tokenizer.json`` + ``tokenizer_config.json`` (loadable by AutoTokenizer too)."""
+def write_tokenizer(out: Path, *, vocab_size: int, chat: bool = False) -> None:
+    """``tokenizer.json`` + ``tokenizer_config.json`` (loadable by AutoTokenizer too);
+    ``chat``: ChatML markers as special tokens and a ChatML ``chat_template``."""
     import json
 
-    tiny_tokenizer(vocab_size=vocab_size).save(str(out / "tokenizer.json"))
+    tiny_tokenizer(vocab_size=vocab_size, chat=chat).save(str(out / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": EOS}
+    if chat:
+        config["chat_template"] = CHAT_TEMPLATE
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -119,10 +132,12 @@ def write_tiny_model(
     seed: int = 0,
     weights: bool = True,
     tokenizer: bool = True,
+    chat: bool = False,
     **shape: Any,
 ) -> Path:
     """Write a small model directory: config.json (+ model.safetensors from the model's
-    own random init with ``seed``, + tokenizer files). ``shape``: ``tiny_config`` args."""
+    own random init with ``seed``, + tokenizer files, with a ChatML template when
+    ``chat``). ``shape``: ``tiny_config`` args."""
     import transformers as T
 
     out = Path(out)
@@ -135,5 +150,5 @@ def write_tiny_model(
     else:
         config.save_pretrained(str(out))
     if tokenizer:
-        write_tokenizer(out, vocab_size=config.vocab_size)
+        write_tokenizer(out, vocab_size=config.vocab_size, chat=chat)
     return out

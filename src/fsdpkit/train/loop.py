@@ -295,9 +295,12 @@ def _train(s: Session, *, obs: Observer, stop: StopFlag) -> RunSummary:
         f"{s.split.global_batch} sequences per step ({s.split.grad_accum} x "
         f"{s.split.micro_batch} per rank)"
     )
+    for note in (s.finetune.describe() if s.finetune else None, s.data_note):
+        if note:
+            progress.message(note)
     if resumed is not None:
         progress.message(f"resumed from step {resumed}")
-    summary = RunSummary()
+    summary = RunSummary(params=s.finetune.counts.describe() if s.finetune else None)
     _run_steps(s, progress=progress, summary=summary, stop=stop, obs=obs)
     if s.checkpointer is not None:
         s.checkpointer.wait()

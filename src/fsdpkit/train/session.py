@@ -1,7 +1,9 @@
 """Everything one rank needs to train, built in the order FSDP2 requires.
 
-process group -> mesh -> tokenizer and data -> model (meta) -> shard -> weights
-(init or ``init_from``) -> optimizer -> scheduler -> scaler -> checkpointer.
+tokenizer and data (plain text, or SFT rows) -> model (meta) -> LoRA / model.freeze
+(fsdpkit.finetune.prepare) -> process group -> mesh -> shard -> weights (init or
+``init_from``) -> optimizer (trainable parameters) -> scheduler -> scaler ->
+checkpointer.
 """
 
 from __future__ import annotations
@@ -26,12 +28,15 @@ from fsdpkit.data import (
     split_tokens,
     validation_batches,
 )
+from fsdpkit.data.sft import is_sft
+from fsdpkit.finetune import Finetune, base_view, prepare
 from fsdpkit.launch import DistEnv, pin_collectives, rendezvous_store
 from fsdpkit.mesh import build_mesh
 from fsdpkit.models.buffers import require_buffer_source
-from fsdpkit.models.factory import LossFn, build_model
+from fsdpkit.models.factory import LossFn, build_model, next_token_loss
 from fsdpkit.models.hf import with_model_tokenizer
 from fsdpkit.models.llama import LlamaConfig
+from fsdpkit.models.sft_loss import sft_loss
 from fsdpkit.precision import Precision
 from fsdpkit.rundir import RunDirError, describe_os_error, write_text_atomically
 from fsdpkit.sharding import ShardPlan, detect_blocks, make_grad_scaler, resolve_precision, shard
@@ -52,7 +57,8 @@ class Session:
     run_dir: Path
     tokenizer: Tokenizer
     loader: PackedLoader
-    val: list[torch.Tensor]
+    val: list[Any]
+    """This rank's validation micro-batches (token ids, or SFTBatch for SFT data)."""
     model: nn.Module
     loss_fn: LossFn
     llama: LlamaConfig | None
@@ -64,6 +70,10 @@ class Session:
     state: TrainerState
     checkpointer: Checkpointer | None
     metrics: MetricsWriter
+    finetune: Finetune | None = None
+    """What model.freeze / [lora] did (None for sessions built without them)."""
+    data_note: str | None = None
+    """What the data pipeline reports at the start (SFT rows, truncation counts)."""
 
     @property
     def dp_rank(self) -> int:
@@ -73,12 +83,18 @@ class Session:
         """What a checkpoint holds (DCP Statefuls)."""
         from fsdpkit.checkpoint import ModelOptimizerState, RankLocal, RNGState
 
-        return {
-            "app": ModelOptimizerState(self.model, self.optimizer),
+        only = self.cfg.checkpoint.adapters_only
+        state: dict[str, Any] = {
+            "app": ModelOptimizerState(self.model, self.optimizer, trainable_only=only),
             "scheduler": self.scheduler,
             "trainer": self.state,
             "rng": RankLocal(RNGState()),
         }
+        if self.finetune is not None and self.finetune.active:
+            from fsdpkit.checkpoint.frozen import FrozenBase
+
+            state["frozen"] = FrozenBase(self.model, check=only)
+        return state
 
 
 def _backend(cfg: RunConfig, env: DistEnv) -> str:
@@ -110,10 +126,34 @@ def init_process_group(cfg: RunConfig, env: DistEnv) -> torch.device:
     return device
 
 
+def _sft_data(
+    cfg: RunConfig, env: DistEnv, tokenizer: Tokenizer, split: BatchSplit
+) -> tuple[PackedLoader, list[Any], str]:
+    from fsdpkit.data.sft_loader import SFTLoader, load_sft, sft_validation_batches
+
+    data = load_sft(cfg.data, tokenizer)
+    batch = split.micro_batch
+    ranks = {"dp_rank": env.rank, "dp_world": env.world_size}
+    loader = SFTLoader(
+        data.train,
+        seq_len=cfg.data.seq_len,
+        micro_batch_size=batch,
+        seed=cfg.train.seed,
+        grad_accum=split.grad_accum,
+        **ranks,
+    )
+    val = sft_validation_batches(
+        data.val, micro_batch_size=batch, max_batches=cfg.train.eval_batches, **ranks
+    )
+    return loader, val, data.describe(cfg.data)
+
+
 def _data(
-    cfg: RunConfig, env: DistEnv, split: BatchSplit
-) -> tuple[Tokenizer, PackedLoader, list[torch.Tensor]]:
+    cfg: RunConfig, env: DistEnv, split: BatchSplit, *, sft: bool
+) -> tuple[Tokenizer, PackedLoader, list[Any], str | None]:
     tokenizer = build_tokenizer(cfg.data)
+    if sft:
+        return tokenizer, *_sft_data(cfg, env, tokenizer, split)
     train_tokens, val_tokens = split_tokens(
         load_token_stream(cfg.data, tokenizer), val_fraction=cfg.data.val_fraction
     )
@@ -135,7 +175,7 @@ def _data(
         dp_world=env.world_size,
         max_batches=cfg.train.eval_batches,
     )
-    return tokenizer, loader, val
+    return tokenizer, loader, val, None
 
 
 def build_session(cfg: RunConfig, env: DistEnv) -> Session:
@@ -144,11 +184,14 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     alike without any collective."""
     cfg = with_model_tokenizer(cfg)
     split = batch_split(cfg.train, dp_world=env.world_size)
-    tokenizer, loader, val = _data(cfg, env, split)
+    sft = is_sft(cfg.data)
+    tokenizer, loader, val, data_note = _data(cfg, env, split, sft=sft)
     built = build_model(
         cfg.model, vocab_size=tokenizer.vocab_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed
     )
     model = built.module
+    precision = resolve_precision(cfg.precision, device_type=env.device_type)
+    finetune = prepare(model, cfg, precision=precision, init=built.init)
     if is_meta(model):  # never train on buffers that to_empty leaves as garbage
         require_buffer_source(model)
     detect_blocks(model, class_names=cfg.parallel.block_classes or None)
@@ -159,14 +202,9 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     mesh = build_mesh(replicate=replicate, shard=shard_deg, device_type=env.device_type)
     if not is_meta(model):  # fully_shard moves the shards; this only puts buffers in place
         model.to(device)
-    plan = shard(model, cfg, mesh=mesh, init=built.init)
+    plan = shard(model, cfg, mesh=mesh, init=finetune.init)
     if cfg.model.init_from:
-        from fsdpkit.checkpoint import load_hf_weights
-        from fsdpkit.migrate.fsdp1_checkpoint import detect, load_fsdp1_checkpoint
-
-        path = Path(cfg.model.init_from)
-        (load_fsdp1_checkpoint if detect(path) else load_hf_weights)(model, path)
-    precision = resolve_precision(cfg.precision, device_type=env.device_type)
+        _init_from(model, Path(cfg.model.init_from))
     optimizer = build_optimizer(model, cfg.train)
     scaler = make_grad_scaler(precision, device_type=env.device_type)
     run_dir = Path(cfg.logging.run_dir)
@@ -181,7 +219,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         loader=loader,
         val=val,
         model=model,
-        loss_fn=built.loss_fn,
+        loss_fn=sft_loss if sft and built.loss_fn is next_token_loss else built.loss_fn,
         llama=built.llama,
         plan=plan,
         precision=precision,
@@ -190,10 +228,27 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         scaler=scaler,
         state=TrainerState(loader=loader, scaler=scaler),
         checkpointer=_checkpointer(
-            cfg, env, run_dir=run_dir, mesh=(replicate, shard_deg), llama=built.llama
+            cfg,
+            env,
+            run_dir=run_dir,
+            mesh=(replicate, shard_deg),
+            llama=built.llama,
+            finetune=finetune.record(model),
         ),
         metrics=MetricsWriter(run_dir / "metrics.jsonl", enabled=env.rank == 0),
+        finetune=finetune,
+        data_note=data_note,
     )
+
+
+def _init_from(model: nn.Module, path: Path) -> None:
+    """``model.init_from``: HF safetensors or an FSDP1 checkpoint, read into the base
+    model's names ([Note: LoRA with FSDP2])."""
+    from fsdpkit.checkpoint import load_hf_weights
+    from fsdpkit.migrate.fsdp1_checkpoint import detect, load_fsdp1_checkpoint
+
+    with base_view(model):
+        (load_fsdp1_checkpoint if detect(path) else load_hf_weights)(model, path)
 
 
 def _checkpointer(
@@ -203,6 +258,7 @@ def _checkpointer(
     run_dir: Path,
     mesh: tuple[int, int],
     llama: LlamaConfig | None,
+    finetune: dict[str, Any] | None = None,
 ) -> Checkpointer | None:
     """None when the run neither saves nor resumes (checkpoint.every = 0, resume = never)."""
     if cfg.checkpoint.every == 0 and cfg.checkpoint.resume == "never":
@@ -213,6 +269,7 @@ def _checkpointer(
         "strategy": cfg.parallel.strategy,
         "config": cfg.to_dict(),
         "model": llama.to_dict() if llama is not None else None,
+        "finetune": finetune,
     }
     return Checkpointer(run_dir=run_dir, cfg=cfg.checkpoint, run_meta=meta)
 

@@ -21,6 +21,8 @@ class RunSummary:
     """The signal that stopped the run early (SIGTERM, SIGINT, SIGHUP), if any."""
     stop_note: str = ""
     """What the stop saved, for the user ([Note: agreeing to stop])."""
+    params: str | None = None
+    """Trainable vs total parameters."""
 
 
 def format_summary(summary: RunSummary, *, cfg: RunConfig) -> str:
@@ -35,6 +37,7 @@ def format_summary(summary: RunSummary, *, cfg: RunConfig) -> str:
         ("best validation loss", f"{min(val):.4f}" if val else "-"),
         ("tokens/s (all ranks)", f"{summary.tokens_per_s:,.0f}"),
         ("peak memory per rank", f"{summary.peak_mem_mib:,.0f} MiB"),
+        ("parameters", summary.params or "-"),
         ("run directory", cfg.logging.run_dir),
     ]
     width = max(len(k) for k, _ in rows)
