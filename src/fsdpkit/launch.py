@@ -32,10 +32,13 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsdpkit import failures, netinfo, slurm
 from fsdpkit.devices import device_type, local_gpus
+
+if TYPE_CHECKING:
+    from fsdpkit.hangs import HangWatch
 
 ERROR_DIR_VAR = "FSDPKIT_ERROR_DIR"
 LAUNCHER_PID_VAR = "FSDPKIT_LAUNCHER_PID"
@@ -58,6 +61,8 @@ class DistEnv:
     """The fsdpkit launcher that spawned this worker (None: torchrun, SLURM, a test)."""
     run_dir_locked: bool = False
     """Whether that launcher already holds the run-dir lock ([Note: run-dir lock])."""
+    control_dir: Path | None = None
+    """The spawning launcher's control directory (errors, hang triage); None when joined."""
 
     @property
     def single_node(self) -> bool:
@@ -80,7 +85,15 @@ def joined_env() -> DistEnv | None:
         device_type=device_type(),
         launcher_pid=int(launcher) if launcher else None,
         run_dir_locked=env.get(LOCKED_VAR) == "1",
+        control_dir=_control_dir(),
     )
+
+
+def set_env_defaults(values: dict[str, str]) -> None:
+    """Set variables the user has not set (their own choice wins), e.g. the flight
+    recorder's before the process group exists ([Note: flight recorder])."""
+    for key, value in values.items():
+        os.environ.setdefault(key, value)
 
 
 def bind_worker_lifetime(env: DistEnv) -> None:
@@ -210,6 +223,10 @@ class SpawnOptions:
     to the rendezvous endpoint."""
     lock_held: bool = False
     """The launcher holds the run-dir lock (workers must not take it)."""
+    timeout_s: float = 600.0
+    """parallel.timeout_s, for the hang watch ([Note: hang triage, launcher side])."""
+    hang_timeout_s: float = 0.0
+    """parallel.hang_timeout_s resolved (fsdpkit.hangs.hang_timeout); 0: no stall watch."""
 
 
 def _default_run_id(opts: SpawnOptions) -> str:
@@ -303,19 +320,38 @@ def _launch(config: Any, argv: list[str], *, control: Path, opts: SpawnOptions) 
     from fsdpkit.interrupts import ImmediateStop, LauncherSignals
 
     oom_before = failures.OomCounters.read()
-    with LauncherSignals() as signals:
+    with LauncherSignals() as signals, _hang_watch(control, opts) as watch:
         try:
             elastic_launch(config, sys.executable)("-m", "fsdpkit", "train", *argv)
         except ChildFailedError as exc:
             signals.settled = True
+            hang = watch.post_mortem()  # the watch stopped a hung run, or NCCL dumped one
+            if hang is not None:
+                _say(f"error: {hang.message} {failures.newest_checkpoint_note(opts.run_dir)}")
+                return 1
             return _report_failure(control, exc, oom_before=oom_before, opts=opts)
         except SignalException as exc:
             signals.settled = True
+            if watch.report is not None:  # a hung run cannot stop at a step boundary
+                _say(f"error: {watch.report.message}")
             return _report_stop(control, int(exc.sigval), opts=opts)
         except ImmediateStop as exc:
             signals.settled = True
             return _report_immediate(exc.signum, opts=opts)
     return 0
+
+
+def _hang_watch(control: Path, opts: SpawnOptions) -> HangWatch:
+    from fsdpkit.hangs import HangWatch
+
+    return HangWatch(
+        control=control,
+        run_dir=opts.run_dir or Path("."),
+        nproc=opts.nproc,
+        stall_s=opts.hang_timeout_s,
+        timeout_s=opts.timeout_s,
+        several_nodes=opts.nnodes > 1,
+    )
 
 
 def _say(text: str) -> None:

@@ -22,6 +22,7 @@ from fsdpkit import config as configuration
 from fsdpkit.cli.configargs import add_config_items, split_items
 from fsdpkit.config.toml import toml_value
 from fsdpkit.errors import UserError
+from fsdpkit.hangs import hang_timeout
 from fsdpkit.launch import SpawnOptions, bind_worker_lifetime, default_nproc, joined_env, spawn
 
 
@@ -121,6 +122,10 @@ def run(args: argparse.Namespace) -> int:
         run_dir=run_dir,
         local_addr=args.local_addr,
         lock_held=args.nnodes == 1,
+        timeout_s=resolved.config.parallel.timeout_s,
+        hang_timeout_s=hang_timeout(
+            resolved.config.parallel.timeout_s, resolved.config.parallel.hang_timeout_s
+        ),
     )
     if args.nnodes > 1:  # rank 0 takes the lock: nodes share one run dir ([Note: run-dir lock])
         return spawn(args.items, opts)

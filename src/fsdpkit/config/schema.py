@@ -148,6 +148,10 @@ class ParallelConfig:
     (fewer all-gathers, but full parameters stay in memory)."""
     timeout_s: float = 600.0
     """Collective timeout in seconds; a rank stuck longer fails the run with the step."""
+    hang_timeout_s: float | None = None
+    """Seconds without progress on any rank (after the first step) before the launcher
+    writes a hang report (RUN_DIR/hang/report.txt) and stops the run; empty = 0.9 x
+    timeout_s; 0 = only collective timeouts are triaged."""
     auto: bool = False
     """Let the planner choose strategy, mesh, resharding, activation checkpointing, offload
     and micro-batch size for this world size and device (as `fsdpkit plan --recommend`)."""

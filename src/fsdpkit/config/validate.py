@@ -46,6 +46,11 @@ def validate(cfg: RunConfig) -> None:
     ]:
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, got {value}.")
+    if cfg.parallel.hang_timeout_s is not None and cfg.parallel.hang_timeout_s < 0:
+        raise ConfigError(
+            f"parallel.hang_timeout_s must be >= 0 (0: no stall watch; empty: 0.9 x "
+            f"parallel.timeout_s), got {cfg.parallel.hang_timeout_s}."
+        )
     if cfg.train.global_batch_size is not None and cfg.train.global_batch_size <= 0:
         raise ConfigError(
             f"train.global_batch_size must be > 0 (or empty), got {cfg.train.global_batch_size}."

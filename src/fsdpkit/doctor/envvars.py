@@ -173,9 +173,10 @@ def check_environ(f: EnvFacts) -> list[Check]:
             ok(
                 "env flight recorder",
                 "TORCH_NCCL_TRACE_BUFFER_SIZE is not set: the NCCL Flight Recorder is off, "
-                "so a hang leaves no record of the last collectives",
-                "export TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 "
-                "to get a per-rank dump on a collective timeout",
+                "so a hang leaves no record of the last collectives (fsdpkit train turns it "
+                "on for its workers and dumps it into RUN_DIR/hang)",
+                "for other launchers, export TORCH_NCCL_TRACE_BUFFER_SIZE=2000 "
+                "TORCH_NCCL_DUMP_ON_TIMEOUT=1 to get a per-rank dump on a collective timeout",
             )
         )
     if not f.environ:

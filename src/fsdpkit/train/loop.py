@@ -23,6 +23,7 @@ from fsdpkit.checkpoint import step_dir_name
 from fsdpkit.checkpoint.signals import StopFlag, agreed_signal, describe_stop, install_stop_flag
 from fsdpkit.errors import UserError
 from fsdpkit.failures import newest_checkpoint_note
+from fsdpkit.hangs import HangProbe
 from fsdpkit.observe.breakdown import DATA_NAME
 from fsdpkit.observe.observer import Observer
 from fsdpkit.rundir import RunDirError, check_run_dir
@@ -50,7 +51,7 @@ def _global_mean(value: torch.Tensor) -> float:
     return float(value)
 
 
-def _step(s: Session) -> tuple[float, float]:
+def _step(s: Session, probe: HangProbe) -> tuple[float, float]:
     """One optimizer step on the next micro-batches; (mean loss over ranks, grad norm).
     The scheduler steps too, so read the step's LR before calling this."""
     with record_function(DATA_NAME):  # the profiler's "data" category
@@ -63,6 +64,7 @@ def _step(s: Session) -> tuple[float, float]:
         max_norm=s.cfg.train.grad_clip,
         keep_unsharded=s.cfg.parallel.accum_keep_unsharded,
         scaler=s.scaler,
+        mark=probe.marker(len(batches)),
     )
     s.scheduler.step()
     return _global_mean(result.loss), float(result.grad_norm)
@@ -180,22 +182,32 @@ def _stop_requested(s: Session, stop: StopFlag, summary: RunSummary, progress: P
 
 
 def _run_steps(
-    s: Session, *, progress: Progress, summary: RunSummary, stop: StopFlag, obs: Observer
+    s: Session,
+    *,
+    progress: Progress,
+    summary: RunSummary,
+    stop: StopFlag,
+    obs: Observer,
+    probe: HangProbe,
 ) -> None:
     cfg = s.cfg
     rates = []
-    while s.state.step < cfg.train.steps and not _stop_requested(s, stop, summary, progress):
+    while s.state.step < cfg.train.steps:
+        probe.phase("data")  # [Note: progress record]: the stop agreement, then batches
+        if _stop_requested(s, stop, summary, progress):
+            break
         obs.before_step(s.state.step + 1)
         t0 = time.perf_counter()
         lr = float(s.scheduler.get_last_lr()[0])
         try:
-            loss, norm = _step(s)
+            loss, norm = _step(s, probe)
         except UserError:  # e.g. a model output without logits: the message says what to do
             raise
         except Exception as exc:
             raise StepError(f"step {s.state.step + 1} failed: {type(exc).__name__}: {exc}") from exc
         s.state.step += 1
         step = s.state.step
+        probe.step_done(step)
         check_finite(
             loss=loss, grad_norm=norm, step=step, scaled=bool(s.scaler), checkpointer=s.checkpointer
         )
@@ -215,7 +227,9 @@ def _run_steps(
                 mem_mib=record["peak_mem_mib"],
             )
         summary.final_loss = loss
+        probe.phase("eval")
         _maybe_eval(s, step=step, progress=progress, summary=summary, obs=obs)
+        probe.phase("checkpoint")
         _maybe_checkpoint(s, step=step, progress=progress, obs=obs)
     steady = rates[1:] or rates
     summary.tokens_per_s = sum(steady) / len(steady) if steady else 0.0
@@ -265,27 +279,37 @@ def reapply_schedule(s: Session) -> None:
     sched._last_lr = lrs  # what get_last_lr() reports
 
 
-def run(s: Session, *, obs: Observer | None = None, stop: StopFlag | None = None) -> RunSummary:
+def run(
+    s: Session,
+    *,
+    obs: Observer | None = None,
+    stop: StopFlag | None = None,
+    probe: HangProbe | None = None,
+) -> RunSummary:
     """Train ``s`` to ``train.steps`` (collective: every rank runs it), resuming from
     a checkpoint when one is configured. ``obs``: made before the session to count CPU
     tensor memory for the profiler (fsdpkit.observe.observer); made here otherwise.
     ``stop``: a stop-signal flag installed earlier (the worker installs one before
-    building the session); installed here otherwise."""
+    building the session); installed here otherwise. ``probe``: the rank's hang-triage
+    probe (fsdpkit.hangs; the worker starts one); none here otherwise."""
     stop = stop if stop is not None else install_stop_flag()
+    probe = probe or HangProbe.off()
     lock = claim_run_dir(s)
     try:
-        return _train(s, obs=obs or Observer(s.cfg, s.env, cpu_memory=False), stop=stop)
+        obs = obs or Observer(s.cfg, s.env, cpu_memory=False)
+        return _train(s, obs=obs, stop=stop, probe=probe)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train(s: Session, *, obs: Observer, stop: StopFlag) -> RunSummary:
+def _train(s: Session, *, obs: Observer, stop: StopFlag, probe: HangProbe) -> RunSummary:
     cfg, env = s.cfg, s.env
     obs.start()
     resumed = s.checkpointer.resume(s.app_state()) if s.checkpointer else None
     if resumed is not None:
         reapply_schedule(s)
+        probe.resumed(resumed)
     s.metrics.start(resumed_step=resumed or 0)
     progress = Progress(
         total=cfg.train.steps, start=s.state.step, mode=cfg.logging.progress, enabled=env.rank == 0
@@ -301,7 +325,8 @@ def _train(s: Session, *, obs: Observer, stop: StopFlag) -> RunSummary:
     if resumed is not None:
         progress.message(f"resumed from step {resumed}")
     summary = RunSummary(params=s.finetune.counts.describe() if s.finetune else None)
-    _run_steps(s, progress=progress, summary=summary, stop=stop, obs=obs)
+    _run_steps(s, progress=progress, summary=summary, stop=stop, obs=obs, probe=probe)
+    probe.phase("finish")
     if s.checkpointer is not None:
         s.checkpointer.wait()
     if note := obs.close():

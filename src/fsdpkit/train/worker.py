@@ -18,12 +18,17 @@ import signal
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 from fsdpkit.checkpoint.signals import StopFlag, install_stop_flag
 from fsdpkit.config import resolve
 from fsdpkit.errors import UserError
-from fsdpkit.launch import DistEnv, report_outcome, write_error
+from fsdpkit.launch import DistEnv, report_outcome, set_env_defaults, write_error
+
+if TYPE_CHECKING:
+    from fsdpkit.config import RunConfig
+    from fsdpkit.hangs import HangProbe
 
 
 def train_worker(
@@ -41,8 +46,15 @@ def train_worker(
     cfg = resolve(
         path, overrides, world_size=env.world_size, local_world_size=env.local_world_size
     ).config
+    probe = start_probe(cfg, env)  # before the process group: the flight recorder's variables
     obs = Observer(cfg, env)  # before the model exists: CPU tensor memory for the profiler
-    summary = run(build_session(cfg, env), obs=obs, stop=stop)
+    try:
+        summary = run(build_session(cfg, env), obs=obs, stop=stop, probe=probe)
+    except BaseException as exc:
+        probe.failed(exc)  # a collective timeout: the launcher reports before this rank exits
+        raise
+    finally:
+        probe.close()
     if env.rank == 0:
         print_summary(summary, cfg=cfg)
         note = summary.stop_note or f"all {summary.steps} steps done."
@@ -51,6 +63,24 @@ def train_worker(
         dist.barrier()
         dist.destroy_process_group()
     return 128 + summary.stop_signal if summary.stop_signal else 0
+
+
+def start_probe(cfg: RunConfig, env: DistEnv) -> HangProbe:
+    """Hang triage for this rank ([Note: hang triage, worker side]), with torch's flight
+    recorder turned on unless the user set its variables ([Note: flight recorder])."""
+    from fsdpkit.hangs import HangProbe
+    from fsdpkit.hangs.flight import prepare
+    from fsdpkit.hangs.probe import HANG_DIR
+
+    run_dir = Path(cfg.logging.run_dir)
+    set_env_defaults(prepare(hang_dir=run_dir / HANG_DIR, device_type=env.device_type))
+    return HangProbe.start(
+        rank=env.rank,
+        run_dir=run_dir,
+        control=env.control_dir,
+        timeout_s=cfg.parallel.timeout_s,
+        hang_timeout_s=cfg.parallel.hang_timeout_s,
+    )
 
 
 def _say_second_signal(rank: int) -> Callable[[int], None]:
