@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -80,6 +81,18 @@ def children(pid: int) -> list[int]:
     except OSError:
         return []
     return [int(p) for p in text.split()]
+
+
+def processes_in(run_dir: Path) -> list[int]:
+    """Live processes whose command line names ``run_dir`` (launcher and workers)."""
+    needle = str(run_dir).encode()
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if needle in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    out.append(int(entry))
+    return out
 
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -65,3 +65,34 @@ class Sluggish(MLPNet):
 
 def sluggish() -> nn.Module:
     return Sluggish(vocab=256)
+
+
+class Hanging(MLPNet):
+    """Rank ``FSDPKIT_TEST_HANG_RANK`` falls asleep in its ``FSDPKIT_TEST_HANG_CALL``-th
+    forward (default 3: inside step 3) for ``FSDPKIT_TEST_HANG_S`` seconds (default
+    600): a rank that stops inside a step while its peers wait in a collective. It
+    writes the time it fell asleep to ``FSDPKIT_TEST_HANG_MARK`` when that is set."""
+
+    calls = 0
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        Hanging.calls += 1
+        env = os.environ
+        if env.get("RANK") == env.get("FSDPKIT_TEST_HANG_RANK") and Hanging.calls == int(
+            env.get("FSDPKIT_TEST_HANG_CALL", "3")
+        ):
+            asleep_inside_a_step(float(env.get("FSDPKIT_TEST_HANG_S", "600")))
+        return super().forward(tokens)
+
+
+def asleep_inside_a_step(seconds: float) -> None:
+    """The frame a hang report must show for the sleeping rank."""
+    mark = os.environ.get("FSDPKIT_TEST_HANG_MARK")
+    if mark:
+        with open(mark, "w") as f:
+            f.write(repr(time.time()))
+    time.sleep(seconds)
+
+
+def hanging() -> nn.Module:
+    return Hanging(vocab=256)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from clirun import FAST, children, fsdpkit, start, wait_for_step
+from clirun import processes_in as _processes_in
 
 from fsdpkit import netinfo
 from fsdpkit.rundir import read_jsonl
@@ -37,18 +38,6 @@ LONG = [
     "checkpoint.resume=auto",
 ]
 """A run that goes on until the test stops it."""
-
-
-def _processes_in(run_dir: Path) -> list[int]:
-    """Live processes whose command line names ``run_dir`` (launcher and workers)."""
-    needle = str(run_dir).encode()
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                if needle in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    out.append(int(entry))
-    return out
 
 
 def _rank_of(pid: int) -> int:
