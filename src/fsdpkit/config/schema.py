@@ -17,7 +17,7 @@ from typing import Any, Literal
 # fsdpkit.strategies.STRATEGIES and fsdpkit.precision.PRESETS (a unit test checks).
 StrategyName = Literal["full", "grad_op", "hybrid", "hybrid_grad_op", "replicate"]
 PrecisionMode = Literal["auto", "fp32", "bf16", "bf16-pure", "fp16"]
-ACMode = Literal["none", "full", "every"]
+ACMode = Literal["none", "full", "every", "selective"]
 Schedule = Literal["cosine", "constant", "linear"]
 
 
@@ -127,6 +127,10 @@ class TrainConfig:
     """Micro-batches per rank in one evaluation."""
     sample_tokens: int = 120
     """Tokens of sample text generated at the end for the built-in LM; 0 disables."""
+    compile: bool = False
+    """torch.compile each block (after activation checkpointing, before sharding); the
+    first step includes compilation, reported apart as compile_s and kept out of
+    tokens/s. On a CPU inductor needs a C++ compiler, and small models gain little."""
 
 
 @dataclass(frozen=True)
@@ -180,7 +184,10 @@ class OffloadConfig:
 @dataclass(frozen=True)
 class ActivationsConfig:
     mode: ACMode = "none"
-    """Activation checkpointing: none, full (every block) or every (every k-th block)."""
+    """Activation checkpointing: none, full (every block recomputed), every (every k-th
+    block), or selective (every block, op-level: the outputs of every other matmul and
+    of attention are saved, norms, RoPE and activations recomputed; memory between
+    none and full, recompute cheaper than full)."""
     every: int = 2
     """With mode = every: checkpoint one block in this many."""
 

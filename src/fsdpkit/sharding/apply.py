@@ -1,8 +1,9 @@
 """``shard``: apply FSDP2 to a model the way it should be done.
 
-Order (as torchtitan): meta-device model -> activation checkpointing -> optional fp32
-norm units -> ``fully_shard`` per block (or group of k blocks), bottom-up -> root ->
-materialize local shards (meta models only). The optimizer must be built after this.
+Order (as torchtitan): meta-device model -> activation checkpointing -> compile each
+block (``train.compile``) -> optional fp32 norm units -> ``fully_shard`` per block (or
+group of k blocks), bottom-up -> root -> materialize local shards (meta models only).
+The optimizer must be built after this.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from torch.distributed.fsdp import fully_shard
 
 from fsdpkit.config import RunConfig
 from fsdpkit.init import Initializer
+from fsdpkit.sharding.activations import checkpoint_forward, checkpoint_kwargs
 from fsdpkit.sharding.blocks import choose_blocks
+from fsdpkit.sharding.compile import compile_blocks
 from fsdpkit.sharding.materialize import is_meta, materialize
 from fsdpkit.sharding.policy import offload_policy, reshard_after_forward, resolve_precision
 from fsdpkit.sharding.units import UnitSpec, unit_specs
@@ -45,13 +48,17 @@ class ShardPlan:
     root_params: int
     """Parameters left to the root unit (embeddings, tied head, final norm...)."""
     checkpointed: int
-    """Blocks whose activations are recomputed in backward."""
+    """Blocks whose activations are recomputed in backward (wholly, or op by op)."""
     precision: str
     """Resolved precision preset."""
     reshard_after_forward: bool | int
     """The strategy's resharding of block units."""
     specs: tuple[UnitSpec, ...] = ()
     """Every unit as built (fsdpkit.sharding.units), root last."""
+    checkpoint_mode: str = "none"
+    """activations.mode: what a checkpointed block recomputes (full or selective)."""
+    compiled: bool = False
+    """Whether each block was torch.compile'd (train.compile)."""
 
     def describe(self) -> str:
         if not self.units:
@@ -63,10 +70,14 @@ class ShardPlan:
         group = f"{self.block_class}" if per == 1 else f"{per} x {self.block_class}"
         return (
             f"{self.units} x {group} units ({self.block_reason}), {_m(self.params_per_unit)} "
-            f"params in the first, root holds {_m(self.root_params)}; activation "
+            f"params in the first, root holds {_m(self.root_params)}; {self._ac()} activation "
             f"checkpointing on {self.checkpointed}/{self.blocks} blocks; precision "
             f"{self.precision}; reshard_after_forward={self.reshard_after_forward}"
+            + ("; blocks compiled" if self.compiled else "")
         )
+
+    def _ac(self) -> str:
+        return "selective" if self.checkpoint_mode == "selective" else "full-block"
 
 
 def _m(n: int) -> str:
@@ -80,12 +91,17 @@ def is_norm(module: nn.Module) -> bool:
     return is_norm_class and any(True for _ in module.parameters(recurse=False))
 
 
-def _checkpoint(blocks: list[nn.Module], specs: tuple[UnitSpec, ...]) -> int:
-    """Activation checkpointing of the blocks the specs name (composable API: module
-    names and state-dict keys are unchanged); returns how many."""
+def _checkpoint(blocks: list[nn.Module], specs: tuple[UnitSpec, ...], cfg: RunConfig) -> int:
+    """Activation checkpointing of the blocks the specs name, with the selective
+    policy under activations.mode = selective; module names and state-dict keys are
+    unchanged (composable API; compiled blocks: [Note: checkpointing compiled blocks]
+    in fsdpkit.sharding.compile). Returns how many."""
     chosen = [blocks[b] for s in specs for b, on in zip(s.blocks, s.checkpointed) if on]
     for block in chosen:
-        checkpoint(block)
+        if cfg.train.compile:
+            checkpoint_forward(block, cfg=cfg.activations)
+        else:
+            checkpoint(block, **checkpoint_kwargs(cfg.activations))
     return len(chosen)
 
 
@@ -114,7 +130,9 @@ def shard(
     choice = choose_blocks(model, class_names=cfg.parallel.block_classes or None)
     blocks = list(choice.blocks)  # the class name is taken before FSDP renames it
     specs = unit_specs(len(blocks), parallel=cfg.parallel, activations=cfg.activations)
-    checkpointed = _checkpoint(blocks, specs)
+    checkpointed = _checkpoint(blocks, specs, cfg)
+    if cfg.train.compile:
+        compile_blocks(blocks)
     offload = offload_policy(enabled=cfg.offload.params, device_type=device_type)
     if cfg.precision.norms_fp32 and precision.low_precision:
         kw = {"mp_policy": precision.norm_policy(), "offload_policy": offload}
@@ -137,6 +155,8 @@ def shard(
         params_per_unit=_numel(blocks[b] for b in specs[0].blocks),
         root_params=_numel([model]) - _numel(blocks),
         checkpointed=checkpointed,
+        checkpoint_mode=cfg.activations.mode,
+        compiled=cfg.train.compile,
         precision=precision.name,
         reshard_after_forward=reshard_after_forward(cfg.parallel),
         specs=specs,

@@ -28,6 +28,7 @@ from fsdpkit.observe.breakdown import DATA_NAME
 from fsdpkit.observe.observer import Observer
 from fsdpkit.rundir import RunDirError, check_run_dir
 from fsdpkit.runlock import RunLock, acquire
+from fsdpkit.sharding.compile import compile_seconds
 from fsdpkit.train.generate import sample
 from fsdpkit.train.guards import check_finite
 from fsdpkit.train.progress import Progress
@@ -83,11 +84,23 @@ def evaluate(s: Session) -> float | None:
     return _global_mean(total / len(s.val))
 
 
+def _compile_share(s: Session, seconds: float) -> float:
+    """The longest compile of any rank in this step: the others wait for it at their
+    next collective, so it is what the step's wall time holds ([Note: compile time])."""
+    if not s.cfg.train.compile:
+        return 0.0
+    value = torch.tensor([seconds], device=s.device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
+
+
 def _record(
-    s: Session, *, step: int, loss: float, norm: float, lr: float, dt: float
+    s: Session, *, step: int, loss: float, norm: float, lr: float, dt: float, compile_s: float
 ) -> dict[str, Any]:
+    """One metrics record; tokens/s over the step time without compilation."""
     cfg = s.cfg
-    tokens_per_s = s.split.global_batch * cfg.data.seq_len / dt
+    tokens_per_s = s.split.global_batch * cfg.data.seq_len / max(dt - compile_s, 1e-9)
     peak = device_peak_flops(device_type=s.env.device_type, low_precision=s.precision.low_precision)
     mfu = None
     if peak and s.llama is not None:
@@ -106,6 +119,7 @@ def _record(
         "peak_mem_mib": [round(float(m), 1) for m in mems],
         "peak_mem_kind": peak_memory_kind(s.env.device_type),
         "step_time_s": dt,
+        "compile_s": compile_s,
         "checkpoint_in_flight": bool(s.checkpointer and s.checkpointer.in_flight),
     }
 
@@ -197,7 +211,7 @@ def _run_steps(
         if _stop_requested(s, stop, summary, progress):
             break
         obs.before_step(s.state.step + 1)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), compile_seconds()
         lr = float(s.scheduler.get_last_lr()[0])
         try:
             loss, norm = _step(s, probe)
@@ -212,10 +226,12 @@ def _run_steps(
             loss=loss, grad_norm=norm, step=step, scaled=bool(s.scaler), checkpointer=s.checkpointer
         )
         dt = time.perf_counter() - t0
+        compile_s = _compile_share(s, compile_seconds() - c0)
+        summary.compile_s += compile_s
         if note := obs.after_step(step, step_time_s=dt):
             progress.message(note)
         if step % cfg.logging.log_every == 0 or step == cfg.train.steps:
-            record = _record(s, step=step, loss=loss, norm=norm, lr=lr, dt=dt)
+            record = _record(s, step=step, loss=loss, norm=norm, lr=lr, dt=dt, compile_s=compile_s)
             _write_metrics(s, record)
             obs.on_step(record)
             rates.append(record["tokens_per_s"])

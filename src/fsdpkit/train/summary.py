@@ -23,6 +23,9 @@ class RunSummary:
     """What the stop saved, for the user ([Note: agreeing to stop])."""
     params: str | None = None
     """Trainable vs total parameters."""
+    compile_s: float = 0.0
+    """Seconds the training steps spent in torch.compile (train.compile), kept out of
+    tokens/s ([Note: compile time] in fsdpkit.sharding.compile)."""
 
 
 def format_summary(summary: RunSummary, *, cfg: RunConfig) -> str:
@@ -36,6 +39,7 @@ def format_summary(summary: RunSummary, *, cfg: RunConfig) -> str:
         ("final validation loss", f"{val[-1]:.4f}" if val else "-"),
         ("best validation loss", f"{min(val):.4f}" if val else "-"),
         ("tokens/s (all ranks)", f"{summary.tokens_per_s:,.0f}"),
+        ("compile time", f"{summary.compile_s:.1f} s" if cfg.train.compile else "-"),
         ("peak memory per rank", f"{summary.peak_mem_mib:,.0f} MiB"),
         ("parameters", summary.params or "-"),
         ("run directory", cfg.logging.run_dir),

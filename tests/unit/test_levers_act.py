@@ -1,0 +1,202 @@
+"""Selective activation checkpointing's policy ([Note: selective checkpointing]) and the
+compile helpers, single process: which ops are saved, forward and recompute agreeing
+on blocks with an odd number of matmuls, gradients equal to no checkpointing on the
+built-in Llama block and on a transformers Llama."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from fsdpkit.config import ActivationsConfig, RunConfig, TrainConfig, load
+from fsdpkit.models.llama import Llama, LlamaConfig
+from fsdpkit.sharding.activations import (
+    SelectivePolicy,
+    checkpoint_forward,
+    checkpoint_kwargs,
+    is_checkpointed,
+    op_decision,
+)
+from fsdpkit.sharding.compile import compile_seconds
+from fsdpkit.sharding.units import unit_specs
+
+aten = torch.ops.aten
+
+
+class OddBlock(nn.Module):
+    """Three square matmuls (odd), each output the same shape: a recompute that lost
+    count would pop another matmul's saved output without any shape error."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.c(F.gelu(self.b(torch.tanh(self.a(x)))))
+
+
+class _Ctx:
+    def __init__(self, is_recompute: bool) -> None:
+        self.is_recompute = is_recompute
+
+
+def test_every_other_matmul_attention_and_collectives_are_saved() -> None:
+    assert [op_decision(aten.mm.default, matmul_count=k) for k in (1, 2, 3, 4)] == [
+        True,
+        False,
+        True,
+        False,
+    ]
+    assert op_decision(aten.addmm.default, matmul_count=1)
+    assert op_decision(aten._scaled_dot_product_flash_attention_for_cpu.default, matmul_count=0)
+    assert op_decision(aten._scaled_dot_product_efficient_attention.default, matmul_count=0)
+    import torch.distributed._functional_collectives
+
+    reduce_scatter = torch.ops._c10d_functional.reduce_scatter_tensor.default
+    assert op_decision(reduce_scatter, matmul_count=0)
+    for cheap in (aten.add.Tensor, aten.mul.Tensor, aten.rsqrt.default, aten.silu.default):
+        assert not op_decision(cheap, matmul_count=0)
+
+
+def test_forward_and_recompute_count_matmuls_apart() -> None:
+    """Seven matmuls (a Llama block) forward, then the recompute: the recompute's
+    decisions repeat the forward's instead of continuing its count."""
+    policy = SelectivePolicy()
+    decide = lambda recompute: policy(_Ctx(recompute), aten.mm.default)  # noqa: E731
+    forward = [decide(False) for _ in range(7)]
+    recompute = [decide(True) for _ in range(7)]
+    assert recompute == forward
+    must, prefer = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    assert forward == [must, prefer, must, prefer, must, prefer, must]
+
+
+def _grads(model: nn.Module, fn: Callable[[nn.Module], torch.Tensor]) -> Any:
+    out = fn(model)
+    out.backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _assert_same(a: Any, b: Any) -> None:
+    torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)
+    for name in a[1]:
+        torch.testing.assert_close(a[1][name], b[1][name], rtol=0, atol=0, msg=name)
+
+
+class _Recording(SelectivePolicy):
+    """The selective policy, recording each decision and whether it was a recompute."""
+
+    calls: list[tuple[bool, Any, CheckpointPolicy]]
+
+    def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        decision = super().__call__(ctx, func, *args, **kwargs)
+        self.calls.append((ctx.is_recompute, func, decision))
+        return decision
+
+
+def test_odd_matmul_block_matches_no_checkpointing() -> None:
+    torch.manual_seed(0)
+    base, x = OddBlock(), torch.randn(4, 16)
+    fn = lambda m: (m(x) ** 2).sum()  # noqa: E731
+    reference = _grads(copy.deepcopy(base), fn)
+    selective = copy.deepcopy(base)
+    checkpoint(selective, **checkpoint_kwargs(ActivationsConfig(mode="selective")))
+    _assert_same(_grads(selective, fn), reference)
+
+
+def test_each_checkpointed_call_gets_fresh_counters() -> None:
+    """Two odd blocks in a row save the same matmuls (1st and 3rd of each): a policy
+    shared between calls would continue the count (the second block saving its 2nd).
+    On torch 2.13 the recompute replays the forward's recorded decisions and never
+    asks the policy ([Note: selective checkpointing]): all calls are forward calls."""
+    policies: list[_Recording] = []
+
+    def context() -> Any:
+        policies.append(_Recording())
+        policies[-1].calls = []
+        return create_selective_checkpoint_contexts(policies[-1])
+
+    torch.manual_seed(0)
+    first, second = OddBlock(), OddBlock()
+    for block in (first, second):
+        checkpoint(block, context_fn=context)
+    (second(first(torch.randn(4, 16))) ** 2).sum().backward()
+    assert len(policies) == 2
+    must = CheckpointPolicy.MUST_SAVE
+    for policy in policies:
+        mms = [d == must for _, f, d in policy.calls if f == aten.mm.default]
+        assert mms == [True, False, True]
+        assert not any(recompute for recompute, _, _ in policy.calls)
+
+
+TINY = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
+
+
+def _llama_loss(logits: Any) -> torch.Tensor:
+    logits = getattr(logits, "logits", logits)
+    return logits.float().logsumexp(-1).mean()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["causal", "document-mask"])
+def test_llama_blocks_match_no_checkpointing(packed: bool) -> None:
+    """Seven matmuls per block; SDPA as the CPU flash kernel (causal) or the masked
+    path (packed rows with position ids)."""
+    torch.manual_seed(0)
+    base = Llama(TINY)
+    x = torch.randint(0, 64, (2, 16))
+    pos = torch.cat([torch.arange(8), torch.arange(8)]).expand(2, 16) if packed else None
+    fn = lambda m: _llama_loss(m(x, pos))  # noqa: E731
+    model = copy.deepcopy(base)
+    for block in model.model.layers:
+        checkpoint(block, **checkpoint_kwargs(ActivationsConfig(mode="selective")))
+    _assert_same(_grads(model, fn), _grads(copy.deepcopy(base), fn))
+
+
+def test_hf_llama_blocks_match_no_checkpointing() -> None:
+    transformers = pytest.importorskip("transformers")
+    from fsdpkit.testing.hf import tiny_config
+
+    torch.manual_seed(0)
+    config = tiny_config("llama", vocab_size=64, dim=32)
+    config.use_cache = False  # as fsdpkit.models.hf builds it: a cache grows on recompute
+    base = transformers.LlamaForCausalLM(config)
+    x = torch.randint(0, 64, (2, 16))
+    fn = lambda m: _llama_loss(m(x))  # noqa: E731
+    reference = _grads(copy.deepcopy(base), fn)
+    model = copy.deepcopy(base)
+    for block in model.model.layers:
+        checkpoint(block, **checkpoint_kwargs(ActivationsConfig(mode="selective")))
+    _assert_same(_grads(model, fn), reference)
+
+
+def test_checkpoint_forward_keeps_names_and_gradients() -> None:
+    """The compiled-block path (torch.utils.checkpoint inside forward), run eagerly."""
+    torch.manual_seed(0)
+    base, x = OddBlock(), torch.randn(4, 16)
+    fn = lambda m: (m(x) ** 2).sum()  # noqa: E731
+    model = copy.deepcopy(base)
+    checkpoint_forward(model, cfg=ActivationsConfig(mode="selective"))
+    assert list(model.state_dict()) == list(base.state_dict())
+    _assert_same(_grads(model, fn), _grads(copy.deepcopy(base), fn))
+
+
+def test_selective_checkpoints_every_block_and_parses() -> None:
+    cfg = ActivationsConfig(mode="selective")
+    assert all(is_checkpointed(i, cfg) for i in range(5))
+    specs = unit_specs(4, parallel=RunConfig().parallel, activations=cfg)
+    assert all(all(s.checkpointed) for s in specs[:-1])
+    assert checkpoint_kwargs(ActivationsConfig(mode="full")) == {}
+    run = load(None, ["activations.mode=selective", "train.compile=true"])
+    assert run.activations.mode == "selective" and run.train.compile
+    assert TrainConfig().compile is False
+
+
+def test_compile_seconds_is_a_non_negative_total() -> None:
+    assert compile_seconds() >= 0.0
