@@ -29,6 +29,7 @@ from fsdpkit.sharding.compile import compile_seconds
 from fsdpkit.sharding.units import unit_specs
 
 aten = torch.ops.aten
+SELECTIVE = ActivationsConfig(mode="selective")
 
 
 class OddBlock(nn.Module):
@@ -107,7 +108,8 @@ def test_odd_matmul_block_matches_no_checkpointing() -> None:
     fn = lambda m: (m(x) ** 2).sum()  # noqa: E731
     reference = _grads(copy.deepcopy(base), fn)
     selective = copy.deepcopy(base)
-    checkpoint(selective, **checkpoint_kwargs(ActivationsConfig(mode="selective")))
+    checkpoint_forward(selective, cfg=SELECTIVE)
+    assert list(selective.state_dict()) == list(base.state_dict())
     _assert_same(_grads(selective, fn), reference)
 
 
@@ -155,7 +157,7 @@ def test_llama_blocks_match_no_checkpointing(packed: bool) -> None:
     fn = lambda m: _llama_loss(m(x, pos))  # noqa: E731
     model = copy.deepcopy(base)
     for block in model.model.layers:
-        checkpoint(block, **checkpoint_kwargs(ActivationsConfig(mode="selective")))
+        checkpoint_forward(block, cfg=SELECTIVE)
     _assert_same(_grads(model, fn), _grads(copy.deepcopy(base), fn))
 
 
@@ -172,19 +174,8 @@ def test_hf_llama_blocks_match_no_checkpointing() -> None:
     reference = _grads(copy.deepcopy(base), fn)
     model = copy.deepcopy(base)
     for block in model.model.layers:
-        checkpoint(block, **checkpoint_kwargs(ActivationsConfig(mode="selective")))
+        checkpoint_forward(block, cfg=SELECTIVE)
     _assert_same(_grads(model, fn), reference)
-
-
-def test_checkpoint_forward_keeps_names_and_gradients() -> None:
-    """The compiled-block path (torch.utils.checkpoint inside forward), run eagerly."""
-    torch.manual_seed(0)
-    base, x = OddBlock(), torch.randn(4, 16)
-    fn = lambda m: (m(x) ** 2).sum()  # noqa: E731
-    model = copy.deepcopy(base)
-    checkpoint_forward(model, cfg=ActivationsConfig(mode="selective"))
-    assert list(model.state_dict()) == list(base.state_dict())
-    _assert_same(_grads(model, fn), _grads(copy.deepcopy(base), fn))
 
 
 def test_selective_checkpoints_every_block_and_parses() -> None:
@@ -193,6 +184,7 @@ def test_selective_checkpoints_every_block_and_parses() -> None:
     specs = unit_specs(4, parallel=RunConfig().parallel, activations=cfg)
     assert all(all(s.checkpointed) for s in specs[:-1])
     assert checkpoint_kwargs(ActivationsConfig(mode="full")) == {}
+    assert set(checkpoint_kwargs(cfg)) == {"context_fn"}
     run = load(None, ["activations.mode=selective", "train.compile=true"])
     assert run.activations.mode == "selective" and run.train.compile
     assert TrainConfig().compile is False

@@ -28,6 +28,19 @@ checkpointed call: ``selective_context`` builds a new policy per call, so every
 block (and every micro-batch) saves the same matmuls (1st, 3rd, 5th, 7th) — which
 is also what the planner assumes. tests/unit/test_levers_act.py checks both, on a
 three-matmul block.
+
+[Note: where the checkpoint sits]
+The composable ``checkpoint`` (module hooks) recomputes by calling the module again,
+so FSDP2's hooks on the same module run inside the recompute but not inside the
+checkpointed forward (its pre-forward hook is prepended, so it runs before the
+checkpoint starts): their ``record_function`` ops then appear only in the
+recompute, and selective checkpointing, which replays the forward's op sequence,
+fails ("profiler._record_function_enter_new ... not found in storage"). Full
+checkpointing does not mind. So selective mode (and compiled blocks, [Note:
+checkpointing compiled blocks] in fsdpkit.sharding.compile) wraps the block's own
+``forward`` in ``torch.utils.checkpoint``: the recompute calls that forward, never
+the hooks — the structure of torchtitan's checkpoint wrapper, without its renamed
+``_checkpoint_wrapped_module`` parameters.
 """
 
 from __future__ import annotations
@@ -131,8 +144,8 @@ def checkpoint_kwargs(cfg: ActivationsConfig) -> dict[str, Any]:
 
 def checkpoint_forward(block: nn.Module, *, cfg: ActivationsConfig) -> None:
     """Run ``block``'s forward under ``torch.utils.checkpoint`` by replacing the
-    instance's ``forward`` (names and state-dict keys unchanged), for blocks that
-    ``torch.compile`` will compile ([Note: checkpointing compiled blocks])."""
+    instance's ``forward`` (names and state-dict keys unchanged; [Note: where the
+    checkpoint sits])."""
     inner = block.forward
     extra = checkpoint_kwargs(cfg)
 

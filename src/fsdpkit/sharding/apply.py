@@ -21,7 +21,7 @@ from torch.distributed.fsdp import fully_shard
 
 from fsdpkit.config import RunConfig
 from fsdpkit.init import Initializer
-from fsdpkit.sharding.activations import checkpoint_forward, checkpoint_kwargs
+from fsdpkit.sharding.activations import checkpoint_forward
 from fsdpkit.sharding.blocks import choose_blocks
 from fsdpkit.sharding.compile import compile_blocks
 from fsdpkit.sharding.materialize import is_meta, materialize
@@ -92,16 +92,17 @@ def is_norm(module: nn.Module) -> bool:
 
 
 def _checkpoint(blocks: list[nn.Module], specs: tuple[UnitSpec, ...], cfg: RunConfig) -> int:
-    """Activation checkpointing of the blocks the specs name, with the selective
-    policy under activations.mode = selective; module names and state-dict keys are
-    unchanged (composable API; compiled blocks: [Note: checkpointing compiled blocks]
-    in fsdpkit.sharding.compile). Returns how many."""
+    """Activation checkpointing of the blocks the specs name; module names and
+    state-dict keys are unchanged. Full checkpointing of eager blocks uses the
+    composable API (module hooks); selective checkpointing and compiled blocks call
+    ``torch.utils.checkpoint`` inside the block's forward ([Note: where the
+    checkpoint sits] in fsdpkit.sharding.activations). Returns how many."""
     chosen = [blocks[b] for s in specs for b, on in zip(s.blocks, s.checkpointed) if on]
     for block in chosen:
-        if cfg.train.compile:
+        if cfg.train.compile or cfg.activations.mode == "selective":
             checkpoint_forward(block, cfg=cfg.activations)
         else:
-            checkpoint(block, **checkpoint_kwargs(cfg.activations))
+            checkpoint(block)
     return len(chosen)
 
 
