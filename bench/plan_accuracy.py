@@ -83,6 +83,13 @@ AC, EVERY = "activations.mode=full", "activations.mode=every"
 BF16 = "precision.mode=bf16"
 HYBRID = ("parallel.strategy=hybrid", "parallel.shard_degree=2")
 
+MODELS["A"] = [  # issue 12: activations dominate (seq 512, 4 blocks, GQA)
+    "model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
+    "model.ffn_dim=688", "model.vocab_size=2048", "data.seq_len=512",
+    "train.micro_batch_size=2",
+]  # fmt: skip
+SEL, ACT_MODES = "activations.mode=selective", ("none", "selective", "full")
+
 CASES = [
     Case("S full", 1, "S", (FULL,)),
     Case("M full +AC", 1, "M", (FULL, AC)),
@@ -120,6 +127,12 @@ CASES = [
     Case("S full 3 blocks/unit", 2, "S", (FULL, "parallel.blocks_per_unit=3")),
     Case("S full 3 blocks/unit +AC", 3, "S", (FULL, AC, "parallel.blocks_per_unit=3")),
     Case("M full 3 blocks/unit", 2, "M", (FULL, "parallel.blocks_per_unit=3")),
+    # issue 12: op-level selective checkpointing, beside none and full on the same model
+    *(Case(f"ACT A {m}", 2, "A", (FULL, f"activations.mode={m}")) for m in ACT_MODES),
+    Case("ACT A selective MHA", 2, "A", (FULL, SEL, "model.n_kv_heads=4")),
+    Case("ACT S selective grad_op", 2, "S", (GRAD_OP, SEL)),
+    Case("ACT M selective", 3, "M", (FULL, SEL)),
+    Case("ACT T bf16 selective", 2, "T", (FULL, BF16, SEL)),
 ]
 QUICK = [c for c in CASES if c.world == 2 and c.name in ("S full +AC", "S grad_op", "T bf16 full")]
 """The subset tests/distributed/test_planner_accuracy.py checks."""

@@ -35,6 +35,7 @@ from fsdpkit.planner.blockmem import (
     head_forward,
     loss_backward,
     loss_forward,
+    selective_backward_end,
 )
 from fsdpkit.planner.layout import Unit
 from fsdpkit.planner.ledger import EventSummary, Ledger, summarize
@@ -61,18 +62,25 @@ def sizes(sc: Scenario) -> Sizes:
 
 
 @functools.cache
-def _forward_summary(s: Sizes, keep: bool) -> EventSummary:
-    return summarize(block_forward(s, keep=keep))
+def _forward_summary(s: Sizes, keep: bool, selective: bool = False) -> EventSummary:
+    return summarize(block_forward(s, keep=keep, selective=selective))
 
 
 @functools.cache
 def _backward_summary(
-    s: Sizes, recompute: bool, sdpa_workspace: int, weight_grads: bool = True
+    s: Sizes,
+    recompute: bool,
+    sdpa_workspace: int,
+    weight_grads: bool = True,
+    selective: bool = False,
 ) -> EventSummary:
     """``weight_grads=False``: a block with frozen weights (fine-tuning) computes no
-    weight gradients; its trainable ones (adapters) are added by the caller."""
-    events = block_recompute(s) if recompute else []
+    weight gradients; its trainable ones (adapters) are added by the caller.
+    ``selective``: the recompute of a selectively checkpointed block."""
+    events = block_recompute(s, selective=selective) if recompute else []
     events += block_backward(s, sdpa_workspace=sdpa_workspace)
+    if recompute and selective:
+        events += selective_backward_end(s)
     if recompute and s.cast:
         events.append((ACT, -s.nde))  # the checkpointed input (fp32: freed as xf above)
     if not weight_grads:
@@ -102,6 +110,7 @@ class _Step:
         # reduce-scatters a clone of the input; NCCL needs neither.
         self.gloo = not gpu and sc.shard > 1
         self.dead = leading_frozen_units(sc)
+        self.selective = sc.ac_mode == "selective"
 
     # ------------------------------------------------------------ unit mechanics
 
@@ -208,7 +217,9 @@ class _Step:
             if self.held.get(u.name, 0) < u.gathered * s.e:
                 self.unshard(u, forward=True)
             for ckpt in u.checkpointed:
-                led.apply_summary(_forward_summary(s, not ckpt and j >= self.dead))
+                keep = not ckpt and j >= self.dead
+                selective = ckpt and self.selective and j >= self.dead
+                led.apply_summary(_forward_summary(s, keep, selective))
                 if j < self.dead:  # nothing needs a gradient yet: the input dies here
                     led.add(ACT, -s.nde)
             self.reshard_after_forward(u, self.reshard_of(u))
@@ -255,7 +266,8 @@ class _Step:
             self.prefetch(self.units[j - 1])
         full = u.grads_numel == u.numel  # else frozen weights: only trainable grads
         for ckpt in reversed(u.checkpointed):
-            led.apply_summary(_backward_summary(s, ckpt, self.sdpa_workspace, full))
+            summary = _backward_summary(s, ckpt, self.sdpa_workspace, full, self.selective)
+            led.apply_summary(summary)
         if not full:
             led.add(GRAD, u.grads_numel * s.e)
         self.post_backward(u, sync=sync)

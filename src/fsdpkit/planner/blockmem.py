@@ -15,6 +15,22 @@ than a fudge factor. The saved set per block is
 bytes for N tokens in compute dtype e: fp32 norm internals (input, normalized), the
 q/k/v/output of attention (k and v after GQA repeat), and the four SwiGLU tensors.
 Each number here was checked against the CPU allocator on real runs (bench/).
+
+[Note: selective block memory]
+Under ``activations.mode = "selective"`` ([Note: selective checkpointing] in
+fsdpkit.sharding.activations) a block keeps, besides its input (held by the
+checkpoint, as under full checkpointing), the outputs its policy saves. The block's
+seven matmuls run q, k, v, o, gate, up, down, so the 1st, 3rd, 5th and 7th are
+saved — q_proj's (before RoPE), v_proj's (before the GQA repeat), gate_proj's and
+down_proj's — and attention's output and fp32 log-sum-exp:
+
+    2*N*h*hd*e + N*kv*hd*e + 4*N*h + N*f*e + N*d*e   bytes   (``selective_saved``)
+
+In backward the recompute takes those from storage instead of running the ops:
+q and v die once RoPE and the repeat have consumed them, gate and attention's
+outputs become autograd's saved tensors as under full checkpointing, and
+down_proj's output, never asked for again (the recompute stops early, before
+down_proj), lives until the block's backward ends and the checkpoint frame dies.
 """
 
 from __future__ import annotations
@@ -85,6 +101,24 @@ def saved_per_block(s: Sizes) -> int:
     return norms + attn + 4 * s.nfe
 
 
+def selective_saved(s: Sizes) -> int:
+    """Bytes selective checkpointing keeps per block beyond its input ([Note:
+    selective block memory])."""
+    return 2 * s.nqe + s.nke + 4 * s.n * s.heads + s.nfe + s.nde
+
+
+def block_matmuls(*, d: int, f: int, heads: int, kv_heads: int, head_dim: int) -> list[int]:
+    """Weight elements of the built-in Llama block's matmuls in forward order: q, k,
+    v, o, gate, up, down (the order the selective policy counts them in)."""
+    q, kv = d * heads * head_dim, d * kv_heads * head_dim
+    return [q, kv, kv, q, d * f, d * f, d * f]
+
+
+def _saved(size: int) -> list[Event]:
+    """A temporary that the selective policy saves: it moves to the activations."""
+    return [(ACT, size), (TEMP, -size)]
+
+
 def _norm_forward(s: Sizes, *, keep: bool) -> list[Event]:
     """RMSNorm in fp32: xf=x.float(), x*rsqrt(mean(x^2)+eps), weight*xn, .to(e)."""
     if not keep:
@@ -121,44 +155,52 @@ def _rope_forward(size: int) -> list[Event]:
     ]  # fmt: skip
 
 
-def _attn_forward(s: Sizes, *, keep: bool) -> list[Event]:
+def _attn_forward(s: Sizes, *, keep: bool, selective: bool = False) -> list[Event]:
     rep = s.heads // s.kv_heads
     ev: list[Event] = [(TEMP, s.nqe), (TEMP, s.nke), (TEMP, s.nke)]
     # q, k = rope(q), rope(k): the raw q lives until both are computed
-    ev += _rope_forward(s.nqe)[:-1] + _rope_forward(s.nke) + [(TEMP, -s.nqe)]
+    ev += _rope_forward(s.nqe)[:-1] + _rope_forward(s.nke)
+    ev += _saved(s.nqe) if selective else [(TEMP, -s.nqe)]
     if rep > 1:  # repeat_interleave copies k and v to every query head
-        ev += [(ACT, s.nqe), (ACT, -s.nke), (ACT, s.nqe), (TEMP, -s.nke)]
+        ev += [(ACT, s.nqe), (ACT, -s.nke), (ACT, s.nqe)]
+        ev += _saved(s.nke) if selective else [(TEMP, -s.nke)]
     else:  # v itself is saved by attention
         ev += [(TEMP, -s.nke), (ACT, s.nke)]
     ev += [(ACT, s.nqe + 4 * s.n * s.heads)]  # attention output + logsumexp
-    if not keep:
+    if selective:  # rotated q and k, the repeated copies die; v, output, lse stay
+        ev += [(ACT, -(3 * s.nqe if rep > 1 else s.nqe + s.nke))]
+    elif not keep:
         ev += [(ACT, -(4 * s.nqe + 4 * s.n * s.heads))]
     ev += [(TEMP, s.nde), (ACT, s.nde), (TEMP, -s.nde)]  # o_proj, residual add -> x1
     return ev
 
 
-def _mlp_forward(s: Sizes, *, keep: bool) -> list[Event]:
+def _mlp_forward(s: Sizes, *, keep: bool, selective: bool = False) -> list[Event]:
     """gate, silu, up, product (all saved), down_proj, residual add -> block output."""
     if keep:
         return [(ACT, 4 * s.nfe), (TEMP, s.nde), (ACT, s.nde), (TEMP, -s.nde)]
     f = s.nfe  # unsaved: gate dies into silu, silu and up into the product
+    gate = _saved(f) if selective else [(TEMP, -f)]
+    down = _saved(s.nde) if selective else [(TEMP, -s.nde)]
     return [
-        (TEMP, f), (TEMP, f), (TEMP, -f), (TEMP, f), (TEMP, f), (TEMP, -2 * f),
-        (TEMP, s.nde), (TEMP, -f), (ACT, s.nde), (TEMP, -s.nde),
+        (TEMP, f), (TEMP, f), *gate, (TEMP, f), (TEMP, f), (TEMP, -2 * f),
+        (TEMP, s.nde), (TEMP, -f), (ACT, s.nde), *down,
     ]  # fmt: skip
 
 
-def block_forward(s: Sizes, *, keep: bool) -> list[Event]:
+def block_forward(s: Sizes, *, keep: bool, selective: bool = False) -> list[Event]:
     """Forward of one block whose input (N*d*e, counted by the caller) is live.
 
-    ``keep`` = autograd saves for backward (no checkpointing). Ends with the output
-    live; the input is freed unless something saved it (fp32 alias, or the checkpoint).
+    ``keep`` = autograd saves for backward (no checkpointing); ``selective`` (with
+    ``keep`` false) = the selective policy's outputs stay ([Note: selective block
+    memory]). Ends with the output live; the input is freed unless something saved
+    it (fp32 alias, or the checkpoint).
     """
     y_norm = s.nde if s.cast else s.nd4
-    ev = _norm_forward(s, keep=keep) + _attn_forward(s, keep=keep)
+    ev = _norm_forward(s, keep=keep) + _attn_forward(s, keep=keep, selective=selective)
     if not keep:
         ev += [(ACT, -y_norm)]  # norm1 output: only q/k/v projections used it
-    ev += _norm_forward(s, keep=keep) + _mlp_forward(s, keep=keep)
+    ev += _norm_forward(s, keep=keep) + _mlp_forward(s, keep=keep, selective=selective)
     if not keep:
         ev += [(ACT, -y_norm - s.nde)]  # norm2 output and x1
     elif s.cast:
@@ -166,13 +208,23 @@ def block_forward(s: Sizes, *, keep: bool) -> list[Event]:
     return ev
 
 
-def block_recompute(s: Sizes) -> list[Event]:
+def block_recompute(s: Sizes, *, selective: bool = False) -> list[Event]:
     """Checkpointed block, in backward: its forward again with everything saved; the
-    input stays (the checkpoint holds it) and the recomputed output is dropped."""
+    input stays (the checkpoint holds it) and the recomputed output is dropped.
+    Selective: the saved outputs are taken, not recomputed — modeled as released
+    and allocated again by the recompute, except down_proj's, which stays to the
+    end of the block's backward (``selective_backward_end``)."""
     ev = block_forward(s, keep=True)
     if s.cast:
         ev = [*ev[:-2], (ACT, -s.nde)]  # keep x, free x1
-    return [*ev, (ACT, -s.nde)]
+    taken: list[Event] = [(ACT, -(selective_saved(s) - s.nde))] if selective else []
+    return [*taken, *ev, (ACT, -s.nde)]
+
+
+def selective_backward_end(s: Sizes) -> list[Event]:
+    """The checkpoint frame dies with the block's backward: down_proj's saved output
+    (never taken by the early-stopped recompute) goes with it."""
+    return [(ACT, -s.nde)]
 
 
 def _norm_backward(s: Sizes) -> list[Event]:

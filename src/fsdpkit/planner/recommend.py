@@ -3,7 +3,7 @@
 Searched, keeping the global batch (micro-batch x accumulation per rank) fixed:
 parallel.strategy with every useful hybrid shard degree, reshard_after_forward
 (the strategy's default, or an int = ranks per node to reshard inside a node),
-activation checkpointing (none, every 2nd block, every block), CPU offload (GPUs),
+activation checkpointing (none, every 2nd block, every block, selective), CPU offload (GPUs),
 and the micro-batch size. Each candidate is planned analytically; those that fit
 are ranked by an estimated step time — a relative cost, not a prediction:
 
@@ -11,7 +11,11 @@ are ranked by an estimated step time — a relative cost, not a prediction:
 
 compute = FLOPs per token (fsdpkit.models.flops) at 40% of the device's peak, derated
 for small micro-batches (x (1 + 256 / tokens per micro-batch): fewer tokens per matmul
-run further below peak); recompute = a third of the checkpointed blocks' share;
+run further below peak); recompute = a third of the checkpointed blocks' share, times
+the share of a block's forward FLOPs that is recomputed (all of it under full
+checkpointing; under selective the matmuls the policy does not save — k, o and up of
+a Llama block, ~37% of llama3-8b's block forward at seq 8192 less attention, which
+is saved);
 communication = all-gather + reduce-scatter bytes over the shard group's link (NVLink
 inside a node, the network across) + replica all-reduce + 50 us per collective,
 overlapped with compute as FSDP2 prefetching does; offload = host copies over PCIe
@@ -28,8 +32,10 @@ from fsdpkit.config import RunConfig, batch_split, with_changes
 from fsdpkit.devices import Device
 from fsdpkit.errors import UserError
 from fsdpkit.planner.api import DEFAULT_MARGIN, plan_scenario
+from fsdpkit.planner.blockmem import block_matmuls
 from fsdpkit.planner.result import Plan
 from fsdpkit.planner.scenario import PlanError, Scenario, run_vocab_size, scenario
+from fsdpkit.sharding.activations import matmul_saved
 from fsdpkit.strategies import STRATEGIES
 
 MFU = 0.40
@@ -130,7 +136,7 @@ def _micro_changes(cfg: RunConfig, *, world: int) -> list[dict[str, object]]:
 
 def _grid(cfg: RunConfig, *, world: int, per_node: int, gpu: bool) -> list[dict[str, object]]:
     micros = _micro_changes(cfg, world=world)
-    acs = [("none", 2), ("every", 2), ("full", 2)]
+    acs = [("none", 2), ("every", 2), ("selective", 2), ("full", 2)]
     grid = []
     for strat in _strategies(world, per_node):
         for raf, (ac, every), micro in itertools.product(
@@ -158,7 +164,7 @@ def step_cost(sc: Scenario, p: Plan) -> StepCost:
     compute *= (1 + SMALL_BATCH_TOKENS / sc.tokens) / (dev.tflops * 1e12 * MFU)
     blocks = sum(u.numel for u in sc.units) / max(m.matmul_params(), 1)
     share = sc.checkpointed_blocks / max(len(sc.layout.blocks), 1)
-    recompute = compute * share * blocks / 3
+    recompute = compute * share * blocks / 3 * recompute_fraction(sc)
     shard_link = dev.intra_gbps if sc.shard <= sc.ranks_per_node else dev.inter_gbps
     replica_link = dev.intra_gbps if sc.world_size <= sc.ranks_per_node else dev.inter_gbps
     c = p.comm
@@ -169,6 +175,21 @@ def step_cost(sc: Scenario, p: Plan) -> StepCost:
         local = sum(p.memory.model_states.values())
         offload = c.host_transfer / (dev.host_gbps * 1e9) + local / (HOST_MEMORY_GBPS * 1e9)
     return StepCost(compute, recompute, comm, offload)
+
+
+def recompute_fraction(sc: Scenario) -> float:
+    """Share of a checkpointed block's forward FLOPs that backward runs again: all
+    under full checkpointing; under selective the matmuls the policy recomputes
+    (fsdpkit.sharding.activations.matmul_saved), over the block's matmuls plus
+    attention (saved, never recomputed). Elementwise ops are not counted."""
+    if sc.ac_mode != "selective":
+        return 1.0
+    m = sc.model
+    mms = block_matmuls(
+        d=m.dim, f=m.ffn_dim, heads=m.n_heads, kv_heads=m.n_kv_heads, head_dim=m.head_dim
+    )
+    redone = sum(p for i, p in enumerate(mms) if not matmul_saved(i + 1))
+    return redone / (sum(mms) + 2 * m.n_heads * m.head_dim * sc.seq_len)
 
 
 @dataclass(frozen=True)

@@ -104,13 +104,19 @@ def _op_sets() -> tuple[frozenset[Any], frozenset[Any]]:
     return matmuls, frozenset(attention + collectives)
 
 
+def matmul_saved(count: int) -> bool:
+    """Whether the ``count``-th matmul of a checkpointed call (1 for the first) is
+    saved: the odd ones (1st, 3rd, ...) are, the even ones recomputed. The planner
+    asks this too (step time, fsdpkit.planner.recommend)."""
+    return count % 2 == 1
+
+
 def op_decision(func: Any, *, matmul_count: int) -> bool:
     """Whether selective checkpointing saves ``func``'s output; ``matmul_count`` is how
-    many matmuls this pass has met including this one (1 for the first): the odd ones
-    (1st, 3rd, ...) are saved, the even ones recomputed."""
+    many matmuls this pass has met including this one."""
     matmuls, always = _op_sets()
     if func in matmuls:
-        return matmul_count % 2 == 1
+        return matmul_saved(matmul_count)
     return func in always
 
 
