@@ -46,7 +46,8 @@ def describe_scenario(sc: Scenario) -> str:
         f"{params} params ({m.n_layers} layers, d={m.dim}, vocab {m.vocab_size}); "
         f"{sc.world_size} ranks: {_mesh(sc)}, reshard_after_forward={sc.reshard_after_forward}; "
         f"{sc.precision}; {sc.micro_batch} x {sc.seq_len} tokens x {sc.grad_accum} accumulation; "
-        f"AC on {sc.checkpointed_blocks}/{n_blocks} blocks{'; CPU offload' if sc.offload else ''}\n"
+        f"{'selective ' if sc.ac_mode == 'selective' else ''}AC on "
+        f"{sc.checkpointed_blocks}/{n_blocks} blocks{'; CPU offload' if sc.offload else ''}\n"
         f"units: {len(sc.units)} + root ({sc.layout.block_reason})"
     )
 
