@@ -2,8 +2,8 @@
 
 2 gloo ranks, fp32, 10 steps through ``fsdpkit.shard``: each lever against the same
 run without it, in one spawn per group (start-up dominates). Losses and final
-parameters within 1e-5 relative for selective checkpointing (built-in Llama, and a
-model whose blocks hold an odd number of matmuls); within 1e-4 for compiled blocks
+parameters within 1e-5 relative for selective checkpointing (built-in Llama, a
+transformers Llama, and a model whose blocks hold an odd number of matmuls); within 1e-4 for compiled blocks
 (inductor fuses and reorders the float arithmetic; measured gaps are printed).
 """
 
@@ -19,6 +19,7 @@ from torch import nn
 from fsdpkit import build_mesh, shard
 from fsdpkit.config import ActivationsConfig, RunConfig, TrainConfig
 from fsdpkit.init import init_weights
+from fsdpkit.models.factory import next_token_loss
 from fsdpkit.testing import run_ranks
 from support import build, full_state, global_batches, train
 
@@ -53,6 +54,18 @@ class OddNet(nn.Module):
         return self.head(h)
 
 
+def _hf_llama() -> nn.Module:
+    """A transformers Llama as fsdpkit builds ``model.hf`` ones (no KV cache)."""
+    import transformers
+
+    from fsdpkit.testing.hf import tiny_config
+
+    config = tiny_config("llama", vocab_size=128, dim=32)
+    config.use_cache = False
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
 def _odd_net() -> OddNet:
     model = OddNet()
     init_weights(model, seed=0)
@@ -65,6 +78,8 @@ VARIANTS: dict[str, tuple[str, RunConfig]] = {
     "llama-selective": ("llama", RunConfig(activations=ActivationsConfig(mode="selective"))),
     "odd-none": ("odd", RunConfig()),
     "odd-selective": ("odd", RunConfig(activations=ActivationsConfig(mode="selective"))),
+    "hf-none": ("hf", RunConfig()),
+    "hf-selective": ("hf", RunConfig(activations=ActivationsConfig(mode="selective"))),
 }
 COMPILED: dict[str, tuple[str, RunConfig]] = {
     "llama-eager": ("llama", RunConfig()),
@@ -76,10 +91,11 @@ COMPILED: dict[str, tuple[str, RunConfig]] = {
 
 
 def _run(rank: int, world: int, kind: str, cfg: RunConfig) -> dict[str, Any]:
-    model = build() if kind == "llama" else _odd_net()
+    model = {"llama": build, "odd": _odd_net, "hf": _hf_llama}[kind]()
     mesh = build_mesh(replicate=1, shard=world, device_type="cpu")
     plan = shard(model, cfg, mesh=mesh)
-    out = train(model, global_batches(STEPS), rank=rank, world=world)
+    loss = next_token_loss if kind == "hf" else None  # HF returns a ModelOutput
+    out = train(model, global_batches(STEPS), rank=rank, world=world, loss_fn=loss)
     out["params"] = full_state(model)
     out["names"] = sorted(name for name, _ in model.named_parameters())
     out["checkpointed"] = plan.checkpointed
@@ -116,10 +132,11 @@ def _spawn(variants: dict[str, tuple[str, RunConfig]]) -> dict[str, Any]:
     return per_rank[0]
 
 
-@pytest.mark.parametrize("model", ["llama", "odd"])
+@pytest.mark.parametrize("model", ["llama", "odd", "hf"])
 def test_selective_matches_no_checkpointing(results: dict[str, Any], model: str) -> None:
     got, want = results[f"{model}-selective"], results[f"{model}-none"]
-    assert got["checkpointed"] == {"llama": 4, "odd": 3}[model] and want["checkpointed"] == 0
+    blocks = {"llama": 4, "odd": 3, "hf": 2}[model]
+    assert got["checkpointed"] == blocks and want["checkpointed"] == 0
     _assert_parity(got, want, tol=1e-5, what=f"{model} selective vs none")
 
 
