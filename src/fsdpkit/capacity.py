@@ -100,8 +100,8 @@ def tensor_host_bytes(cfg: RunConfig, *, world_size: int, ranks_per_node: int, d
     except UserError:
         return 0
     if device == "cpu":
-        return p.memory.peak.bytes + p.memory.spread
-    return p.memory.host_bytes
+        return p.memory.peak.bytes + p.memory.spread + p.memory.staging_bytes
+    return p.memory.host_bytes + p.memory.staging_bytes
 
 
 @dataclass(frozen=True)

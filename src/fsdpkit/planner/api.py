@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
+from fsdpkit.checkpoint.staging import async_staging_bytes
 from fsdpkit.config import RunConfig
 from fsdpkit.devices import Device
 from fsdpkit.planner.analytic import analytic_memory
@@ -46,6 +48,8 @@ def plan_scenario(
         other = analytic_memory(sc) if analytic else None
     else:
         memory = analytic_memory(sc)
+    if sc.async_checkpoint:
+        memory = replace(memory, staging_bytes=async_staging_bytes(memory.model_states))
     usable = usable_bytes(sc.device, margin=margin)
     return Plan(
         scenario=sc,

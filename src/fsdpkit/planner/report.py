@@ -104,6 +104,11 @@ def format_plan(p: Plan) -> str:
     ]
     if mem.host_bytes:
         lines.append(f"host memory per rank (CPU offload): {fmt_bytes(mem.host_bytes)}")
+    if mem.staging_bytes:
+        lines.append(
+            f"host memory per rank for async checkpoint staging (kept for the run): "
+            f"{fmt_bytes(mem.staging_bytes)}"
+        )
     notes = [*sc.notes, *mem.notes]
     lines += [f"note: {n}" for n in notes]
     return "\n".join(line for line in lines if line is not None)

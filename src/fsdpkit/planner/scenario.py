@@ -79,6 +79,8 @@ class Scenario:
     """Why the analytic model cannot plan this run (None: it can)."""
     source: str = ""
     """A model.hf / model.factory model, as reports name it ("" for the built-in Llama)."""
+    async_checkpoint: bool = False
+    """checkpoint.async_save: staging buffers on the host for the whole run."""
 
     @property
     def param_bytes(self) -> int:
@@ -215,6 +217,7 @@ def scenario(
         flops_per_token=model.flops_per_token,
         analytic_why_not=model.why_traced,
         source=model.what,
+        async_checkpoint=cfg.checkpoint.async_save and cfg.checkpoint.every > 0,
     )
 
 
