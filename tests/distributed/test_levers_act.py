@@ -3,8 +3,9 @@
 2 gloo ranks, fp32, 10 steps through ``fsdpkit.shard``: each lever against the same
 run without it, in one spawn per group (start-up dominates). Losses and final
 parameters within 1e-5 relative for selective checkpointing (built-in Llama, a
-transformers Llama, and a model whose blocks hold an odd number of matmuls); within 1e-4 for compiled blocks
-(inductor fuses and reorders the float arithmetic; measured gaps are printed).
+transformers Llama, and a model whose blocks hold an odd number of matmuls); within
+1e-4 for compiled blocks (inductor fuses and reorders the float arithmetic; measured
+gaps are printed).
 """
 
 from __future__ import annotations

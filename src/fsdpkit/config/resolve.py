@@ -28,6 +28,8 @@ class Resolved:
     auto_changes: dict[str, Any] | None = None
     """Dotted keys ``parallel.auto`` set (empty: it kept the config as given); None
     when parallel.auto is off."""
+    auto_note: str | None = None
+    """What ``parallel.auto`` could not plan (the config is then kept as given)."""
 
 
 def resolve(
@@ -40,10 +42,12 @@ def resolve(
     """The config a run of ``world_size`` ranks (``local_world_size`` per node) uses."""
     cfg = load(path, list(overrides))
     changes: dict[str, Any] | None = None
+    note = None
     if cfg.parallel.auto:
-        from fsdpkit.planner.auto import auto_changes  # the planner imports config
+        from fsdpkit.planner.auto import auto_plan  # the planner imports config
 
-        changes = auto_changes(cfg, world_size=world_size, local_world_size=local_world_size)
+        auto = auto_plan(cfg, world_size=world_size, local_world_size=local_world_size)
+        changes, note = auto.changes, auto.note
         cfg = with_changes(cfg, {**changes, "parallel.auto": False}, source="parallel.auto")
     validate_for_world(cfg, world_size=world_size, local_world_size=local_world_size)
-    return Resolved(config=cfg, auto_changes=changes)
+    return Resolved(config=cfg, auto_changes=changes, auto_note=note)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
+from fsdpkit.checkpoint.staging import async_staging_bytes
 from fsdpkit.config import RunConfig
 from fsdpkit.devices import Device
 from fsdpkit.planner.analytic import analytic_memory
@@ -24,22 +26,30 @@ def usable_bytes(device: Device, *, margin: float) -> int | None:
 
 
 def plan_scenario(
-    sc: Scenario, *, cfg: RunConfig | None = None, trace: bool = False, margin: float
+    sc: Scenario, *, cfg: RunConfig | None = None, trace: bool | None = None, margin: float
 ) -> Plan:
-    """Plan an already resolved scenario (``cfg`` is needed for ``trace``)."""
+    """Plan an already resolved scenario. ``trace``: True runs the traced planner,
+    False the analytic one (PlanError for a model it cannot replay), None the analytic
+    one where it applies and the traced one otherwise. ``cfg`` is needed to trace."""
     if not 0.0 <= margin < 1.0:
         raise PlanError(f"--margin must be in [0, 1), got {margin}.")
     start = time.perf_counter()
     other: MemoryPlan | None = None
+    analytic = sc.analytic_why_not is None and sc.model is not None
+    if trace is None and not analytic:  # [Note: planning any model]: trace the rest
+        trace = True
+        sc = sc.with_(notes=(*sc.notes, f"planned by tracing: {sc.analytic_why_not}"))
     if trace:
         if cfg is None:
             raise PlanError("traced planning needs the RunConfig (pass cfg=...)")
         from fsdpkit.planner.traced import traced_memory  # imports torch's fake machinery
 
         memory = traced_memory(cfg, sc)
-        other = analytic_memory(sc) if sc.layout.decoder_blocks else None
+        other = analytic_memory(sc) if analytic else None
     else:
         memory = analytic_memory(sc)
+    if sc.async_checkpoint:
+        memory = replace(memory, staging_bytes=async_staging_bytes(memory.model_states))
     usable = usable_bytes(sc.device, margin=margin)
     return Plan(
         scenario=sc,
@@ -59,7 +69,7 @@ def plan(
     *,
     world_size: int,
     device: Device | None = None,
-    trace: bool = False,
+    trace: bool | None = None,
     margin: float = DEFAULT_MARGIN,
     ranks_per_node: int = 8,
     vocab_size: int | None = None,
@@ -68,7 +78,8 @@ def plan(
 
     ``device`` (see ``devices.parse_device``) gives the memory to fit in and how
     ``precision.mode = auto`` resolves; ``trace`` runs the real model code on a fake
-    process group instead of the formulas (seconds to minutes, no devices needed);
+    process group instead of the formulas (seconds to minutes, no devices needed;
+    None: only for a model the formulas do not cover, False: formulas or PlanError);
     ``vocab_size`` is the tokenizer's when the config leaves model.vocab_size empty.
     """
     sc = scenario(
