@@ -1,6 +1,6 @@
 """Selective activation checkpointing and compiled blocks: tokens/s and peak memory on CPU.
 
-    python bench/act_levers.py [--reps 3] [--steps 8]
+    python bench/act_levers.py [--reps 6] [--steps 8]
 
 Two tables, 2 gloo ranks, fp32, the trainer's own ``shard()``, AdamW and step:
 
@@ -22,8 +22,10 @@ LEVERS list: (name, off overrides, on overrides).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -117,41 +119,49 @@ def _worker(rank: int, world: int, reps: int, steps: int) -> dict[str, Any]:
 
 
 def _table(per_rank: list[dict[str, Any]], table: str) -> str:
+    """Per row: median tokens/s of each side, the median of the per-repetition ratios
+    (on / off of the same repetition, adjacent in time) and their range, peaks (max
+    over ranks and runs), compile seconds (first run; median of the others)."""
     mib = 2**20
     head = (
-        f"{'row':<28}{'off tok/s':>10}{'on tok/s':>10}{'ratio':>7}"
-        f"{'off peak':>10}{'on peak':>10}{'compile s':>10}"
+        f"{'row':<28}{'off tok/s':>10}{'on tok/s':>10}{'ratio':>7}{'range':>13}"
+        f"{'off peak':>10}{'on peak':>10}{'compile s':>12}"
     )
     lines = [head, "-" * len(head)]
     for kind, name, *_ in ROWS:
         if kind != table:
             continue
-        rank0 = per_rank[0]
-        tps = {
-            s: statistics.median(r["tokens_per_s"] for r in rank0[(name, s)]) for s in ("off", "on")
-        }
+        runs = {s: [r["tokens_per_s"] for r in per_rank[0][(name, s)]] for s in ("off", "on")}
+        tps = {s: statistics.median(v) for s, v in runs.items()}
+        ratios = [on / off for on, off in zip(runs["on"], runs["off"])]
         peak = {
             s: max(max(r["peak"] for r in ranks[(name, s)]) for ranks in per_rank)
             for s in ("off", "on")
         }
-        comp = max(max(r["compile_s"] for r in ranks[(name, "on")]) for ranks in per_rank)
+        comp = [
+            max(rk[(name, "on")][i]["compile_s"] for rk in per_rank) for i in range(len(ratios))
+        ]
+        later = f"{statistics.median(comp[1:]):.1f}" if len(comp) > 1 else "-"
         lines.append(
-            f"{name:<28}{tps['off']:>10,.0f}{tps['on']:>10,.0f}{tps['on'] / tps['off']:>7.3f}"
-            f"{peak['off'] / mib:>9.1f}M{peak['on'] / mib:>9.1f}M{comp:>10.1f}"
+            f"{name:<28}{tps['off']:>10,.0f}{tps['on']:>10,.0f}{statistics.median(ratios):>7.3f}"
+            f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>13}"
+            f"{peak['off'] / mib:>9.1f}M{peak['on'] / mib:>9.1f}M{f'{comp[0]:.1f}/{later}':>12}"
         )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3, help="alternating repetitions")
+    parser.add_argument("--reps", type=int, default=6, help="alternating repetitions")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
     args = parser.parse_args(argv)
+    # a fresh inductor cache: the first compiled run compiles cold, as a new machine does
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="act-levers-"))
     start = time.perf_counter()
     per_rank = run_ranks(_worker, world_size=2, args=(args.reps, args.steps), timeout_s=3600)
     print("activation checkpointing (off = the mode named first)")
     print(_table(per_rank, "ac"))
-    print("\ntorch.compile per block (compile s: the largest first-steps compile of any run)")
+    print("\ntorch.compile per block (compile s: first run / median of the later ones)")
     print(_table(per_rank, "compile"))
     print(
         f"\n2 gloo ranks x 1 thread, fp32, median of {args.reps} alternating runs x "

@@ -173,6 +173,8 @@ CASES = [
     Case("ACT S selective grad_op", 2, "S", (GRAD_OP, SEL)),
     Case("ACT M selective", 3, "M", (FULL, SEL)),
     Case("ACT T bf16 selective", 2, "T", (FULL, BF16, SEL)),
+    Case("ACT HL hf llama selective", 2, "HL", (FULL, SEL)),
+    Case("ACT HQ hf qwen2 selective", 2, "HQ", (FULL, SEL)),
 ]
 QUICK = [c for c in CASES if c.world == 2 and c.name in ("S full +AC", "S grad_op", "T bf16 full")]
 """The subset tests/distributed/test_planner_accuracy.py checks."""
