@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from fsdpkit.config import ActivationsConfig, RunConfig, TrainConfig, load
+from fsdpkit.config import ActivationsConfig, ConfigError, RunConfig, TrainConfig, load
 from fsdpkit.models.llama import Llama, LlamaConfig
 from fsdpkit.planner import parse_device, plan
 from fsdpkit.planner.blockmem import (
@@ -202,6 +202,15 @@ def test_selective_checkpoints_every_block_and_parses() -> None:
     run = load(None, ["activations.mode=selective", "train.compile=true"])
     assert run.activations.mode == "selective" and run.train.compile
     assert TrainConfig().compile is False
+
+
+def test_selective_refuses_norm_units_inside_blocks() -> None:
+    """precision.norms_fp32 makes FSDP units of the norms inside each block; their
+    hooks run other ops in the recompute (measured: "_record_function_enter_new
+    invocation index 12 ... not found in storage"), so the config is refused."""
+    with pytest.raises(ConfigError, match="norms_fp32"):
+        load(None, [SELECTIVE_KEY, "precision.mode=bf16", "precision.norms_fp32=true"])
+    load(None, ["activations.mode=full", "precision.mode=bf16", "precision.norms_fp32=true"])
 
 
 def test_compile_seconds_is_a_non_negative_total() -> None:

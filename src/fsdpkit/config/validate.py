@@ -146,6 +146,13 @@ def _validate_combinations(cfg: RunConfig) -> None:
             f"precision.mode = {mode!r} without a gradient scaler underflows gradients. "
             "Set precision.grad_scaler = true (or leave it empty), or use bf16/fp32."
         )
+    if cfg.activations.mode == "selective" and cfg.precision.norms_fp32:
+        raise ConfigError(
+            "activations.mode = 'selective' cannot be combined with precision.norms_fp32 = "
+            "true: the norms become FSDP units inside each block, their hooks run other ops "
+            "in the recompute than in forward, and selective checkpointing replays forward "
+            "op by op. Use activations.mode = 'full' with norms_fp32, or norms_fp32 = false."
+        )
     _validate_model_source(cfg.model)
     if cfg.model.factory is not None and ":" not in cfg.model.factory:
         raise ConfigError(

@@ -215,10 +215,20 @@ def scenario(
         notes=tuple(notes),
         vocab_size=model.vocab_size,
         flops_per_token=model.flops_per_token,
-        analytic_why_not=model.why_traced,
+        analytic_why_not=model.why_traced or _selective_why_traced(cfg),
         source=model.what,
         async_checkpoint=cfg.checkpoint.async_save and cfg.checkpoint.every > 0,
     )
+
+
+def _selective_why_traced(cfg: RunConfig) -> str | None:
+    """Selective checkpointing saves every other matmul's output: LoRA adapters add
+    matmuls inside the blocks and shift which ones, which the analytic block model
+    ([Note: selective block memory]) does not replay; the traced planner runs the
+    policy itself."""
+    if cfg.activations.mode == "selective" and cfg.lora.rank > 0:
+        return "selective checkpointing of blocks with LoRA adapters"
+    return None
 
 
 def _planned_model(cfg: RunConfig, *, vocab: int | None, precision: str) -> BuiltPlanModel:
