@@ -19,6 +19,8 @@ StrategyName = Literal["full", "grad_op", "hybrid", "hybrid_grad_op", "replicate
 PrecisionMode = Literal["auto", "fp32", "bf16", "bf16-pure", "fp16"]
 ACMode = Literal["none", "full", "every"]
 Schedule = Literal["cosine", "constant", "linear"]
+AccumSync = Literal["auto", "last", "every"]
+OptimizerImpl = Literal["auto", "for-loop", "foreach", "fused"]
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,12 @@ class TrainConfig:
     """Micro-batches per rank in one evaluation."""
     sample_tokens: int = 120
     """Tokens of sample text generated at the end for the built-in LM; 0 disables."""
+    optimizer_impl: OptimizerImpl = "auto"
+    """torch AdamW kernel: for-loop (one parameter at a time, least temporary memory),
+    foreach (multi-tensor: fast, one temporary the size of all 2-D weights), fused (one
+    kernel, no temporaries; CPU and CUDA); auto = fused wherever parameters live on the
+    CPU (offload.params, CPU ranks: measured fastest there, see docs/levers.md) and on
+    CUDA, else foreach."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +153,24 @@ class ParallelConfig:
     """Blocks grouped into one FSDP unit."""
     accum_keep_unsharded: bool = False
     """During gradient accumulation keep parameters unsharded between micro-batches
-    (fewer all-gathers, but full parameters stay in memory)."""
+    (fewer all-gathers, but full parameters stay in memory); applies to both
+    parallel.accum_sync modes."""
+    accum_sync: AccumSync = "auto"
+    """Gradient reduction with train.grad_accum > 1. last: only the last micro-batch
+    reduce-scatters; the others accumulate unsharded gradients of every parameter in the
+    reduce dtype (FSDP2's no-sync: least traffic, most memory). every: every micro-batch
+    reduce-scatters into the sharded gradients (grad_accum x the reduce-scatter traffic,
+    no unsharded gradients between micro-batches; HSDP all-reduces across replicas on the
+    last one only). auto: last when its planned peak fits the memory budget
+    (parallel.device_mem, or the device parallel.auto plans for), else every; without a
+    budget, last."""
+    forward_prefetch: int = 0
+    """Block units whose all-gather each unit issues right after its own (explicit forward
+    prefetch, FSDPModule.set_modules_to_forward_prefetch); 0 = FSDP2's implicit order.
+    Each extra unit in flight holds its unsharded parameters early (memory)."""
+    backward_prefetch: int = 1
+    """Block units all-gathered ahead in backward; 1 = FSDP2's default (the next one),
+    k > 1 = explicit prefetch of the next k (more overlap, k unsharded units in flight)."""
     timeout_s: float = 600.0
     """Collective timeout in seconds; a rank stuck longer fails the run with the step."""
     hang_timeout_s: float | None = None

@@ -41,6 +41,7 @@ def validate(cfg: RunConfig) -> None:
         ("train.warmup_steps", cfg.train.warmup_steps),
         ("train.grad_clip", cfg.train.grad_clip),
         ("train.eval_every", cfg.train.eval_every),
+        ("parallel.forward_prefetch", cfg.parallel.forward_prefetch),
         ("checkpoint.every", cfg.checkpoint.every),
         ("checkpoint.keep_every", cfg.checkpoint.keep_every),
     ]:
@@ -155,6 +156,12 @@ def _validate_combinations(cfg: RunConfig) -> None:
         raise ConfigError(
             f"parallel.shard_degree is only used by hybrid strategies, not {p.strategy!r}; "
             "remove it or set parallel.strategy = 'hybrid'."
+        )
+    if p.backward_prefetch < 1:
+        raise ConfigError(
+            f"parallel.backward_prefetch = {p.backward_prefetch}: FSDP2 always prefetches "
+            "at least the next unit in backward (1, the default); use 1, or k > 1 to "
+            "all-gather k units ahead."
         )
     raf = p.reshard_after_forward
     if isinstance(raf, int) and not isinstance(raf, bool) and raf < 1:

@@ -32,6 +32,7 @@ from fsdpkit.mesh import build_mesh
 from fsdpkit.models.factory import next_token_loss
 from fsdpkit.models.llama import Llama, LlamaConfig
 from fsdpkit.sharding import resolve_precision, shard
+from fsdpkit.sharding.grads import sync_mode
 from fsdpkit.train.optim import build_optimizer
 from fsdpkit.train.step import train_step
 
@@ -130,6 +131,7 @@ def _step_peaks(
             loss_fn=next_token_loss,
             max_norm=cfg.train.grad_clip,
             keep_unsharded=cfg.parallel.accum_keep_unsharded,
+            accum_sync=sync_mode(cfg.parallel.accum_sync),
         )
 
     step()  # creates the AdamW states

@@ -290,6 +290,7 @@ def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
                 loss_fn=next_token_loss,
                 max_norm=cfg.train.grad_clip,
                 keep_unsharded=sc.keep_unsharded,
+                accum_sync=sc.accum_sync,
                 foreach=False,
                 mark=recorder,
             )
