@@ -23,6 +23,30 @@ def usable_bytes(device: Device, *, margin: float) -> int | None:
     return int((device.memory - device.runtime_reserve) * (1.0 - margin))
 
 
+def decide_accum_sync(sc: Scenario, *, usable: int | None) -> Scenario:
+    """[Note: accum_sync auto]
+    ``parallel.accum_sync = auto`` is ``last`` (the least traffic) when its planned
+    peak fits ``usable`` bytes, else ``every`` (no unsharded gradients between
+    micro-batches). Without a memory budget, without accumulation or without sharding
+    (nothing to choose) it is ``last``. The analytic plan decides (milliseconds), so
+    the launcher and every worker agree; ``fsdpkit.planner.auto.accum_sync_choice``
+    applies the same rule to a run."""
+    if not sc.accum_auto:
+        return sc
+    last = sc.with_(accum_auto=False, accum_sync="last")
+    if usable is None or sc.grad_accum == 1 or sc.shard == 1 or not sc.layout.decoder_blocks:
+        return last
+    peak = analytic_memory(last).peak.bytes
+    if peak <= usable:
+        return last
+    gib = 2**30
+    note = (
+        f"parallel.accum_sync = auto planned as every: last (no-sync accumulation) "
+        f"needs {peak / gib:.2f} GiB > {usable / gib:.2f} GiB usable"
+    )
+    return sc.with_(accum_auto=False, accum_sync="every", notes=(*sc.notes, note))
+
+
 def plan_scenario(
     sc: Scenario, *, cfg: RunConfig | None = None, trace: bool = False, margin: float
 ) -> Plan:
@@ -30,6 +54,8 @@ def plan_scenario(
     if not 0.0 <= margin < 1.0:
         raise PlanError(f"--margin must be in [0, 1), got {margin}.")
     start = time.perf_counter()
+    usable = usable_bytes(sc.device, margin=margin)
+    sc = decide_accum_sync(sc, usable=usable)
     other: MemoryPlan | None = None
     if trace:
         if cfg is None:
@@ -40,7 +66,6 @@ def plan_scenario(
         other = analytic_memory(sc) if sc.layout.decoder_blocks else None
     else:
         memory = analytic_memory(sc)
-    usable = usable_bytes(sc.device, margin=margin)
     return Plan(
         scenario=sc,
         memory=memory,

@@ -13,7 +13,9 @@ from typing import Any
 from fsdpkit.config import RunConfig
 from fsdpkit.devices import Device, cpu_device, detected_device, parse_device
 from fsdpkit.errors import UserError
+from fsdpkit.planner.api import DEFAULT_MARGIN, decide_accum_sync, usable_bytes
 from fsdpkit.planner.recommend import recommend
+from fsdpkit.planner.scenario import scenario
 
 
 def auto_device(cfg: RunConfig, *, local_world_size: int) -> Device:
@@ -38,3 +40,23 @@ def auto_changes(cfg: RunConfig, *, world_size: int, local_world_size: int) -> d
             "ones, then add ranks, use a bigger device, or shrink the batch or sequence."
         )
     return dict(rec.best.changes)
+
+
+def accum_sync_choice(cfg: RunConfig, *, world_size: int, local_world_size: int) -> str:
+    """``parallel.accum_sync = auto`` for a run ([Note: accum_sync auto]): decided
+    against the budget of ``parallel.device_mem`` or, with ``parallel.auto``, the device
+    it plans for; ``last`` without a budget, or for a model the planner cannot plan
+    (a factory or Hugging Face model)."""
+    if cfg.parallel.accum_sync != "auto":
+        return cfg.parallel.accum_sync
+    if not (cfg.parallel.device_mem or cfg.parallel.auto):
+        return "last"
+    device = auto_device(cfg, local_world_size=local_world_size)
+    try:
+        sc = scenario(
+            cfg, world_size=world_size, device=device, ranks_per_node=local_world_size
+        )
+    except UserError:
+        return "last"
+    usable = usable_bytes(device, margin=DEFAULT_MARGIN)
+    return decide_accum_sync(sc, usable=usable).accum_sync

@@ -4,7 +4,8 @@ Searched, keeping the global batch (micro-batch x accumulation per rank) fixed:
 parallel.strategy with every useful hybrid shard degree, reshard_after_forward
 (the strategy's default, or an int = ranks per node to reshard inside a node),
 activation checkpointing (none, every 2nd block, every block), CPU offload (GPUs),
-and the micro-batch size. Each candidate is planned analytically; those that fit
+the micro-batch size, and with accumulation how gradients are reduced
+(parallel.accum_sync last or every: [Note: accumulation modes]). Each candidate is planned analytically; those that fit
 are ranked by an estimated step time — a relative cost, not a prediction:
 
     step = max(compute + recompute, communication) + offload transfers
@@ -136,11 +137,14 @@ def _grid(cfg: RunConfig, *, world: int, per_node: int, gpu: bool) -> list[dict[
         for raf, (ac, every), micro in itertools.product(
             _reshards(strat, world, per_node), acs, micros
         ):
-            for offload in (False, True) if gpu and raf is None else (False,):
+            for offload, sync in itertools.product(
+                (False, True) if gpu and raf is None else (False,), ("last", "every")
+            ):
                 grid.append(
                     strat
                     | {"parallel.reshard_after_forward": raf, "offload.params": offload}
                     | {"activations.mode": ac, "activations.every": every}
+                    | {"parallel.accum_sync": sync}
                     | micro
                 )
     return grid
@@ -192,6 +196,8 @@ def _candidate(cfg: RunConfig, changes: dict[str, object], search: _Search) -> C
         )
     except UserError:
         return None  # e.g. offload with grad_op: not a valid configuration
+    if changes.get("parallel.accum_sync") == "every" and (sc.grad_accum == 1 or sc.shard == 1):
+        return None  # nothing is accumulated across micro-batches, or nothing sharded
     p = plan_scenario(sc, margin=search.margin)
     return Candidate(_diff(cfg, changes), new, p, step_cost(sc, p))
 

@@ -18,7 +18,9 @@ from fsdpkit.models.factory import llama_shape
 from fsdpkit.models.llama import PRESETS, LlamaConfig
 from fsdpkit.planner.finetune import finetune_layout, finetuned
 from fsdpkit.planner.layout import ModelLayout, Unit, llama_layout, units
+from fsdpkit.sharding.grads import sync_mode
 from fsdpkit.sharding.policy import reshard_after_forward
+from fsdpkit.train.optim import resolve_impl
 
 _VOCAB_NOTE = (
     "model.vocab_size: planned with the preset's {} (train takes the tokenizer's: set "
@@ -60,6 +62,20 @@ class Scenario:
     ranks_per_node: int
     notes: tuple[str, ...] = ()
     """How inputs were interpreted (e.g. precision auto -> bf16)."""
+    accum_sync: str = "last"
+    """Resolved parallel.accum_sync: "last" or "every" ([Note: accumulation modes])."""
+    accum_auto: bool = False
+    """parallel.accum_sync = auto, not decided yet (fsdpkit.planner.api decides it by
+    the memory budget)."""
+    optimizer_impl: str = "foreach"
+    """Resolved train.optimizer_impl: for-loop, foreach or fused ([Note: AdamW kernels])."""
+    forward_prefetch: int = 0
+    backward_prefetch: int = 1
+
+    @property
+    def every_sync(self) -> bool:
+        """Reduce-scatter on every micro-batch (only meaningful with accumulation)."""
+        return self.accum_sync == "every" and self.grad_accum > 1
 
     @property
     def param_bytes(self) -> int:
@@ -195,4 +211,16 @@ def scenario(
         device=dev,
         ranks_per_node=local,
         notes=tuple(notes),
+        accum_sync=sync_mode(cfg.parallel.accum_sync),
+        accum_auto=cfg.parallel.accum_sync == "auto",
+        optimizer_impl=planned_optimizer(cfg, dev),
+        forward_prefetch=cfg.parallel.forward_prefetch,
+        backward_prefetch=cfg.parallel.backward_prefetch,
     )
+
+
+def planned_optimizer(cfg: RunConfig, device: Device) -> str:
+    """The AdamW kernel the run uses: the step runs where the sharded parameters live
+    (the host with offload.params)."""
+    on_cpu = device.kind == "cpu" or cfg.offload.params
+    return resolve_impl(cfg.train.optimizer_impl, device_type="cpu" if on_cpu else "cuda")
