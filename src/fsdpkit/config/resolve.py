@@ -47,8 +47,10 @@ def resolve(
         sizes = {"world_size": world_size, "local_world_size": local_world_size}
         if cfg.parallel.auto:
             changes = auto_changes(cfg, **sizes)
-            cfg = with_changes(cfg, {**changes, "parallel.auto": False}, source="parallel.auto")
-        sync = accum_sync_choice(cfg, **sizes)  # [Note: accum_sync auto]
-        cfg = with_changes(cfg, {"parallel.accum_sync": sync}, source="parallel.accum_sync")
+            cfg = with_changes(cfg, changes, source="parallel.auto")
+        sync = accum_sync_choice(cfg, **sizes)  # [Note: accum_sync auto], auto's budget
+        cfg = with_changes(
+            cfg, {"parallel.accum_sync": sync, "parallel.auto": False}, source="parallel.auto"
+        )
     validate_for_world(cfg, world_size=world_size, local_world_size=local_world_size)
     return Resolved(config=cfg, auto_changes=changes)

@@ -151,7 +151,11 @@ def _grid(cfg: RunConfig, *, world: int, per_node: int, gpu: bool) -> list[dict[
 
 
 def _diff(cfg: RunConfig, changes: dict[str, object]) -> dict[str, object]:
+    """The keys that change; parallel.accum_sync = auto already means last where last
+    fits ([Note: accum_sync auto]), so only every is a change from it."""
     current = cfg.to_dict()
+    if current["parallel"]["accum_sync"] == "auto":
+        current["parallel"]["accum_sync"] = "last"
     return {k: v for k, v in changes.items() if current[k.split(".")[0]][k.split(".")[1]] != v}
 
 
