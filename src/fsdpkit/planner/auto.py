@@ -53,9 +53,7 @@ def accum_sync_choice(cfg: RunConfig, *, world_size: int, local_world_size: int)
         return "last"
     device = auto_device(cfg, local_world_size=local_world_size)
     try:
-        sc = scenario(
-            cfg, world_size=world_size, device=device, ranks_per_node=local_world_size
-        )
+        sc = scenario(cfg, world_size=world_size, device=device, ranks_per_node=local_world_size)
     except UserError:
         return "last"
     usable = usable_bytes(device, margin=DEFAULT_MARGIN)
