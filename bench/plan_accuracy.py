@@ -82,6 +82,10 @@ FULL, GRAD_OP, REPL = (
 AC, EVERY = "activations.mode=full", "activations.mode=every"
 BF16 = "precision.mode=bf16"
 HYBRID = ("parallel.strategy=hybrid", "parallel.shard_degree=2")
+SYNC_EVERY = "parallel.accum_sync=every"
+EVERY_KEEP = (SYNC_EVERY, "parallel.accum_keep_unsharded=true")
+PREFETCH_2_2 = ("parallel.forward_prefetch=2", "parallel.backward_prefetch=2")
+PREFETCH_2_3 = ("parallel.forward_prefetch=2", "parallel.backward_prefetch=3")
 
 CASES = [
     Case("S full", 1, "S", (FULL,)),
@@ -126,41 +130,11 @@ CASES = [
     Case("A S accum=4 every", 2, "S", (FULL, "train.grad_accum=4", "parallel.accum_sync=every")),
     Case("A M accum=3 last", 2, "M", (FULL, "train.grad_accum=3", "parallel.accum_sync=last")),
     Case("A M accum=3 every", 2, "M", (FULL, "train.grad_accum=3", "parallel.accum_sync=every")),
-    Case(
-        "A S accum=3 every keep",
-        2,
-        "S",
-        (
-            FULL,
-            "train.grad_accum=3",
-            "parallel.accum_sync=every",
-            "parallel.accum_keep_unsharded=true",
-        ),
-    ),  # fmt: skip
-    Case(
-        "A T bf16 accum=2 every",
-        2,
-        "T",
-        (FULL, BF16, "train.grad_accum=2", "parallel.accum_sync=every"),
-    ),  # fmt: skip
-    Case(
-        "A S hybrid accum=2 every",
-        4,
-        "S",
-        (*HYBRID, "train.grad_accum=2", "parallel.accum_sync=every"),
-    ),  # fmt: skip
-    Case(
-        "A S prefetch fwd2 bwd2",
-        2,
-        "S",
-        (FULL, "parallel.forward_prefetch=2", "parallel.backward_prefetch=2"),
-    ),  # fmt: skip
-    Case(
-        "A M prefetch fwd2 bwd3 +AC",
-        2,
-        "M",
-        (FULL, AC, "parallel.forward_prefetch=2", "parallel.backward_prefetch=3"),
-    ),  # fmt: skip
+    Case("A S accum=3 every keep", 2, "S", (FULL, "train.grad_accum=3", *EVERY_KEEP)),
+    Case("A T bf16 accum=2 every", 2, "T", (FULL, BF16, "train.grad_accum=2", SYNC_EVERY)),
+    Case("A S hybrid accum=2 every", 4, "S", (*HYBRID, "train.grad_accum=2", SYNC_EVERY)),
+    Case("A S prefetch fwd2 bwd2", 2, "S", (FULL, *PREFETCH_2_2)),
+    Case("A M prefetch fwd2 bwd3 +AC", 2, "M", (FULL, AC, *PREFETCH_2_3)),
     # the optimizer step peaks at world size 1 with AC: each AdamW kernel's temporary
     Case("A M opt for-loop +AC", 1, "M", (FULL, AC, "train.optimizer_impl=for-loop")),
     Case("A M opt foreach +AC", 1, "M", (FULL, AC, "train.optimizer_impl=foreach")),

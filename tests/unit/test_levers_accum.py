@@ -37,9 +37,9 @@ def test_config_keys_and_their_checks() -> None:
     cfg = load(None, [])
     assert cfg.parallel.accum_sync == "auto" and cfg.train.optimizer_impl == "auto"
     assert (cfg.parallel.forward_prefetch, cfg.parallel.backward_prefetch) == (0, 1)
-    with pytest.raises(ConfigError, match="parallel.backward_prefetch"):
+    with pytest.raises(ConfigError, match=r"parallel\.backward_prefetch"):
         load(None, ["parallel.backward_prefetch=0"])
-    with pytest.raises(ConfigError, match="parallel.forward_prefetch"):
+    with pytest.raises(ConfigError, match=r"parallel\.forward_prefetch"):
         load(None, ["parallel.forward_prefetch=-1"])
     with pytest.raises(ConfigError, match="accum_sync"):
         load(None, ["parallel.accum_sync=sometimes"])

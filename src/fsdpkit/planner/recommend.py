@@ -5,8 +5,9 @@ parallel.strategy with every useful hybrid shard degree, reshard_after_forward
 (the strategy's default, or an int = ranks per node to reshard inside a node),
 activation checkpointing (none, every 2nd block, every block), CPU offload (GPUs),
 the micro-batch size, and with accumulation how gradients are reduced
-(parallel.accum_sync last or every: [Note: accumulation modes]). Each candidate is planned analytically; those that fit
-are ranked by an estimated step time — a relative cost, not a prediction:
+(parallel.accum_sync last or every: [Note: accumulation modes]). Each candidate is
+planned analytically; those that fit are ranked by an estimated step time — a
+relative cost, not a prediction:
 
     step = max(compute + recompute, communication) + offload transfers
 

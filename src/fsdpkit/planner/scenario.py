@@ -18,7 +18,7 @@ from fsdpkit.models.factory import llama_shape
 from fsdpkit.models.llama import PRESETS, LlamaConfig
 from fsdpkit.planner.finetune import finetune_layout, finetuned
 from fsdpkit.planner.layout import ModelLayout, Unit, llama_layout, units
-from fsdpkit.sharding.grads import sync_mode
+from fsdpkit.sharding.grads import SyncMode, sync_mode
 from fsdpkit.sharding.policy import reshard_after_forward
 from fsdpkit.train.optim import resolve_impl
 
@@ -62,7 +62,7 @@ class Scenario:
     ranks_per_node: int
     notes: tuple[str, ...] = ()
     """How inputs were interpreted (e.g. precision auto -> bf16)."""
-    accum_sync: str = "last"
+    accum_sync: SyncMode = "last"
     """Resolved parallel.accum_sync: "last" or "every" ([Note: accumulation modes])."""
     accum_auto: bool = False
     """parallel.accum_sync = auto, not decided yet (fsdpkit.planner.api decides it by
