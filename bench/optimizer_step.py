@@ -93,9 +93,7 @@ def run(elements: int, *, reps: int, deepspeed: bool) -> tuple[int, dict[str, li
     model = shards(elements)
     numel = sum(p.numel() for p in model.parameters())
     runs = steppers(model, deepspeed=deepspeed)
-    times: dict[str, list[float] | str] = {
-        k: ([] if callable(v) else v) for k, v in runs.items()
-    }
+    times: dict[str, list[float] | str] = {k: ([] if callable(v) else v) for k, v in runs.items()}
     for _ in range(reps):  # alternating: every implementation once per round
         for name, step in runs.items():
             if callable(step):

@@ -2,8 +2,9 @@
 
 fp32, 2 gloo ranks, 10 steps of the trainer's own ``train_step`` on the same data:
 ``parallel.accum_sync = every`` against ``last`` at 2 and 4 micro-batches (and with
-``accum_keep_unsharded``), the three AdamW kernels against each other, explicit
-forward / backward prefetch against FSDP2's implicit one. Losses and final parameters
+``accum_keep_unsharded``), the three AdamW kernels against each other (and auto
+under fp16's grad scaler), explicit forward / backward prefetch against FSDP2's
+implicit one. Losses and final parameters
 agree within 1e-5 relative; the reduce-scatters of each micro-batch are counted as
 tests/distributed/test_accumulation.py counts them. One 4-rank HSDP run checks that
 ``every`` reduce-scatters each micro-batch but all-reduces across replicas once.
@@ -18,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdpkit import build_mesh, shard
+from fsdpkit import build_mesh, make_grad_scaler, resolve_precision, shard
 from fsdpkit.config import RunConfig, load, mesh_shape
 from fsdpkit.models.factory import next_token_loss
 from fsdpkit.sharding.grads import sync_mode
@@ -42,6 +43,8 @@ VARIANTS: dict[str, tuple[int, list[str]]] = {
     "for-loop": (1, ["train.optimizer_impl=for-loop"]),
     "foreach": (1, ["train.optimizer_impl=foreach"]),
     "fused": (1, ["train.optimizer_impl=fused"]),
+    "fp16-foreach": (1, ["precision.mode=fp16", "train.optimizer_impl=foreach"]),
+    "fp16-auto": (1, ["precision.mode=fp16", "train.optimizer_impl=auto"]),
     "prefetch-off": (1, []),
     "prefetch-on": (1, ["parallel.forward_prefetch=2", "parallel.backward_prefetch=2"]),
 }
@@ -66,11 +69,13 @@ def _train(rank: int, world: int, cfg: RunConfig, micro: int) -> dict[str, Any]:
     mesh = build_mesh(replicate=replicate, shard=shard_deg, device_type="cpu")
     model = build(TINY)
     shard(model, cfg, mesh=mesh)
-    impl = resolve_impl(cfg.train.optimizer_impl, device_type="cpu")
+    precision = resolve_precision(cfg.precision, device_type="cpu")
+    impl = resolve_impl(cfg.train.optimizer_impl, device_type="cpu", grad_scaler=precision.scaler)
     # eps=1e-6: see tests/support.py (Adam amplifies rounding noise with 1e-8)
     opt = torch.optim.AdamW(
         model.parameters(), lr=2e-3, weight_decay=0.1, eps=1e-6, **impl_kwargs(impl)
     )
+    scaler = make_grad_scaler(precision)
     counter: Counter[str] = Counter()
     per_micro: list[dict[str, int]] = []
     marks = [Counter(counter)]
@@ -92,6 +97,7 @@ def _train(rank: int, world: int, cfg: RunConfig, micro: int) -> dict[str, Any]:
             max_norm=1.0,
             keep_unsharded=cfg.parallel.accum_keep_unsharded,
             accum_sync=sync_mode(cfg.parallel.accum_sync),
+            scaler=scaler,
             mark=mark,
         )
         losses.append(float(result.loss))
@@ -133,6 +139,7 @@ def _assert_same(a: dict[str, Any], b: dict[str, Any], *, tensorwise: bool = Fal
         ("last-4", "every-4-keep"),
         ("foreach", "for-loop"),
         ("foreach", "fused"),
+        ("fp16-foreach", "fp16-auto"),  # auto is foreach under the grad scaler
         ("prefetch-off", "prefetch-on"),
     ],
 )

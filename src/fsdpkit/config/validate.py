@@ -147,6 +147,16 @@ def _validate_combinations(cfg: RunConfig) -> None:
             f"precision.mode = {mode!r} without a gradient scaler underflows gradients. "
             "Set precision.grad_scaler = true (or leave it empty), or use bf16/fp32."
         )
+    scaler = cfg.precision.grad_scaler
+    if scaler is None:
+        scaler = mode in PRESETS and PRESETS[mode].scaler
+    if cfg.train.optimizer_impl == "fused" and scaler:
+        raise ConfigError(
+            "train.optimizer_impl = 'fused' cannot step under the fp16 gradient scaler: "
+            "torch's fused AdamW fails with FSDP2's sharded scaler (found_inf of shape [1] "
+            "against step counters of shape []). Use train.optimizer_impl = auto or "
+            "foreach, or precision.mode = bf16 / fp32."
+        )
     _validate_model_source(cfg.model)
     if cfg.model.factory is not None and ":" not in cfg.model.factory:
         raise ConfigError(

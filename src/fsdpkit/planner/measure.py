@@ -115,7 +115,7 @@ def _step_peaks(
     precision = resolve_precision(cfg.precision, device_type="cpu")
     tuned = prepare(model, cfg, precision=precision, init=None)  # LoRA / model.freeze
     shard(model, cfg, mesh=mesh, init=tuned.init)
-    opt = build_optimizer(model, cfg.train)  # the trainer's: foreach, two groups
+    opt = build_optimizer(model, cfg.train, grad_scaler=precision.scaler)  # the trainer's
     gen = torch.Generator().manual_seed(rank)
     split = batch_split(cfg.train, dp_world=world_size)
     size = (split.micro_batch, cfg.data.seq_len + 1)

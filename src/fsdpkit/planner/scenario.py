@@ -213,14 +213,18 @@ def scenario(
         notes=tuple(notes),
         accum_sync=sync_mode(cfg.parallel.accum_sync),
         accum_auto=cfg.parallel.accum_sync == "auto",
-        optimizer_impl=planned_optimizer(cfg, dev),
+        optimizer_impl=planned_optimizer(cfg, dev, precision=precision),
         forward_prefetch=cfg.parallel.forward_prefetch,
         backward_prefetch=cfg.parallel.backward_prefetch,
     )
 
 
-def planned_optimizer(cfg: RunConfig, device: Device) -> str:
+def planned_optimizer(cfg: RunConfig, device: Device, *, precision: str) -> str:
     """The AdamW kernel the run uses: the step runs where the sharded parameters live
-    (the host with offload.params)."""
+    (the host with offload.params); fp16's gradient scaler rules out fused."""
     on_cpu = device.kind == "cpu" or cfg.offload.params
-    return resolve_impl(cfg.train.optimizer_impl, device_type="cpu" if on_cpu else "cuda")
+    scaler = cfg.precision.grad_scaler
+    scaler = presets.PRESETS[precision].scaler if scaler is None else scaler
+    return resolve_impl(
+        cfg.train.optimizer_impl, device_type="cpu" if on_cpu else "cuda", grad_scaler=scaler
+    )

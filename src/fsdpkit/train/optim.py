@@ -18,8 +18,11 @@ give the same numbers (tests/distributed/test_levers_accum.py, 1e-5):
 ``auto`` is ``fused`` where the parameters (and so the step) live on the CPU —
 CPU ranks and ``offload.params`` — and on CUDA: fused was the fastest measured on
 offloaded shards (bench/optimizer_step.py, docs/levers.md) and torch names it the
-fastest on CUDA; ``foreach`` elsewhere. The planner models each one's temporary
-(fsdpkit.planner.analytic) from ``resolve_impl``.
+fastest on CUDA; ``foreach`` elsewhere, and under the fp16 gradient scaler: torch
+2.13's fused step fails with FSDP2's sharded scaler (its ``found_inf`` has shape [1],
+the step counters shape [], and ``_foreach_sub_`` refuses to broadcast), so
+``fused`` with a scaler is a config error (fsdpkit.config.validate). The planner
+models each one's temporary (fsdpkit.planner.analytic) from ``resolve_impl``.
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ Impl = Literal["for-loop", "foreach", "fused"]
 _FUSED_DEVICES = ("cpu", "cuda")
 
 
-def resolve_impl(impl: str, *, device_type: str) -> Impl:
+def resolve_impl(impl: str, *, device_type: str, grad_scaler: bool = False) -> Impl:
     """The AdamW kernel ``train.optimizer_impl`` means for parameters on
-    ``device_type`` (see [Note: AdamW kernels])."""
+    ``device_type``, with or without the fp16 gradient scaler (see [Note: AdamW
+    kernels])."""
     if impl == "auto":
-        return "fused" if device_type in _FUSED_DEVICES else "foreach"
+        return "fused" if device_type in _FUSED_DEVICES and not grad_scaler else "foreach"
     if impl == "fused" and device_type not in _FUSED_DEVICES:
         return "foreach"  # torch has no fused AdamW there
     return impl  # type: ignore[return-value]
@@ -64,9 +68,12 @@ def param_device_type(params: list[nn.Parameter]) -> str:
     return local.device.type
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(
+    model: nn.Module, cfg: TrainConfig, *, grad_scaler: bool = False
+) -> torch.optim.AdamW:
     """AdamW on the trainable parameters (frozen ones get no state), with the kernel
-    ``train.optimizer_impl`` resolves to for where the parameters live."""
+    ``train.optimizer_impl`` resolves to for where the parameters live and whether a
+    gradient scaler steps it."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for p in model.parameters():
@@ -76,7 +83,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    impl = resolve_impl(cfg.optimizer_impl, device_type=param_device_type(decay + no_decay))
+    where = param_device_type(decay + no_decay)
+    impl = resolve_impl(cfg.optimizer_impl, device_type=where, grad_scaler=grad_scaler)
     return torch.optim.AdamW(
         [g for g in groups if g["params"]],
         lr=cfg.lr,

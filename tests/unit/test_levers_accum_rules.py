@@ -55,6 +55,10 @@ def test_optimizer_kernel_choice() -> None:
     assert resolve_impl("auto", device_type="mps") == "foreach"
     assert resolve_impl("fused", device_type="xpu") == "foreach"  # no fused kernel there
     assert resolve_impl("for-loop", device_type="cpu") == "for-loop"
+    assert resolve_impl("auto", device_type="cpu", grad_scaler=True) == "foreach"
+    with pytest.raises(ConfigError, match="gradient scaler"):
+        load(None, ["precision.mode=fp16", "train.optimizer_impl=fused"])
+    load(None, ["precision.mode=fp16", "precision.grad_scaler=true", "train.optimizer_impl=auto"])
     assert impl_kwargs("fused") == {"fused": True}
     assert impl_kwargs("foreach") == {"foreach": True}
     assert impl_kwargs("for-loop") == {"foreach": False}
