@@ -51,9 +51,9 @@ BASE: tuple[str, ...] = (
 LEVERS: list[Lever] = [
     ("control (same vs same)", (), ()),
     (
-        "accum_sync every vs last (4 micro)",
-        ("train.grad_accum=4", "parallel.accum_sync=last"),
-        ("train.grad_accum=4", "parallel.accum_sync=every"),
+        "accum_sync every vs last (2 micro)",
+        ("train.grad_accum=2", "parallel.accum_sync=last"),
+        ("train.grad_accum=2", "parallel.accum_sync=every"),
     ),
     (
         "optimizer fused vs foreach (offload)",
@@ -171,6 +171,8 @@ def measure(
                 sample = run_one(overrides, steps=steps, warmup=warmup, peak=peak, base=base)
                 gc.collect()  # the session is gone before the next one is built
                 out[name][side].append((sample.tokens_per_s, sample.peak_bytes))
+                if rank == 0:  # progress, on stderr
+                    print(f"{name} {side}: {sample.tokens_per_s:,.0f} tok/s", file=sys.stderr)
     return out
 
 

@@ -39,12 +39,15 @@ def decide_accum_sync(sc: Scenario, *, usable: int | None) -> Scenario:
     peak = analytic_memory(last).peak.bytes
     if peak <= usable:
         return last
-    gib = 2**30
     note = (
         f"parallel.accum_sync = auto planned as every: last (no-sync accumulation) "
-        f"needs {peak / gib:.2f} GiB > {usable / gib:.2f} GiB usable"
+        f"needs {_size(peak)} > {_size(usable)} usable"
     )
     return sc.with_(accum_auto=False, accum_sync="every", notes=(*sc.notes, note))
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def plan_scenario(
