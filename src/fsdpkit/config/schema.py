@@ -134,7 +134,7 @@ class TrainConfig:
     foreach (multi-tensor: fast, one temporary the size of all 2-D weights), fused (one
     kernel, no temporaries; CPU and CUDA); auto = fused wherever parameters live on the
     CPU (offload.params, CPU ranks: measured fastest there, see docs/levers.md) and on
-    CUDA, else foreach."""
+    CUDA, else foreach; foreach under fp16's gradient scaler (fused cannot step with it)."""
 
 
 @dataclass(frozen=True)
@@ -178,8 +178,9 @@ class ParallelConfig:
     writes a hang report (RUN_DIR/hang/report.txt) and stops the run; empty = 0.9 x
     timeout_s; 0 = only collective timeouts are triaged."""
     auto: bool = False
-    """Let the planner choose strategy, mesh, resharding, activation checkpointing, offload
-    and micro-batch size for this world size and device (as `fsdpkit plan --recommend`)."""
+    """Let the planner choose strategy, mesh, resharding, activation checkpointing, offload,
+    micro-batch size and parallel.accum_sync for this world size and device (as `fsdpkit
+    plan --recommend`)."""
     device_mem: str | None = None
     """Device memory per rank for parallel.auto: a size (80GiB), a device name (h100) or
     NAME:SIZE; empty = detected (GPU memory, or host memory / local ranks on CPU)."""
