@@ -114,6 +114,10 @@ FULL, GRAD_OP, REPL = (
 AC, EVERY = "activations.mode=full", "activations.mode=every"
 BF16 = "precision.mode=bf16"
 HYBRID = ("parallel.strategy=hybrid", "parallel.shard_degree=2")
+SYNC_EVERY = "parallel.accum_sync=every"
+EVERY_KEEP = (SYNC_EVERY, "parallel.accum_keep_unsharded=true")
+PREFETCH_2_2 = ("parallel.forward_prefetch=2", "parallel.backward_prefetch=2")
+PREFETCH_2_3 = ("parallel.forward_prefetch=2", "parallel.backward_prefetch=3")
 
 MODELS["A"] = [  # issue 12: activations dominate (seq 512, 4 blocks, GQA)
     "model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
@@ -175,6 +179,21 @@ CASES = [
     Case("ACT T bf16 selective", 2, "T", (FULL, BF16, SEL)),
     Case("ACT HL hf llama selective", 2, "HL", (FULL, SEL)),
     Case("ACT HQ hf qwen2 selective", 2, "HQ", (FULL, SEL)),
+    # issue 12: accumulation modes (parallel.accum_sync) and explicit prefetch
+    Case("ACC S accum=2 every", 2, "S", (FULL, "train.grad_accum=2", "parallel.accum_sync=every")),
+    Case("ACC S accum=4 last", 2, "S", (FULL, "train.grad_accum=4", "parallel.accum_sync=last")),
+    Case("ACC S accum=4 every", 2, "S", (FULL, "train.grad_accum=4", "parallel.accum_sync=every")),
+    Case("ACC M accum=3 last", 2, "M", (FULL, "train.grad_accum=3", "parallel.accum_sync=last")),
+    Case("ACC M accum=3 every", 2, "M", (FULL, "train.grad_accum=3", "parallel.accum_sync=every")),
+    Case("ACC S accum=3 every keep", 2, "S", (FULL, "train.grad_accum=3", *EVERY_KEEP)),
+    Case("ACC T bf16 accum=2 every", 2, "T", (FULL, BF16, "train.grad_accum=2", SYNC_EVERY)),
+    Case("ACC S hybrid accum=2 every", 4, "S", (*HYBRID, "train.grad_accum=2", SYNC_EVERY)),
+    Case("ACC S prefetch fwd2 bwd2", 2, "S", (FULL, *PREFETCH_2_2)),
+    Case("ACC M prefetch fwd2 bwd3 +AC", 2, "M", (FULL, AC, *PREFETCH_2_3)),
+    # the optimizer step peaks at world size 1 with AC: each AdamW kernel's temporary
+    Case("ACC M opt for-loop +AC", 1, "M", (FULL, AC, "train.optimizer_impl=for-loop")),
+    Case("ACC M opt foreach +AC", 1, "M", (FULL, AC, "train.optimizer_impl=foreach")),
+    Case("ACC M opt fused +AC", 1, "M", (FULL, AC, "train.optimizer_impl=fused")),
 ]
 QUICK = [c for c in CASES if c.world == 2 and c.name in ("S full +AC", "S grad_op", "T bf16 full")]
 """The subset tests/distributed/test_planner_accuracy.py checks."""

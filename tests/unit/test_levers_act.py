@@ -269,7 +269,7 @@ def test_recommender_searches_selective_and_prices_its_recompute() -> None:
             "precision.mode=bf16",
         ],
     )  # fmt: skip
-    rec = recommend(cfg, world_size=8, device=parse_device("h100"))
+    rec = recommend(cfg, world_size=8, device=parse_device("h100"), top=50)
     assert rec.best is not None
     assert rec.best.changes == {"activations.mode": "selective"}
     full = next(c for c in rec.ranked if c.changes == {"activations.mode": "full"})

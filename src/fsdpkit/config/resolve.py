@@ -5,7 +5,8 @@ for this world size, and check what the world size allows. The launcher (before 
 process starts) and every worker (torchrun / SLURM joins, or spawned by the launcher)
 call it with the same arguments and get the same config: the recommendation is
 deterministic. The resolved config has ``parallel.auto = false`` and the chosen values
-written out, so its ``config.toml`` reproduces the run without planning again.
+written out, ``parallel.accum_sync = auto`` decided too ([Note: accum_sync auto]), so
+its ``config.toml`` reproduces the run without planning again.
 """
 
 from __future__ import annotations
@@ -43,11 +44,17 @@ def resolve(
     cfg = load(path, list(overrides))
     changes: dict[str, Any] | None = None
     note = None
-    if cfg.parallel.auto:
-        from fsdpkit.planner.auto import auto_plan  # the planner imports config
+    if cfg.parallel.auto or cfg.parallel.accum_sync == "auto":
+        from fsdpkit.planner.auto import accum_sync_choice, auto_plan  # planner imports config
 
-        auto = auto_plan(cfg, world_size=world_size, local_world_size=local_world_size)
-        changes, note = auto.changes, auto.note
-        cfg = with_changes(cfg, {**changes, "parallel.auto": False}, source="parallel.auto")
+        sizes = {"world_size": world_size, "local_world_size": local_world_size}
+        if cfg.parallel.auto:
+            auto = auto_plan(cfg, **sizes)
+            changes, note = auto.changes, auto.note
+            cfg = with_changes(cfg, changes, source="parallel.auto")
+        sync = accum_sync_choice(cfg, **sizes)  # [Note: accum_sync auto], auto's budget
+        cfg = with_changes(
+            cfg, {"parallel.accum_sync": sync, "parallel.auto": False}, source="parallel.auto"
+        )
     validate_for_world(cfg, world_size=world_size, local_world_size=local_world_size)
     return Resolved(config=cfg, auto_changes=changes, auto_note=note)

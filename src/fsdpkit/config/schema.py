@@ -19,6 +19,8 @@ StrategyName = Literal["full", "grad_op", "hybrid", "hybrid_grad_op", "replicate
 PrecisionMode = Literal["auto", "fp32", "bf16", "bf16-pure", "fp16"]
 ACMode = Literal["none", "full", "every", "selective"]
 Schedule = Literal["cosine", "constant", "linear"]
+AccumSync = Literal["auto", "last", "every"]
+OptimizerImpl = Literal["auto", "for-loop", "foreach", "fused"]
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,12 @@ class TrainConfig:
     """torch.compile each block (after activation checkpointing, before sharding); the
     first step includes compilation, reported apart as compile_s and kept out of
     tokens/s. On a CPU inductor needs a C++ compiler, and small models gain little."""
+    optimizer_impl: OptimizerImpl = "auto"
+    """torch AdamW kernel: for-loop (one parameter at a time, least temporary memory),
+    foreach (multi-tensor: fast, one temporary the size of all 2-D weights), fused (one
+    kernel, no temporaries; CPU and CUDA); auto = fused wherever parameters live on the
+    CPU (offload.params, CPU ranks: measured fastest there, see docs/levers.md) and on
+    CUDA, else foreach; foreach under fp16's gradient scaler (fused cannot step with it)."""
 
 
 @dataclass(frozen=True)
@@ -149,7 +157,24 @@ class ParallelConfig:
     """Blocks grouped into one FSDP unit."""
     accum_keep_unsharded: bool = False
     """During gradient accumulation keep parameters unsharded between micro-batches
-    (fewer all-gathers, but full parameters stay in memory)."""
+    (fewer all-gathers, but full parameters stay in memory); applies to both
+    parallel.accum_sync modes."""
+    accum_sync: AccumSync = "auto"
+    """Gradient reduction with train.grad_accum > 1. last: only the last micro-batch
+    reduce-scatters; the others accumulate unsharded gradients of every parameter in the
+    reduce dtype (FSDP2's no-sync: least traffic, most memory). every: every micro-batch
+    reduce-scatters into the sharded gradients (grad_accum x the reduce-scatter traffic,
+    no unsharded gradients between micro-batches; HSDP all-reduces across replicas on the
+    last one only). auto: last when its planned peak fits the memory budget
+    (parallel.device_mem, or the device parallel.auto plans for), else every; without a
+    budget, last."""
+    forward_prefetch: int = 0
+    """Block units whose all-gather each unit issues right after its own (explicit forward
+    prefetch, FSDPModule.set_modules_to_forward_prefetch); 0 = FSDP2's implicit order.
+    Each extra unit in flight holds its unsharded parameters early (memory)."""
+    backward_prefetch: int = 1
+    """Block units all-gathered ahead in backward; 1 = FSDP2's default (the next one),
+    k > 1 = explicit prefetch of the next k (more overlap, k unsharded units in flight)."""
     timeout_s: float = 600.0
     """Collective timeout in seconds; a rank stuck longer fails the run with the step."""
     hang_timeout_s: float | None = None
@@ -157,8 +182,9 @@ class ParallelConfig:
     writes a hang report (RUN_DIR/hang/report.txt) and stops the run; empty = 0.9 x
     timeout_s; 0 = only collective timeouts are triaged."""
     auto: bool = False
-    """Let the planner choose strategy, mesh, resharding, activation checkpointing, offload
-    and micro-batch size for this world size and device (as `fsdpkit plan --recommend`)."""
+    """Let the planner choose strategy, mesh, resharding, activation checkpointing, offload,
+    micro-batch size and parallel.accum_sync for this world size and device (as `fsdpkit
+    plan --recommend`)."""
     device_mem: str | None = None
     """Device memory per rank for parallel.auto: a size (80GiB), a device name (h100) or
     NAME:SIZE; empty = detected (GPU memory, or host memory / local ranks on CPU)."""

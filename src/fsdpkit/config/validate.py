@@ -41,6 +41,7 @@ def validate(cfg: RunConfig) -> None:
         ("train.warmup_steps", cfg.train.warmup_steps),
         ("train.grad_clip", cfg.train.grad_clip),
         ("train.eval_every", cfg.train.eval_every),
+        ("parallel.forward_prefetch", cfg.parallel.forward_prefetch),
         ("checkpoint.every", cfg.checkpoint.every),
         ("checkpoint.keep_every", cfg.checkpoint.keep_every),
     ]:
@@ -140,19 +141,7 @@ def _validate_combinations(cfg: RunConfig) -> None:
             "offload.params = true needs parameters resharded after forward; "
             "remove parallel.reshard_after_forward = false."
         )
-    mode = cfg.precision.mode
-    if mode in PRESETS and PRESETS[mode].scaler and cfg.precision.grad_scaler is False:
-        raise ConfigError(
-            f"precision.mode = {mode!r} without a gradient scaler underflows gradients. "
-            "Set precision.grad_scaler = true (or leave it empty), or use bf16/fp32."
-        )
-    if cfg.activations.mode == "selective" and cfg.precision.norms_fp32:
-        raise ConfigError(
-            "activations.mode = 'selective' cannot be combined with precision.norms_fp32 = "
-            "true: the norms become FSDP units inside each block, their hooks run other ops "
-            "in the recompute than in forward, and selective checkpointing replays forward "
-            "op by op. Use activations.mode = 'full' with norms_fp32, or norms_fp32 = false."
-        )
+    _validate_precision_levers(cfg)
     _validate_model_source(cfg.model)
     if cfg.model.factory is not None and ":" not in cfg.model.factory:
         raise ConfigError(
@@ -162,6 +151,12 @@ def _validate_combinations(cfg: RunConfig) -> None:
         raise ConfigError(
             f"parallel.shard_degree is only used by hybrid strategies, not {p.strategy!r}; "
             "remove it or set parallel.strategy = 'hybrid'."
+        )
+    if p.backward_prefetch < 1:
+        raise ConfigError(
+            f"parallel.backward_prefetch = {p.backward_prefetch}: FSDP2 always prefetches "
+            "at least the next unit in backward (1, the default); use 1, or k > 1 to "
+            "all-gather k units ahead."
         )
     raf = p.reshard_after_forward
     if isinstance(raf, int) and not isinstance(raf, bool) and raf < 1:
@@ -177,6 +172,34 @@ _PRESET_SHAPE = (
     "vocab_size",
     "tie_embeddings",
 )
+
+
+def _validate_precision_levers(cfg: RunConfig) -> None:
+    """Precision against the levers that depend on it: the fp16 scaler, selective
+    checkpointing with fp32 norm units, the fused AdamW kernel under a scaler."""
+    mode = cfg.precision.mode
+    if mode in PRESETS and PRESETS[mode].scaler and cfg.precision.grad_scaler is False:
+        raise ConfigError(
+            f"precision.mode = {mode!r} without a gradient scaler underflows gradients. "
+            "Set precision.grad_scaler = true (or leave it empty), or use bf16/fp32."
+        )
+    if cfg.activations.mode == "selective" and cfg.precision.norms_fp32:
+        raise ConfigError(
+            "activations.mode = 'selective' cannot be combined with precision.norms_fp32 = "
+            "true: the norms become FSDP units inside each block, their hooks run other ops "
+            "in the recompute than in forward, and selective checkpointing replays forward "
+            "op by op. Use activations.mode = 'full' with norms_fp32, or norms_fp32 = false."
+        )
+    scaler = cfg.precision.grad_scaler
+    if scaler is None:
+        scaler = mode in PRESETS and PRESETS[mode].scaler
+    if cfg.train.optimizer_impl == "fused" and scaler:
+        raise ConfigError(
+            "train.optimizer_impl = 'fused' cannot step under the fp16 gradient scaler: "
+            "torch's fused AdamW fails with FSDP2's sharded scaler (found_inf of shape [1] "
+            "against step counters of shape []). Use train.optimizer_impl = auto or "
+            "foreach, or precision.mode = bf16 / fp32."
+        )
 
 
 def _validate_model_source(m: ModelConfig) -> None:

@@ -15,6 +15,17 @@ that keeps the peak. What is modeled, and why (see docs/planner.md for the proof
   all-gather's flat output until the next unit's copy-out (``all_gather_state``).
 - Reduce-scatter: the flat input (reduce dtype) allocated after the unit's unsharded
   grads are copied in, kept until the next unit's post-backward.
+- Accumulation ([Note: accumulation modes] in fsdpkit.sharding.grads): ``last`` keeps
+  every unit's unsharded gradient (reduce dtype) from the first micro-batch's
+  backward to the last one's; ``every`` reduce-scatters each micro-batch: the first
+  creates the sharded gradients, later ones allocate the reduce-scatter output and add
+  it in (HSDP: a sharded partial sum in the reduce dtype until the last micro-batch's
+  all-reduce).
+- Explicit prefetch ([Note: explicit prefetch] in fsdpkit.sharding.apply): the
+  all-gather outputs of up to ``forward_prefetch`` units ahead in forward and
+  ``backward_prefetch`` units ahead in backward, from the prefetch to their copy-out.
+- The optimizer step's temporary: foreach allocates sqrt(v) of the whole 2-D group,
+  for-loop two of the largest parameter, fused none ([Note: AdamW kernels]).
 - Activations, logits, loss and temporaries: [Note: block event model] in blockmem.
 """
 
@@ -103,6 +114,9 @@ class _Step:
         self.held: dict[str, int] = {}  # unit -> bytes of its unsharded params on the device
         self.prefetched: dict[str, int] = {}  # unit -> bytes of its all-gather output
         self.accumulated: dict[str, int] = {}  # unit -> bytes of no-sync accumulated grads
+        self.sharded_grads: set[str] = set()  # units whose sharded grad exists (every)
+        self.partial: dict[str, int] = {}  # unit -> HSDP partial reduce-scatter sum (every)
+        self.last_micro = True  # whether the current backward is the step's last one
         self.fwd_flat = 0  # forward all-gather output kept until the next copy-out
         self.rs_state = 0  # reduce-scatter input kept until the next post-backward
         # Flash-attention backward on CUDA accumulates dq in fp32 and keeps a softmax
@@ -144,6 +158,12 @@ class _Step:
             self.prefetched[u.name] = full
             self.all_gather(full)
 
+    def forward_prefetch(self, first: int) -> None:
+        """Explicit forward prefetch: the next ``forward_prefetch`` block units from
+        ``first`` on, right after the current unit's copy-out (none by default)."""
+        for ahead in self.units[first : first + self.sc.forward_prefetch]:
+            self.prefetch(ahead)
+
     def all_gather(self, flat: int) -> None:
         """FSDP2's flat output, plus gloo's transient copy of it."""
         self.led.add(COLL, flat)
@@ -172,19 +192,42 @@ class _Step:
             return
         gathered = u.grads_sharded * self.sc.shard  # the reduce-scatter input
         self.led.add(COLL, -self.rs_state)  # the previous unit's input is released
-        self.led.add(UNSH, -self.held.pop(u.name))
+        if self.last_micro or not self.sc.keep_unsharded:  # else kept for the next forward
+            self.led.add(UNSH, -self.held.pop(u.name))
         self.led.add(COLL, gathered * rb)  # copy-in, then the grads are freed
         self.led.add(GRAD, -new_grads - self.accumulated.pop(u.name, 0))
         self.rs_state = gathered * rb
-        out = u.grads_sharded * rb
         gloo = gathered * rb if self.gloo else 0  # gloo reduces a clone of the input
+        if self.sc.replicate > 1 and not self.last_micro:
+            self._partial_sum(u, gloo)
+        else:
+            self._reduced(u, gloo)
+
+    def _reduced(self, u: Unit, gloo: int) -> None:
+        """The reduce-scatter output becomes the sharded gradient, or (``every``, after
+        the first micro-batch) is added into it; an HSDP partial sum is added in and dies."""
+        rb, out = self.sc.reduce_bytes, u.grads_sharded * self.sc.reduce_bytes
+        exists = u.name in self.sharded_grads
         if rb == 4:
             self.led.apply([("gradients", out), (COLL, gloo), (COLL, -gloo)])
+            self.led.add("gradients", -self.partial.pop(u.name, 0))
         else:  # reduced in bf16, then cast to the fp32 sharded grad
             self.led.apply([(COLL, out + gloo), (COLL, -gloo)])
+            self.led.add("gradients", -self.partial.pop(u.name, 0))
             self.led.apply([("gradients", u.grads_sharded * 4), (COLL, -out)])
-        if self.host_states:  # copied to the host right away
+        if exists or self.host_states:  # added into the existing grad / copied to the host
             self.led.add("gradients", -u.grads_sharded * 4)
+        self.sharded_grads.add(u.name)
+
+    def _partial_sum(self, u: Unit, gloo: int) -> None:
+        """HSDP with ``every``, before the last micro-batch: no all-reduce, FSDP2 keeps
+        the sum of the reduce-scatter outputs (reduce dtype) and makes no grad yet."""
+        out = u.grads_sharded * self.sc.reduce_bytes
+        if u.name not in self.partial:
+            self.partial[u.name] = out
+            self.led.apply([("gradients", out), (COLL, gloo), (COLL, -gloo)])
+        else:
+            self.led.apply([(COLL, out + gloo), (COLL, -gloo), (COLL, -out)])
 
     def _accumulate(self, u: Unit, new_grads: int) -> None:
         """No-sync micro-batch: grads stay unsharded, in the reduce dtype."""
@@ -213,12 +256,14 @@ class _Step:
         led.at("forward", "root unit all-gather and embedding")
         if self.held.get(self.root.name, 0) < self.root.gathered * s.e:
             self.unshard(self.root, forward=True)
+        self.forward_prefetch(0)
         rope = 2 * self.sc.seq_len * self.m.head_dim * s.e if s.cast else 0
         led.apply([("buffers_inputs", rope), (ACT, s.nde)])
         for j, u in enumerate(self.units):
             led.at("forward", f"forward of {u.name}")
             if self.held.get(u.name, 0) < u.gathered * s.e:
                 self.unshard(u, forward=True)
+            self.forward_prefetch(j + 1)
             for ckpt in u.checkpointed:
                 keep = not ckpt and j >= self.dead
                 selective = ckpt and self.selective and j >= self.dead
@@ -241,8 +286,8 @@ class _Step:
         led.at("backward", "output head backward")
         if self.held.get(self.root.name, 0) < self.root.gathered * s.e:
             self.unshard(self.root, forward=False)
-        if self.units:
-            self.prefetch(self.units[-1])
+        for ahead in self.units[::-1][: self.sc.backward_prefetch]:
+            self.prefetch(ahead)
         frozen = self.sc.layout.frozen_names
         led.apply(head_backward(s, weight_grad="head" not in frozen))
         for j in reversed(range(self.dead, len(self.units))):
@@ -265,8 +310,9 @@ class _Step:
         led.at("backward", f"backward of {u.name}")
         if self.held.get(u.name, 0) < u.gathered * s.e:
             self.unshard(u, forward=False)
-        if j > 0:  # FSDP2 prefetches by forward order, a unit backward skips included
-            self.prefetch(self.units[j - 1])
+        # FSDP2 prefetches by forward order, a unit backward skips included
+        for ahead in self.units[max(j - self.sc.backward_prefetch, 0) : j][::-1]:
+            self.prefetch(ahead)
         full = u.grads_numel == u.numel  # else frozen weights: only trainable grads
         for ckpt in reversed(u.checkpointed):
             summary = _backward_summary(s, ckpt, self.sdpa_workspace, full, self.selective)
@@ -276,11 +322,18 @@ class _Step:
         self.post_backward(u, sync=sync)
 
     def optimizer(self) -> None:
-        """Grad clipping (scalars) and AdamW as fsdpkit.train builds it: foreach, with
-        the 2-D weights in one group, whose step allocates sqrt(v) for all of them."""
-        self.led.at("optimizer step", "AdamW step (foreach)")
+        """Grad clipping (scalars) and AdamW as fsdpkit.train builds it, the 2-D weights
+        in one group: foreach allocates sqrt(v) for all of them, for-loop sqrt(v) and
+        its quotient for one parameter at a time, fused nothing."""
+        impl = self.sc.optimizer_impl
+        self.led.at("optimizer step", f"AdamW step ({impl})")
+        every = [self.root, *self.units]
+        temp = 0
+        if impl == "foreach":
+            temp = 4 * sum(u.grads_matrix_sharded for u in every)
+        elif impl == "for-loop":
+            temp = 2 * 4 * max(u.largest_sharded for u in every)
         if not self.host_states:
-            temp = 4 * sum(u.grads_matrix_sharded for u in [self.root, *self.units])
             self.led.apply([(TEMP, temp), (TEMP, -temp)])
 
 
@@ -327,8 +380,9 @@ def analytic_memory(sc: Scenario) -> MemoryPlan:
     step.persistent()
     micro = [0] if sc.grad_accum == 1 else [0, sc.grad_accum - 1]
     for index in micro:
+        step.last_micro = index == sc.grad_accum - 1
         step.forward()
-        step.backward(sync=index == sc.grad_accum - 1)
+        step.backward(sync=step.last_micro or sc.every_sync)
     step.optimizer()
     states = model_states(sc)
     host = sum(states.values()) if step.host_states else 0

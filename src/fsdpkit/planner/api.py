@@ -25,6 +25,34 @@ def usable_bytes(device: Device, *, margin: float) -> int | None:
     return int((device.memory - device.runtime_reserve) * (1.0 - margin))
 
 
+def decide_accum_sync(sc: Scenario, *, usable: int | None) -> Scenario:
+    """[Note: accum_sync auto]
+    ``parallel.accum_sync = auto`` is ``last`` (the least traffic) when its planned
+    peak fits ``usable`` bytes, else ``every`` (no unsharded gradients between
+    micro-batches). Without a memory budget, without accumulation or without sharding
+    (nothing to choose) it is ``last``. The analytic plan decides (milliseconds), so
+    the launcher and every worker agree; ``fsdpkit.planner.auto.accum_sync_choice``
+    applies the same rule to a run."""
+    if not sc.accum_auto:
+        return sc
+    last = sc.with_(accum_auto=False, accum_sync="last")
+    formulas = sc.analytic_why_not is None and sc.model is not None
+    if usable is None or sc.grad_accum == 1 or sc.shard == 1 or not formulas:
+        return last
+    peak = analytic_memory(last).peak.bytes
+    if peak <= usable:
+        return last
+    note = (
+        f"parallel.accum_sync = auto planned as every: last (no-sync accumulation) "
+        f"needs {_size(peak)} > {_size(usable)} usable"
+    )
+    return sc.with_(accum_auto=False, accum_sync="every", notes=(*sc.notes, note))
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def plan_scenario(
     sc: Scenario, *, cfg: RunConfig | None = None, trace: bool | None = None, margin: float
 ) -> Plan:
@@ -34,6 +62,8 @@ def plan_scenario(
     if not 0.0 <= margin < 1.0:
         raise PlanError(f"--margin must be in [0, 1), got {margin}.")
     start = time.perf_counter()
+    usable = usable_bytes(sc.device, margin=margin)
+    sc = decide_accum_sync(sc, usable=usable)
     other: MemoryPlan | None = None
     analytic = sc.analytic_why_not is None and sc.model is not None
     if trace is None and not analytic:  # [Note: planning any model]: trace the rest
@@ -50,7 +80,6 @@ def plan_scenario(
         memory = analytic_memory(sc)
     if sc.async_checkpoint:
         memory = replace(memory, staging_bytes=async_staging_bytes(memory.model_states))
-    usable = usable_bytes(sc.device, margin=margin)
     return Plan(
         scenario=sc,
         memory=memory,

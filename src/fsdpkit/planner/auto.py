@@ -17,8 +17,9 @@ from typing import Any
 from fsdpkit.config import RunConfig
 from fsdpkit.devices import Device, cpu_device, detected_device, parse_device
 from fsdpkit.errors import UserError
+from fsdpkit.planner.api import DEFAULT_MARGIN, decide_accum_sync, usable_bytes
 from fsdpkit.planner.recommend import recommend
-from fsdpkit.planner.scenario import TraceError
+from fsdpkit.planner.scenario import TraceError, scenario
 
 log = logging.getLogger(__name__)
 
@@ -73,3 +74,21 @@ def _unplanned(cfg: RunConfig, exc: TraceError) -> str:
 def auto_changes(cfg: RunConfig, *, world_size: int, local_world_size: int) -> dict[str, Any]:
     """The recommended config keys only (see ``auto_plan``)."""
     return auto_plan(cfg, world_size=world_size, local_world_size=local_world_size).changes
+
+
+def accum_sync_choice(cfg: RunConfig, *, world_size: int, local_world_size: int) -> str:
+    """``parallel.accum_sync = auto`` for a run ([Note: accum_sync auto]): decided
+    against the budget of ``parallel.device_mem`` or, with ``parallel.auto``, the device
+    it plans for; ``last`` without a budget, or for a model the analytic planner cannot
+    plan (no trace at every launch: [Note: planning any model])."""
+    if cfg.parallel.accum_sync != "auto":
+        return cfg.parallel.accum_sync
+    if not (cfg.parallel.device_mem or cfg.parallel.auto):
+        return "last"
+    device = auto_device(cfg, local_world_size=local_world_size)
+    try:
+        sc = scenario(cfg, world_size=world_size, device=device, ranks_per_node=local_world_size)
+    except UserError:
+        return "last"
+    usable = usable_bytes(device, margin=DEFAULT_MARGIN)
+    return decide_accum_sync(sc, usable=usable).accum_sync

@@ -6,7 +6,10 @@ B*(G-1)/G per rank, an all-reduce 2*B*(G-1)/G. Per micro-batch every unit is
 all-gathered before its forward unless it is still unsharded, and again before its
 backward if it was resharded after forward (an int ``reshard_after_forward`` k
 all-gathers within k ranks). Gradients are reduce-scattered (and, for HSDP /
-replicate, all-reduced across replicas) only on the last micro-batch.
+replicate, all-reduced across replicas) only on the last micro-batch with
+``parallel.accum_sync = last``; with ``every`` each micro-batch reduce-scatters and
+the all-reduce still runs once ([Note: accumulation modes]). Prefetching changes
+when collectives run, not how many.
 """
 
 from __future__ import annotations
@@ -43,10 +46,11 @@ def comm_volume(sc: Scenario) -> CommVolume:
             v, c = _gathers(sc, u, raf, first=micro == 0)
             gather, calls = gather + v, calls + c
     rb = sc.reduce_bytes  # gradients exist for trainable parameters only (fine-tuning)
-    scatter = sum(_ring(u.grads_sharded * sc.shard * rb, sc.shard) for u in every)
+    scatters = sc.grad_accum if sc.every_sync else 1
+    scatter = scatters * sum(_ring(u.grads_sharded * sc.shard * rb, sc.shard) for u in every)
     reduce = sum(2 * _ring(u.grads_sharded * rb, sc.replicate) for u in every)
     reducing = sum(1 for u in every if u.grads_numel)
-    calls += reducing * ((sc.shard > 1) + (sc.replicate > 1))
+    calls += reducing * (scatters * (sc.shard > 1) + (sc.replicate > 1))
     host = 0
     if sc.offload and sc.device.kind == "gpu":  # shards up per all-gather, grads down once
         up = sum(u.sharded_param_bytes for u in every) * 2 * sc.grad_accum

@@ -83,6 +83,9 @@ class Unit:
     """The same for the trainable 2-D parameters (AdamW's foreach temporary; -1: all)."""
     frozen_bytes: int = 4
     """Bytes per element of the unit's stored frozen parameters."""
+    largest_sharded: int = 0
+    """Elements of this rank's shard of the unit's largest trainable parameter (the
+    for-loop AdamW's per-parameter temporaries)."""
 
     @property
     def grads_numel(self) -> int:
@@ -184,6 +187,7 @@ def _unit(
             n for n, (_, cols), t in zip(local, shapes, train) if t and cols > 1
         ),
         frozen_bytes=frozen_bytes,
+        largest_sharded=max((n for n, t in zip(local, train) if t), default=0),
     )
 
 

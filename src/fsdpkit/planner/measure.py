@@ -35,6 +35,7 @@ from fsdpkit.models.factory import LossFn, next_token_loss
 from fsdpkit.models.llama import Llama, LlamaConfig
 from fsdpkit.planner.built import build_for_plan, input_vocab
 from fsdpkit.sharding import resolve_precision, shard
+from fsdpkit.sharding.grads import sync_mode
 from fsdpkit.train.optim import build_optimizer
 from fsdpkit.train.step import train_step
 
@@ -133,7 +134,8 @@ def _step_peaks(
     model, init, loss_fn = _model(cfg, shape)
     vocab = shape.vocab_size if shape is not None else input_vocab(model, default=256)
     shard(model, cfg, mesh=mesh, init=init)
-    opt = build_optimizer(model, cfg.train)  # the trainer's: foreach, two groups
+    precision = resolve_precision(cfg.precision, device_type="cpu")
+    opt = build_optimizer(model, cfg.train, grad_scaler=precision.scaler)  # the trainer's
     gen = torch.Generator().manual_seed(rank)
     split = batch_split(cfg.train, dp_world=world_size)
     size = (split.micro_batch, cfg.data.seq_len + 1)
@@ -147,6 +149,7 @@ def _step_peaks(
             loss_fn=loss_fn,
             max_norm=cfg.train.grad_clip,
             keep_unsharded=cfg.parallel.accum_keep_unsharded,
+            accum_sync=sync_mode(cfg.parallel.accum_sync),
         )
 
     step()  # creates the AdamW states

@@ -4,9 +4,11 @@ Searched, keeping the global batch (micro-batch x accumulation per rank) fixed:
 parallel.strategy with every useful hybrid shard degree, reshard_after_forward
 (the strategy's default, or an int = ranks per node to reshard inside a node),
 activation checkpointing (none, every 2nd block, every block, selective), CPU offload
-(GPUs), and the micro-batch size. Each candidate is planned analytically (a model only
-the traced planner can plan is traced cheapest first, until enough fit); those that fit
-are ranked by an estimated step time — a relative cost, not a prediction:
+(GPUs), the micro-batch size, and with accumulation how gradients are reduced
+(parallel.accum_sync last or every: [Note: accumulation modes]). Each candidate is
+planned analytically (a model only the traced planner can plan is traced cheapest
+first, until enough fit); those that fit are ranked by an estimated step time — a
+relative cost, not a prediction:
 
     step = max(compute + recompute, communication) + offload transfers
 
@@ -149,18 +151,25 @@ def _grid(cfg: RunConfig, *, world: int, per_node: int, gpu: bool) -> list[dict[
         for raf, (ac, every), micro in itertools.product(
             _reshards(strat, world, per_node), acs, micros
         ):
-            for offload in (False, True) if gpu and raf is None else (False,):
+            for offload, sync in itertools.product(
+                (False, True) if gpu and raf is None else (False,), ("last", "every")
+            ):
                 grid.append(
                     strat
                     | {"parallel.reshard_after_forward": raf, "offload.params": offload}
                     | {"activations.mode": ac, "activations.every": every}
+                    | {"parallel.accum_sync": sync}
                     | micro
                 )
     return grid
 
 
 def _diff(cfg: RunConfig, changes: dict[str, object]) -> dict[str, object]:
+    """The keys that change; parallel.accum_sync = auto already means last where last
+    fits ([Note: accum_sync auto]), so only every is a change from it."""
     current = cfg.to_dict()
+    if current["parallel"]["accum_sync"] == "auto":
+        current["parallel"]["accum_sync"] = "last"
     return {k: v for k, v in changes.items() if current[k.split(".")[0]][k.split(".")[1]] != v}
 
 
@@ -234,12 +243,16 @@ def _option(cfg: RunConfig, changes: dict[str, object], search: _Search) -> _Opt
         )
     except UserError:
         return None  # e.g. offload with grad_op: not a valid configuration
+    if changes.get("parallel.accum_sync") == "every" and (sc.grad_accum == 1 or sc.shard == 1):
+        return None  # nothing is accumulated across micro-batches, or nothing sharded
     return _Option(_diff(cfg, changes), new, sc, step_cost(sc))
 
 
 def _planned(o: _Option, search: _Search) -> Candidate:
+    """Plan an option; its cost again on the planned scenario (parallel.accum_sync =
+    auto is decided by planning: [Note: accum_sync auto])."""
     p = plan_scenario(o.scenario, cfg=o.config, margin=search.margin)
-    return Candidate(o.changes, o.config, p, o.cost)
+    return Candidate(o.changes, o.config, p, step_cost(p.scenario))
 
 
 def _rank_key(c: Candidate | _Option) -> tuple[float, int]:

@@ -19,7 +19,9 @@ from fsdpkit.models.llama import PRESETS, LlamaConfig
 from fsdpkit.planner.built import BuiltPlanModel, planned_model
 from fsdpkit.planner.finetune import finetune_layout, finetuned
 from fsdpkit.planner.layout import ModelLayout, Unit, llama_layout, units
+from fsdpkit.sharding.grads import SyncMode, sync_mode
 from fsdpkit.sharding.policy import reshard_after_forward
+from fsdpkit.train.optim import resolve_impl
 
 _VOCAB_NOTE = (
     "model.vocab_size: planned with the preset's {} (train takes the tokenizer's: set "
@@ -81,6 +83,20 @@ class Scenario:
     """A model.hf / model.factory model, as reports name it ("" for the built-in Llama)."""
     async_checkpoint: bool = False
     """checkpoint.async_save: staging buffers on the host for the whole run."""
+    accum_sync: SyncMode = "last"
+    """Resolved parallel.accum_sync: "last" or "every" ([Note: accumulation modes])."""
+    accum_auto: bool = False
+    """parallel.accum_sync = auto, not decided yet (fsdpkit.planner.api decides it by
+    the memory budget)."""
+    optimizer_impl: str = "foreach"
+    """Resolved train.optimizer_impl: for-loop, foreach or fused ([Note: AdamW kernels])."""
+    forward_prefetch: int = 0
+    backward_prefetch: int = 1
+
+    @property
+    def every_sync(self) -> bool:
+        """Reduce-scatter on every micro-batch (only meaningful with accumulation)."""
+        return self.accum_sync == "every" and self.grad_accum > 1
 
     @property
     def param_bytes(self) -> int:
@@ -218,6 +234,22 @@ def scenario(
         analytic_why_not=model.why_traced or _selective_why_traced(cfg),
         source=model.what,
         async_checkpoint=cfg.checkpoint.async_save and cfg.checkpoint.every > 0,
+        accum_sync=sync_mode(cfg.parallel.accum_sync),
+        accum_auto=cfg.parallel.accum_sync == "auto",
+        optimizer_impl=planned_optimizer(cfg, dev, precision=precision),
+        forward_prefetch=cfg.parallel.forward_prefetch,
+        backward_prefetch=cfg.parallel.backward_prefetch,
+    )
+
+
+def planned_optimizer(cfg: RunConfig, device: Device, *, precision: str) -> str:
+    """The AdamW kernel the run uses: the step runs where the sharded parameters live
+    (the host with offload.params); fp16's gradient scaler rules out fused."""
+    on_cpu = device.kind == "cpu" or cfg.offload.params
+    scaler = cfg.precision.grad_scaler
+    scaler = presets.PRESETS[precision].scaler if scaler is None else scaler
+    return resolve_impl(
+        cfg.train.optimizer_impl, device_type="cpu" if on_cpu else "cuda", grad_scaler=scaler
     )
 
 

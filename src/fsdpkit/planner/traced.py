@@ -63,7 +63,7 @@ from fsdpkit.planner.built import build_for_plan
 from fsdpkit.planner.result import CATEGORIES, MemoryPlan, PeakPoint
 from fsdpkit.planner.scenario import PlanError, Scenario, TraceError
 from fsdpkit.precision import PRESETS
-from fsdpkit.sharding import shard
+from fsdpkit.sharding import resolve_precision, shard
 from fsdpkit.train.optim import build_optimizer
 from fsdpkit.train.step import train_step
 
@@ -304,7 +304,8 @@ def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
             shard(model, run_cfg, mesh=mesh)
         if sc.device.kind == "cpu" and sc.shard > 1:
             _model_gloo_buffers(model)
-        opt = build_optimizer(model, cfg.train)  # the trainer's AdamW (foreach)
+        scaler = resolve_precision(run_cfg.precision, device_type="cpu").scaler
+        opt = build_optimizer(model, cfg.train, grad_scaler=scaler)  # the trainer's AdamW
         for p in model.parameters():  # steady state: AdamW states exist already
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
@@ -323,6 +324,7 @@ def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
                 loss_fn=loss_fn,
                 max_norm=cfg.train.grad_clip,
                 keep_unsharded=sc.keep_unsharded,
+                accum_sync=sc.accum_sync,
                 foreach=False,
                 mark=recorder,
             )

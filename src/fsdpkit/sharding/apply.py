@@ -2,8 +2,21 @@
 
 Order (as torchtitan): meta-device model -> activation checkpointing -> compile each
 block (``train.compile``) -> optional fp32 norm units -> ``fully_shard`` per block (or
-group of k blocks), bottom-up -> root -> materialize local shards (meta models only).
-The optimizer must be built after this.
+group of k blocks), bottom-up -> root -> explicit prefetching
+(``parallel.forward_prefetch`` / ``backward_prefetch``) -> materialize local shards
+(meta models only). The optimizer must be built after this.
+
+[Note: explicit prefetch]
+FSDP2 all-gathers a unit in forward when its forward starts, and in backward
+prefetches the one unit that ran before it in forward. ``forward_prefetch = k``
+makes the root and every block unit issue the all-gathers of the next k block units
+(forward order) right after their own; ``backward_prefetch = k > 1`` makes the root
+and every unit prefetch the k units backward needs next. A unit already unsharded or
+in flight is not gathered twice (FSDP2's ``unshard`` is idempotent). Each unit in
+flight holds its all-gather output from the prefetch until its own turn: up to k
+extra units of unsharded parameters (the planner counts them). The gain is overlap
+of collectives with compute, which needs a separate communication stream (NCCL);
+on CPU/gloo the collectives run on the compute thread's critical path.
 """
 
 from __future__ import annotations
@@ -17,9 +30,9 @@ import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from fsdpkit.config import RunConfig
+from fsdpkit.config import ParallelConfig, RunConfig
 from fsdpkit.init import Initializer
 from fsdpkit.sharding.activations import checkpoint_forward
 from fsdpkit.sharding.blocks import choose_blocks
@@ -146,6 +159,7 @@ def shard(
             mp_policy=precision.policy(),
             offload_policy=offload,
         )
+    _set_prefetch(model, [blocks[s.blocks[0]] for s in specs if not s.is_root], cfg.parallel)
     if is_meta(model):
         _materialize(model, cfg, device_type=device_type, init=init)
     plan = ShardPlan(
@@ -164,6 +178,23 @@ def shard(
     )
     log.info("fsdpkit.shard: %s", plan.describe())
     return plan
+
+
+def _set_prefetch(model: nn.Module, units: list[nn.Module], cfg: ParallelConfig) -> None:
+    """[Note: explicit prefetch]: ``units`` are the block units (one module of each)
+    in forward order; the root is ``model``."""
+    fwd, bwd = cfg.forward_prefetch, cfg.backward_prefetch
+    fsdp: list[FSDPModule] = [u for u in units if isinstance(u, FSDPModule)]
+    if not isinstance(model, FSDPModule) or not fsdp:
+        return
+    if fwd > 0:
+        model.set_modules_to_forward_prefetch(fsdp[:fwd])
+        for i, unit in enumerate(fsdp):
+            unit.set_modules_to_forward_prefetch(fsdp[i + 1 : i + 1 + fwd])
+    if bwd > 1:
+        model.set_modules_to_backward_prefetch(fsdp[::-1][:bwd])
+        for i, unit in enumerate(fsdp):
+            unit.set_modules_to_backward_prefetch(fsdp[max(i - bwd, 0) : i][::-1])
 
 
 def _numel(modules: Iterable[nn.Module]) -> int:

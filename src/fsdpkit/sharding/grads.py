@@ -1,39 +1,96 @@
-"""Gradient accumulation without communication, and the true global grad norm."""
+"""Gradient reduction across micro-batches, and the true global grad norm.
+
+[Note: accumulation modes]
+With k micro-batches per optimizer step FSDP2 offers two ways to accumulate
+(``parallel.accum_sync``):
+
+- ``last`` (no-sync): micro-batches 1..k-1 skip the reduce-scatter (and HSDP's
+  all-reduce); every parameter's unsharded gradient, in the reduce dtype, stays
+  alive until the last micro-batch reduces the sum. Traffic: one reduce-scatter per
+  unit per step. Memory: a full unsharded gradient of the whole model between
+  micro-batches.
+- ``every``: every micro-batch reduce-scatters; the sharded gradients accumulate
+  (FSDP2 adds each reduce-scatter output into ``param.grad``). Traffic: k
+  reduce-scatters per unit per step. Memory: sharded gradients only (1/shard of the
+  above). Under HSDP the all-reduce across replicas still runs on the last
+  micro-batch only (``set_requires_all_reduce``): FSDP2 keeps the partial sum of
+  the reduce-scatter outputs, sharded, and all-reduces it once.
+
+``parallel.accum_keep_unsharded`` is independent of both: it skips the reshard after
+backward on non-final micro-batches (no all-gather in the next forward, full
+parameters held), whichever way gradients are reduced.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Literal
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+SyncMode = Literal["last", "every"]
+"""A resolved ``parallel.accum_sync`` (``auto`` is decided before the run starts)."""
+
+
+def sync_mode(accum_sync: str) -> SyncMode:
+    """The runtime's mode for a config value: ``auto`` left unresolved (no memory
+    budget was given, fsdpkit.planner.auto) means ``last``."""
+    return "every" if accum_sync == "every" else "last"
+
+
+@contextmanager
+def _fsdp_flags(
+    model: nn.Module, *, reduce: bool, all_reduce: bool, reshard: bool
+) -> Iterator[None]:
+    """Set FSDP2's per-backward switches on every unit, restoring the defaults after."""
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.set_requires_gradient_sync(reduce)  # sets all-reduce to the same value
+    if reduce and not all_reduce:
+        model.set_requires_all_reduce(False)
+    if not reshard:
+        model.set_reshard_after_backward(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
+
+
+@contextmanager
+def micro_batch(
+    model: nn.Module, *, last: bool, accum_sync: SyncMode = "last", keep_unsharded: bool = False
+) -> Iterator[None]:
+    """Run one micro-batch's backward as the step's accumulation mode requires (see
+    [Note: accumulation modes]); ``last`` marks the step's final micro-batch."""
+    with _fsdp_flags(
+        model,
+        reduce=last or accum_sync == "every",
+        all_reduce=last,
+        reshard=last or not keep_unsharded,
+    ):
+        yield
+
 
 @contextmanager
 def gradient_sync(
     model: nn.Module, *, enabled: bool, keep_unsharded: bool = False
 ) -> Iterator[None]:
-    """Run one micro-batch's backward with or without gradient reduction.
+    """Run one micro-batch's backward with or without gradient reduction (the
+    ``last`` mode of [Note: accumulation modes]).
 
     ``enabled=False`` (every micro-batch but the last) skips the reduce-scatter (and
     HSDP's all-reduce): gradients accumulate unsharded locally. ``keep_unsharded``
     also skips resharding after backward, so the next forward needs no all-gather,
     at the cost of holding full parameters between micro-batches.
     """
-    if not isinstance(model, FSDPModule):
+    with micro_batch(model, last=enabled, keep_unsharded=keep_unsharded):
         yield
-        return
-    model.set_requires_gradient_sync(enabled)
-    if keep_unsharded:
-        model.set_reshard_after_backward(enabled)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-        if keep_unsharded:
-            model.set_reshard_after_backward(True)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, *, foreach: bool = True) -> torch.Tensor:

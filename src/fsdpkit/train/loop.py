@@ -29,6 +29,7 @@ from fsdpkit.observe.observer import Observer
 from fsdpkit.rundir import RunDirError, check_run_dir
 from fsdpkit.runlock import RunLock, acquire
 from fsdpkit.sharding.compile import compile_seconds
+from fsdpkit.sharding.grads import sync_mode
 from fsdpkit.train.generate import sample
 from fsdpkit.train.guards import check_finite
 from fsdpkit.train.progress import Progress
@@ -64,6 +65,7 @@ def _step(s: Session, probe: HangProbe) -> tuple[float, float]:
         loss_fn=s.loss_fn,
         max_norm=s.cfg.train.grad_clip,
         keep_unsharded=s.cfg.parallel.accum_keep_unsharded,
+        accum_sync=sync_mode(s.cfg.parallel.accum_sync),
         scaler=s.scaler,
         mark=probe.marker(len(batches)),
     )

@@ -205,7 +205,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     plan = shard(model, cfg, mesh=mesh, init=finetune.init)
     if cfg.model.init_from:
         _init_from(model, Path(cfg.model.init_from))
-    optimizer = build_optimizer(model, cfg.train)
+    optimizer = build_optimizer(model, cfg.train, grad_scaler=precision.scaler)
     scaler = make_grad_scaler(precision, device_type=env.device_type)
     run_dir = Path(cfg.logging.run_dir)
     return Session(

@@ -1,8 +1,9 @@
 """One optimizer step: the function ``fsdpkit train`` runs and the planner traces.
 
 Per micro-batch: the loss (``loss_fn(model, tokens)``, divided by the number of
-micro-batches), its backward with gradient reduction only on the last micro-batch
-(``gradient_sync``); then the fp16 scaler's unscale, global-norm clipping, the
+micro-batches), its backward with gradient reduction on the last micro-batch only
+(``accum_sync="last"``) or on every one (``"every"``; [Note: accumulation modes] in
+fsdpkit.sharding.grads); then the fp16 scaler's unscale, global-norm clipping, the
 optimizer step (through the scaler when there is one) and ``zero_grad(set_to_none)``.
 The loss tensor dies before each backward returns, so logits never outlive their
 micro-batch. The traced planner runs this very function under fake tensors with a
@@ -20,8 +21,7 @@ import torch
 from torch import nn
 
 from fsdpkit.models.factory import LossFn
-from fsdpkit.sharding import gradient_sync
-from fsdpkit.sharding.grads import clip_grad_norm_
+from fsdpkit.sharding.grads import SyncMode, clip_grad_norm_, micro_batch
 
 PHASES = ("forward", "backward", "optimizer step")
 """What ``mark`` is called with, in order, for each micro-batch (the last one only at
@@ -47,6 +47,7 @@ def train_step(
     loss_fn: LossFn,
     max_norm: float,
     keep_unsharded: bool = False,
+    accum_sync: SyncMode = "last",
     scaler: torch.amp.GradScaler | None = None,
     foreach: bool = True,
     mark: Callable[[str], None] | None = None,
@@ -56,7 +57,9 @@ def train_step(
     last = len(micro_batches) - 1
     total = torch.zeros((), device=micro_batches[0].device)
     for i, tokens in enumerate(micro_batches):
-        with gradient_sync(model, enabled=i == last, keep_unsharded=keep_unsharded):
+        with micro_batch(
+            model, last=i == last, accum_sync=accum_sync, keep_unsharded=keep_unsharded
+        ):
             loss = loss_fn(model, tokens) / len(micro_batches)
             note("forward")
             (scaler.scale(loss) if scaler is not None else loss).backward()
