@@ -127,6 +127,17 @@ class TrainConfig:
     """Micro-batches per rank in one evaluation."""
     sample_tokens: int = 120
     """Tokens of sample text generated at the end for the built-in LM; 0 disables."""
+    chunked_loss: Literal["auto", "on", "off"] = "auto"
+    """Cross-entropy from the final hidden states and the output head in token chunks
+    (fsdpkit.models.chunked_ce): no full logits, no fp32 copy of them, no full logits
+    gradient; each chunk's logits are recomputed in backward (one more head matmul).
+    auto = on wherever the head is a plain nn.Linear and the loss is fsdpkit's own
+    (built-in Llama, model.hf causal LMs, factory models exposing
+    get_output_embeddings() or lm_head), which always lowers the peak; otherwise off
+    with one notice. on = an error where unsupported. off = full logits."""
+    loss_chunk_tokens: int = 1024
+    """Tokens per chunk of the chunked loss: logits of this many tokens (and their fp32
+    copy) exist at once."""
 
 
 @dataclass(frozen=True)

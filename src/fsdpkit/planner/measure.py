@@ -30,6 +30,7 @@ from fsdpkit.config import RunConfig, batch_split, mesh_shape
 from fsdpkit.finetune import prepare
 from fsdpkit.mesh import build_mesh
 from fsdpkit.models.factory import next_token_loss
+from fsdpkit.models.head_loss import choose_loss
 from fsdpkit.models.llama import Llama, LlamaConfig
 from fsdpkit.sharding import resolve_precision, shard
 from fsdpkit.train.optim import build_optimizer
@@ -114,6 +115,13 @@ def _step_peaks(
     precision = resolve_precision(cfg.precision, device_type="cpu")
     tuned = prepare(model, cfg, precision=precision, init=None)  # LoRA / model.freeze
     shard(model, cfg, mesh=mesh, init=tuned.init)
+    loss_fn = choose_loss(
+        model,
+        mode=cfg.train.chunked_loss,
+        chunk_tokens=cfg.train.loss_chunk_tokens,
+        default=next_token_loss,
+        custom_loss=False,
+    ).loss_fn
     opt = build_optimizer(model, cfg.train)  # the trainer's: foreach, two groups
     gen = torch.Generator().manual_seed(rank)
     split = batch_split(cfg.train, dp_world=world_size)
@@ -127,7 +135,7 @@ def _step_peaks(
             model,
             opt,
             batches,
-            loss_fn=next_token_loss,
+            loss_fn=loss_fn,
             max_norm=cfg.train.grad_clip,
             keep_unsharded=cfg.parallel.accum_keep_unsharded,
         )

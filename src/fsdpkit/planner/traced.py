@@ -55,6 +55,7 @@ from fsdpkit.config import RunConfig, with_changes
 from fsdpkit.finetune import prepare
 from fsdpkit.mesh import build_mesh
 from fsdpkit.models.factory import next_token_loss
+from fsdpkit.models.head_loss import choose_loss
 from fsdpkit.models.llama import Llama
 from fsdpkit.planner.analytic import late_free_spread, model_states
 from fsdpkit.planner.result import CATEGORIES, MemoryPlan, PeakPoint
@@ -269,6 +270,13 @@ def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
             shard(model, run_cfg, mesh=mesh)
         if sc.device.kind == "cpu" and sc.shard > 1:
             _model_gloo_buffers(model)
+        loss_fn = choose_loss(
+            model,
+            mode=cfg.train.chunked_loss,
+            chunk_tokens=cfg.train.loss_chunk_tokens,
+            default=next_token_loss,
+            custom_loss=False,
+        ).loss_fn
         opt = build_optimizer(model, cfg.train)  # the trainer's AdamW (foreach)
         for p in model.parameters():  # steady state: AdamW states exist already
             if p.requires_grad:
@@ -287,7 +295,7 @@ def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
                 model,
                 opt,
                 batches,
-                loss_fn=next_token_loss,
+                loss_fn=loss_fn,
                 max_norm=cfg.train.grad_clip,
                 keep_unsharded=sc.keep_unsharded,
                 foreach=False,
