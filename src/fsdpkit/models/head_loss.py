@@ -26,7 +26,6 @@ the model's output. So:
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -41,8 +40,6 @@ from fsdpkit.models.errors import ModelError
 from fsdpkit.models.factory import IGNORE_INDEX, LossFn, ModelOutputError, logits_of
 from fsdpkit.models.hf_init import is_hf_model
 from fsdpkit.models.sft_loss import model_kwargs, sft_loss
-
-log = logging.getLogger(__name__)
 
 _LOGIT_POSTPROCESSING = (
     "final_logit_softcapping",

@@ -270,6 +270,46 @@ def loss_backward(s: Sizes) -> list[Event]:
     return ev + ([(LOGITS, s.nve), (LOGITS, -s.nv4)] if s.cast else [])
 
 
+def chunked_head_forward(s: Sizes) -> list[Event]:
+    """Final norm; the head computes nothing (its input is the chunked loss's)."""
+    return _norm_forward(s, keep=True) + ([(ACT, -s.nde)] if s.cast else [])
+
+
+def chunked_loss_forward(s: Sizes, *, chunk: int) -> list[Event]:
+    """[Note: chunked cross-entropy] in fsdpkit.models.chunked_ce, forward: the
+    flattened targets (a copy of the shifted ids) and the per-token log-sum-exp stay for
+    backward; per chunk of c tokens the logits (c*V*e), their fp32 copy and
+    logsumexp's shifted exp (c*V*4 each) exist at once, then die."""
+    ce, c4 = _chunk_bytes(s, chunk)
+    ev: list[Event] = [(LOGITS, 12 * s.n)]
+    ev += [(LOGITS, ce), (LOGITS, c4), (LOGITS, -ce)] if s.cast else [(LOGITS, c4)]
+    return [*ev, (LOGITS, c4), (LOGITS, -2 * c4)]
+
+
+def chunked_loss_backward(s: Sizes, *, chunk: int, weight_grad: bool = True) -> list[Event]:
+    """Backward of the chunked loss and the head together, then the final norm: the
+    hidden states' grad (N*d*e) and the head's weight grad (V*d*e) are allocated first;
+    per chunk the recomputed logits and their fp32 copy (which becomes the gradient in
+    place), then its cast to the compute dtype; ends as ``head_backward`` ends."""
+    ce, c4 = _chunk_bytes(s, chunk)
+    w = s.vocab * s.d * s.e if weight_grad else 0
+    y = s.nde if s.cast else s.nd4
+    ev: list[Event] = [(TEMP, s.nde), (GRAD, w)]
+    if s.cast:
+        ev += [(LOGITS, ce), (LOGITS, c4), (LOGITS, -ce), (LOGITS, ce), (LOGITS, -c4)]
+        ev += [(LOGITS, -ce)]
+    else:
+        ev += [(LOGITS, c4), (LOGITS, -c4)]
+    ev += [(LOGITS, -12 * s.n), (ACT, -y)]
+    return ev + _norm_backward(s) + [(TEMP, s.nde)]
+
+
+def _chunk_bytes(s: Sizes, chunk: int) -> tuple[int, int]:
+    """Logits of one chunk in the compute dtype and in fp32."""
+    c = min(chunk, s.n)
+    return c * s.vocab * s.e, c * s.vocab * 4
+
+
 def head_backward(s: Sizes, *, weight_grad: bool = True) -> list[Event]:
     """Output head (grad of its input, then of the weight unless it is frozen), then
     the final norm: ends with the last block output's grad (N*d*e) live, the head

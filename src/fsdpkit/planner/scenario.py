@@ -58,6 +58,9 @@ class Scenario:
     keep_unsharded: bool
     device: Device
     ranks_per_node: int
+    loss_chunk: int | None = None
+    """Tokens per chunk of the chunked cross-entropy; None: full logits
+    (``train.chunked_loss``, resolved by ``loss_chunk``)."""
     notes: tuple[str, ...] = ()
     """How inputs were interpreted (e.g. precision auto -> bf16)."""
 
@@ -141,6 +144,23 @@ def run_vocab_size(cfg: RunConfig) -> int | None:
     return build_tokenizer(cfg.data).vocab_size
 
 
+def loss_chunk(cfg: RunConfig, layout: ModelLayout) -> tuple[int | None, str | None]:
+    """The chunk of the run's chunked loss (None: full logits), and a note when
+    ``auto`` falls back — the rule of fsdpkit.models.head_loss.choose_loss for the
+    built-in Llama, whose head is plain unless LoRA wraps it."""
+    mode = cfg.train.chunked_loss
+    if mode == "off":
+        return None, None
+    if layout.plain_head:
+        return cfg.train.loss_chunk_tokens, None
+    if mode == "on":
+        raise PlanError(
+            "train.chunked_loss = on, but the output head is LoRA-wrapped (not a plain "
+            "nn.Linear). Set train.chunked_loss = auto or off."
+        )
+    return None, "train.chunked_loss = auto planned as full logits (the head is LoRA-wrapped)"
+
+
 def scenario(
     cfg: RunConfig,
     *,
@@ -170,6 +190,8 @@ def scenario(
         layout = llama_layout(shape, tuple(cfg.parallel.block_classes))
     root, blocks = units(layout, shard=shard, parallel=cfg.parallel, activations=cfg.activations)
     notes = [note] if note else []
+    chunk, loss_note = loss_chunk(cfg, layout)
+    notes += [loss_note] if loss_note else []
     if cfg.model.vocab_size is None and vocab is None and cfg.model.preset != "tiny":
         notes.append(_VOCAB_NOTE.format(PRESETS[cfg.model.preset].vocab_size))
     dev = device if device is not None else Device("unspecified", "cpu", None)
@@ -194,5 +216,6 @@ def scenario(
         keep_unsharded=cfg.parallel.accum_keep_unsharded,
         device=dev,
         ranks_per_node=local,
+        loss_chunk=chunk,
         notes=tuple(notes),
     )
