@@ -278,12 +278,12 @@ def chunked_head_forward(s: Sizes) -> list[Event]:
 def chunked_loss_forward(s: Sizes, *, chunk: int) -> list[Event]:
     """[Note: chunked cross-entropy] in fsdpkit.models.chunked_ce, forward: the
     flattened targets (a copy of the shifted ids) and the per-token log-sum-exp stay for
-    backward; per chunk of c tokens the logits (c*V*e), their fp32 copy and
-    logsumexp's shifted exp (c*V*4 each) exist at once, then die."""
+    backward; per chunk of c tokens the logits (c*V*e) and their fp32 copy (c*V*4, in
+    which the log-sum-exp is computed in place) exist at once, then die."""
     ce, c4 = _chunk_bytes(s, chunk)
     ev: list[Event] = [(LOGITS, 12 * s.n)]
     ev += [(LOGITS, ce), (LOGITS, c4), (LOGITS, -ce)] if s.cast else [(LOGITS, c4)]
-    return [*ev, (LOGITS, c4), (LOGITS, -2 * c4)]
+    return [*ev, (LOGITS, -c4)]
 
 
 def chunked_loss_backward(s: Sizes, *, chunk: int, weight_grad: bool = True) -> list[Event]:

@@ -11,7 +11,8 @@ are ranked by an estimated step time — a relative cost, not a prediction:
 
 compute = FLOPs per token (fsdpkit.models.flops) at 40% of the device's peak, derated
 for small micro-batches (x (1 + 256 / tokens per micro-batch): fewer tokens per matmul
-run further below peak); recompute = a third of the checkpointed blocks' share;
+run further below peak); recompute = a third of the checkpointed blocks' share, and
+of the output head's with the chunked loss (train.chunked_loss);
 communication = all-gather + reduce-scatter bytes over the shard group's link (NVLink
 inside a node, the network across) + replica all-reduce + 50 us per collective,
 overlapped with compute as FSDP2 prefetching does; offload = host copies over PCIe
@@ -159,6 +160,8 @@ def step_cost(sc: Scenario, p: Plan) -> StepCost:
     blocks = sum(u.numel for u in sc.units) / max(m.matmul_params(), 1)
     share = sc.checkpointed_blocks / max(len(sc.layout.blocks), 1)
     recompute = compute * share * blocks / 3
+    if sc.loss_chunk is not None:  # chunked loss: the head's matmul once more in backward
+        recompute += compute * m.vocab_size * m.dim / max(m.matmul_params(), 1) / 3
     shard_link = dev.intra_gbps if sc.shard <= sc.ranks_per_node else dev.inter_gbps
     replica_link = dev.intra_gbps if sc.world_size <= sc.ranks_per_node else dev.inter_gbps
     c = p.comm
