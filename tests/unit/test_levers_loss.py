@@ -134,7 +134,7 @@ class _Scaled(nn.Module):
 
 def test_a_model_that_changes_the_head_output_is_refused_not_mistrained() -> None:
     model = _Scaled()
-    with pytest.raises(HeadLossError, match="train.chunked_loss"):
+    with pytest.raises(HeadLossError, match=r"train\.chunked_loss"):
         ChunkedLoss()(model, torch.randint(0, TINY.vocab_size, (1, 9)))
     assert "forward" not in vars(model.lm_head) and not model._forward_hooks
 
@@ -159,7 +159,7 @@ def test_unsupported_models_fall_back_under_auto_and_fail_under_on() -> None:
     auto = _choose(mlp, "auto")
     assert not auto.chunked and auto.loss_fn is next_token_loss
     assert auto.note is not None and "no plain nn.Linear output head" in auto.note
-    with pytest.raises(ConfigError, match="train.chunked_loss = on"):
+    with pytest.raises(ConfigError, match=r"train\.chunked_loss = on"):
         _choose(mlp, "on")
     custom = _choose(build(), "auto", custom=True)
     assert not custom.chunked and "own loss_fn" in (custom.note or "")
@@ -177,7 +177,7 @@ def test_hf_models_by_their_config(tmp_path: object) -> None:
 
 
 def test_loss_chunk_tokens_must_be_positive() -> None:
-    with pytest.raises(ConfigError, match="train.loss_chunk_tokens"):
+    with pytest.raises(ConfigError, match=r"train\.loss_chunk_tokens"):
         load(None, ["train.loss_chunk_tokens=0"])
 
 
@@ -218,5 +218,21 @@ def test_a_lora_wrapped_head_is_planned_with_full_logits() -> None:
     lora = ["lora.rank=4", 'lora.targets=["q_proj","lm_head"]']
     sc = scenario(load(None, lora), world_size=2)
     assert sc.loss_chunk is None and any("LoRA" in n for n in sc.notes)
-    with pytest.raises(PlanError, match="train.chunked_loss = on"):
+    with pytest.raises(PlanError, match=r"train\.chunked_loss = on"):
         scenario(load(None, [*lora, "train.chunked_loss=on"]), world_size=2)
+
+
+def test_the_plan_report_shows_the_loss_buffers_of_the_chosen_mode() -> None:
+    from fsdpkit.planner.report import format_plan
+
+    n, v = 2 * 8192, 128256
+    on = plan(load(None, LLAMA3_8B), world_size=8)
+    assert on.loss is not None and on.loss.chunk == 1024
+    # saved lse + targets, then one chunk's bf16 logits and their fp32 copy
+    assert on.loss.chosen == 12 * n + 1024 * v * (2 + 4)
+    assert on.loss.full == 3 * n * v * 4  # log-probs, nll's grad, log-softmax's grad
+    assert "chunked cross-entropy, 1024-token chunks; full logits would take 23.48 GiB" in (
+        format_plan(on)
+    )
+    off = plan(load(None, [*LLAMA3_8B, "train.chunked_loss=off"]), world_size=8)
+    assert "loss buffers per micro-batch: 23.48 GiB (full logits)" in format_plan(off)

@@ -13,8 +13,9 @@ Here, per chunk of c tokens:
 
 - forward: logits_c = hidden_c @ W.T in the compute dtype (as the head would), their
   fp32 copy, log-sum-exp per token in fp32 computed in place in that copy; the
-  chunk's losses are summed and every chunk tensor dies. Saved for backward: the per-token log-sum-exp (N fp32) — hidden,
-  W and the targets are alive anyway (the head's matmul saves them too).
+  chunk's losses are summed and every chunk tensor dies. Saved for backward: the
+  per-token log-sum-exp (N fp32) and the flattened targets; hidden and W are alive
+  anyway (the head's matmul saves them too).
 - backward: the chunk's logits are recomputed (the trade-off: one more head matmul,
   2*N*V*d FLOPs per micro-batch), turned in place into softmax - one_hot (fp32),
   scaled by the incoming gradient, cast to the compute dtype as autograd's cast back

@@ -330,3 +330,18 @@ def embedding_backward(s: Sizes, *, tied: bool, workspace: int = 0) -> list[Even
     ev: list[Event] = [(TEMP, workspace), (GRAD, w), (TEMP, -workspace)]
     ev += [(GRAD, w), (GRAD, -w), (GRAD, -w)] if tied else []
     return [*ev, (TEMP, -s.nde)]
+
+
+def loss_buffer_peak(s: Sizes, *, chunk: int | None) -> int:
+    """The most logits and loss bytes live at once over the loss's forward and
+    backward (full logits when ``chunk`` is None)."""
+    if chunk is None:
+        events = head_forward(s) + loss_forward(s) + loss_backward(s) + head_backward(s)
+    else:
+        events = chunked_loss_forward(s, chunk=chunk) + chunked_loss_backward(s, chunk=chunk)
+    live = peak = 0
+    for category, nbytes in events:
+        if category == LOGITS:
+            live += nbytes
+            peak = max(peak, live)
+    return peak
