@@ -236,3 +236,17 @@ def test_the_plan_report_shows_the_loss_buffers_of_the_chosen_mode() -> None:
     )
     off = plan(load(None, [*LLAMA3_8B, "train.chunked_loss=off"]), world_size=8)
     assert "loss buffers per micro-batch: 23.48 GiB (full logits)" in format_plan(off)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", ["data.seq_len=32", "data.seq_len=2048"])
+def test_chunked_never_plans_more_than_full_logits(precision: str, tokens: str) -> None:
+    # train.chunked_loss = auto is on without planning because of this: even when one
+    # chunk holds every token and the head's weight grad dwarfs the logits (d=2048,
+    # 32 tokens), the weight grad is the first chunk's product, never beside its fp32
+    for chunk in (16, 1024, 4096):
+        base = ["model.preset=llama3-1b", "model.n_layers=2", f"precision.mode={precision}"]
+        base += [tokens, "train.micro_batch_size=1", f"train.loss_chunk_tokens={chunk}"]
+        on = plan(load(None, base), world_size=2).memory.peak.bytes
+        off = plan(load(None, [*base, "train.chunked_loss=off"]), world_size=2).memory.peak.bytes
+        assert on <= off, (chunk, on, off)

@@ -72,7 +72,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_w: torch.Tensor | None = None  # made by the first chunk: never beside its fp32
         grad_b = torch.zeros_like(bias) if need_b else None
         for start in range(0, hidden.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
@@ -81,7 +81,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
             )
             if grad_h is not None:
                 torch.mm(g, weight, out=grad_h[rows])
-            if grad_w is not None:
+            if need_w and grad_w is None:
+                grad_w = g.t() @ hidden[rows]
+            elif grad_w is not None:
                 grad_w.addmm_(g.t(), hidden[rows])
             if grad_b is not None:
                 grad_b += g.sum(0)

@@ -288,20 +288,30 @@ def chunked_loss_forward(s: Sizes, *, chunk: int) -> list[Event]:
 
 def chunked_loss_backward(s: Sizes, *, chunk: int, weight_grad: bool = True) -> list[Event]:
     """Backward of the chunked loss and the head together, then the final norm: the
-    hidden states' grad (N*d*e) and the head's weight grad (V*d*e) are allocated first;
-    per chunk the recomputed logits and their fp32 copy (which becomes the gradient in
-    place), then its cast to the compute dtype; ends as ``head_backward`` ends."""
-    ce, c4 = _chunk_bytes(s, chunk)
+    hidden states' grad (N*d*e) first; per chunk the recomputed logits and their fp32
+    copy (which becomes the gradient in place), then its cast to the compute dtype;
+    the head's weight grad (V*d*e) is the first chunk's product, later ones add into
+    it in place, so from the second chunk on it coexists with a chunk's buffers.
+    Ends as ``head_backward`` ends."""
     w = s.vocab * s.d * s.e if weight_grad else 0
     y = s.nde if s.cast else s.nd4
-    ev: list[Event] = [(TEMP, s.nde), (GRAD, w)]
-    if s.cast:
-        ev += [(LOGITS, ce), (LOGITS, c4), (LOGITS, -ce), (LOGITS, ce), (LOGITS, -c4)]
-        ev += [(LOGITS, -ce)]
-    else:
-        ev += [(LOGITS, c4), (LOGITS, -c4)]
+    c = min(chunk, s.n)
+    ev: list[Event] = [(TEMP, s.nde)]
+    ev += _chunk_backward(s, c, grad=[(GRAD, w)])
+    if s.n > c:  # the second chunk, the largest beside the weight grad
+        ev += _chunk_backward(s, min(c, s.n - c), grad=[])
     ev += [(LOGITS, -12 * s.n), (ACT, -y)]
     return ev + _norm_backward(s) + [(TEMP, s.nde)]
+
+
+def _chunk_backward(s: Sizes, c: int, *, grad: list[Event]) -> list[Event]:
+    """One chunk's recomputed logits -> fp32 gradient -> compute dtype; ``grad``
+    happens while the cast gradient is live (the first chunk's weight-grad product)."""
+    ce, c4 = c * s.vocab * s.e, c * s.vocab * 4
+    if not s.cast:
+        return [(LOGITS, c4), *grad, (LOGITS, -c4)]
+    return [(LOGITS, ce), (LOGITS, c4), (LOGITS, -ce), (LOGITS, ce), (LOGITS, -c4), *grad,
+            (LOGITS, -ce)]  # fmt: skip
 
 
 def _chunk_bytes(s: Sizes, chunk: int) -> tuple[int, int]:
