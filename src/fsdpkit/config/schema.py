@@ -133,8 +133,9 @@ class TrainConfig:
     gradient; each chunk's logits are recomputed in backward (one more head matmul).
     auto = on wherever the head is a plain nn.Linear and the loss is fsdpkit's own
     (built-in Llama, model.hf causal LMs, factory models exposing
-    get_output_embeddings() or lm_head), which always lowers the peak; otherwise off
-    with one notice. on = an error where unsupported. off = full logits."""
+    get_output_embeddings() or lm_head): it never holds more than full logits, so it
+    always lowers the peak where the loss made it; otherwise off with one notice.
+    on = an error where unsupported. off = full logits."""
     loss_chunk_tokens: int = 1024
     """Tokens per chunk of the chunked loss: logits of this many tokens (and their fp32
     copy) exist at once."""

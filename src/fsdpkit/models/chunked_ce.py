@@ -22,6 +22,16 @@ Here, per chunk of c tokens:
   would, then grad_hidden_c = g @ W and grad_W += g.T @ hidden_c (accumulated in the
   compute dtype, as autograd accumulates the chunks' grads of a shared weight).
 
+[Note: chunked cross-entropy peak]
+The head's weight grad is the first chunk's product (never beside that chunk's fp32
+buffer); after it, a chunk's logits in the compute dtype and in fp32 coexist with the
+weight grad, where the full path holds only the N*V*e logits gradient beside it. In
+low precision, chunks after the first in backward are therefore at most N/3 tokens
+(c*(2+4) <= N*2), so at no point of the loss does the chunked path hold more than the
+full one (but for the saved log-sum-exp and targets, 12 bytes per token):
+``train.chunked_loss = auto`` needs no planning. In fp32 every later chunk
+is at most N/2 already.
+
 Numerics match the full path: logits in the compute dtype, softmax and loss in fp32.
 Ignored targets contribute no loss and no gradient. The head's weight is used as
 given: under FSDP2 the caller runs this while the root unit's parameters are
@@ -74,8 +84,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w: torch.Tensor | None = None  # made by the first chunk: never beside its fp32
         grad_b = torch.zeros_like(bias) if need_b else None
-        for start in range(0, hidden.shape[0], ctx.chunk):
-            rows = slice(start, start + ctx.chunk)
+        cast = weight.dtype != torch.float32
+        for rows in backward_chunks(hidden.shape[0], ctx.chunk, cast=cast):
             g = _chunk_grad(
                 hidden[rows], weight, bias, targets[rows], lse[rows], grad_total, ctx.ignore_index
             )
@@ -89,6 +99,14 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 grad_b += g.sum(0)
             del g
         return grad_h, grad_w, grad_b, None, None, None
+
+
+def backward_chunks(n: int, chunk: int, *, cast: bool) -> list[slice]:
+    """Rows of each backward chunk ([Note: chunked cross-entropy peak]); the planner
+    reads the first two sizes from here."""
+    first = min(chunk, n)
+    later = min(chunk, max(1, n // 3)) if cast else chunk
+    return [slice(0, first)] + [slice(i, min(i + later, n)) for i in range(first, n, later)]
 
 
 def _logsumexp_(x: torch.Tensor) -> torch.Tensor:

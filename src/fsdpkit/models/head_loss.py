@@ -97,7 +97,8 @@ def choose_loss(
     """``train.chunked_loss`` resolved for ``model``: ``default`` is the full-logits
     loss the run would use (the factory's own when ``custom_loss``). ``auto`` is on
     wherever the head is a plain linear layer: then the chunked loss always lowers the
-    peak (no N x V logits, fp32 copy or gradient; only one chunk's), so there is
+    peak (no N x V logits, fp32 copy or gradient; only one chunk's, and never more
+    than full logits at any point: [Note: chunked cross-entropy peak]), so there is
     nothing to plan. ConfigError for ``on`` where unsupported."""
     if mode == "off":
         return LossChoice(loss_fn=default, chunked=False)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fsdpkit.models.chunked_ce import backward_chunks
+
 ACT, TEMP, GRAD, LOGITS = "activations", "temporaries", "unsharded_grads", "logits_loss"
 Event = tuple[str, int]
 
@@ -291,15 +293,15 @@ def chunked_loss_backward(s: Sizes, *, chunk: int, weight_grad: bool = True) -> 
     hidden states' grad (N*d*e) first; per chunk the recomputed logits and their fp32
     copy (which becomes the gradient in place), then its cast to the compute dtype;
     the head's weight grad (V*d*e) is the first chunk's product, later ones add into
-    it in place, so from the second chunk on it coexists with a chunk's buffers.
-    Ends as ``head_backward`` ends."""
+    it in place, so from the second chunk on it coexists with a chunk's buffers
+    ([Note: chunked cross-entropy peak]). Ends as ``head_backward`` ends."""
     w = s.vocab * s.d * s.e if weight_grad else 0
     y = s.nde if s.cast else s.nd4
-    c = min(chunk, s.n)
+    rows = backward_chunks(s.n, chunk, cast=s.cast)[:2]
     ev: list[Event] = [(TEMP, s.nde)]
-    ev += _chunk_backward(s, c, grad=[(GRAD, w)])
-    if s.n > c:  # the second chunk, the largest beside the weight grad
-        ev += _chunk_backward(s, min(c, s.n - c), grad=[])
+    ev += _chunk_backward(s, rows[0].stop - rows[0].start, grad=[(GRAD, w)])
+    if len(rows) > 1:  # the second chunk, the largest beside the weight grad
+        ev += _chunk_backward(s, rows[1].stop - rows[1].start, grad=[])
     ev += [(LOGITS, -12 * s.n), (ACT, -y)]
     return ev + _norm_backward(s) + [(TEMP, s.nde)]
 
