@@ -1,8 +1,9 @@
 """Chunked linear cross-entropy (``train.chunked_loss``) against full logits, 2 gloo ranks.
 
 One spawn trains every model twice with the trainer's own step (fsdpkit.train.step),
-chunked on and off, fp32, 10 steps: the built-in Llama tied and untied, the same with
-the root resharded after forward (``reshard_after_forward=2`` at world size 2), an HF
+chunked on and off, fp32, 10 steps: the built-in Llama tied, untied (two micro-batches
+per step: the head's grad accumulates without sync), tied with the root resharded after
+forward (``reshard_after_forward=2`` at world size 2), an HF
 ``LlamaForCausalLM`` loaded by ``model.hf``, and SFT batches (answer-only targets,
 packed position ids, a normalizer). Losses and final parameters agree within 1e-5
 relative, and the c10d all-gathers per step are the same: the head is gathered once
@@ -61,6 +62,7 @@ def _model(variant: str, model_dir: str) -> tuple[torch.nn.Module, Any, RunConfi
 
 
 def _count_all_gathers(counter: Counter[str]) -> None:
+    """Count the c10d all-gathers FSDP2 issues (as test_accumulation.py counts)."""
     original = dist.all_gather_single
 
     def counted(*args: Any, **kw: Any) -> Any:
@@ -70,7 +72,9 @@ def _count_all_gathers(counter: Counter[str]) -> None:
     dist.all_gather_single = counted
 
 
-def _train(rank: int, world: int, variant: str, mode: str, model_dir: str) -> dict[str, Any]:
+def _train(
+    rank: int, world: int, variant: str, mode: str, model_dir: str, counter: Counter[str]
+) -> dict[str, Any]:
     model, init, cfg = _model(variant, model_dir)
     sft = variant == "sft"
     choice = choose_loss(
@@ -82,10 +86,9 @@ def _train(rank: int, world: int, variant: str, mode: str, model_dir: str) -> di
     )
     shard(model, cfg, mesh=build_mesh(), init=init)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1, eps=1e-6)
-    counter: Counter[str] = Counter()
-    _count_all_gathers(counter)
     losses, gathers = [], []
-    for step in global_batches(STEPS):
+    # untied: two micro-batches per step (no-sync accumulation of the head's grad)
+    for step in global_batches(STEPS, micro=2 if variant == "untied" else 1):
         micro: list[Any] = [
             _sft_batch(t, rank=rank, world=world) if sft else local(t, rank, world) for t in step
         ]
@@ -95,17 +98,15 @@ def _train(rank: int, world: int, variant: str, mode: str, model_dir: str) -> di
         total = result.loss.clone()
         dist.all_reduce(total)
         losses.append(float(total) / world)
-    return {"chunked": choice.chunked, "loss": losses, "gathers": gathers, **_params(model)}
-
-
-def _params(model: torch.nn.Module) -> dict[str, Any]:
-    return {"params": full_state(model)}
+    params = full_state(model)
+    return {"chunked": choice.chunked, "loss": losses, "gathers": gathers, "params": params}
 
 
 def _all(rank: int, world: int, model_dir: str) -> dict[str, Any]:
-    torch.manual_seed(0)
+    counter: Counter[str] = Counter()
+    _count_all_gathers(counter)
     return {
-        (v, mode): _train(rank, world, v, mode, model_dir)
+        (v, mode): _train(rank, world, v, mode, model_dir, counter)
         for v in VARIANTS
         for mode in ("off", "on")
     }
