@@ -255,3 +255,19 @@ def test_chunked_never_needs_more_than_full_logits(e: int, n: int) -> None:
         # at most the saved log-sum-exp and targets (12 bytes per token) more
         assert summarize(chunked).peak <= summarize(full).peak + 12 * n, chunk
         assert summarize(chunked).net == summarize(full).net  # the same state after
+
+
+def test_grad_into_weight_leaves_the_same_gradient_with_a_tied_embedding() -> None:
+    grads = []
+    for into in (False, True):
+        emb = nn.Embedding(50, 16)
+        with torch.no_grad():
+            emb.weight.copy_(torch.randn(50, 16, generator=torch.Generator().manual_seed(0)))
+        tokens = torch.arange(24).reshape(2, 12) % 50
+        loss = chunked_linear_cross_entropy(
+            emb(tokens[:, :-1]), emb.weight, None, tokens[:, 1:], chunk_tokens=4,
+            grad_into_weight=into,
+        )  # fmt: skip
+        loss.backward()
+        grads.append(emb.weight.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-7)

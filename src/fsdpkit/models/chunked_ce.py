@@ -62,6 +62,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         targets: torch.Tensor,
         chunk: int,
         ignore_index: int,
+        grad_into_weight: bool,
     ) -> torch.Tensor:
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -75,6 +76,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             total += torch.where(tgt != ignore_index, lse[rows] - picked, 0.0).sum()
         ctx.save_for_backward(hidden, weight, bias, targets, lse)  # type: ignore[arg-type]
         ctx.chunk, ctx.ignore_index = chunk, ignore_index  # type: ignore[attr-defined]
+        ctx.grad_into_weight = grad_into_weight  # type: ignore[attr-defined]
         return total
 
     @staticmethod
@@ -98,7 +100,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
             if grad_b is not None:
                 grad_b += g.sum(0)
             del g
-        return grad_h, grad_w, grad_b, None, None, None
+        if grad_w is not None and ctx.grad_into_weight and weight.is_leaf:
+            weight.grad = grad_w if weight.grad is None else weight.grad.add_(grad_w)
+            grad_w = None
+        return grad_h, grad_w, grad_b, None, None, None, None
 
 
 def backward_chunks(n: int, chunk: int, *, cast: bool) -> list[slice]:
@@ -143,16 +148,23 @@ def chunked_linear_cross_entropy(
     *,
     chunk_tokens: int,
     ignore_index: int = -100,
+    grad_into_weight: bool = False,
 ) -> torch.Tensor:
     """Sum of the fp32 cross-entropy of every token whose target is not
     ``ignore_index``: ``hidden`` (N, d) or (..., d), ``weight`` (V, d), ``targets``
-    with ``hidden``'s leading shape. Divide by the count (mean) or a normalizer."""
+    with ``hidden``'s leading shape. Divide by the count (mean) or a normalizer.
+
+    ``grad_into_weight``: add the weight's gradient straight into ``weight.grad`` (a
+    leaf) instead of returning it to autograd. The memory is what autograd does with
+    plain tensors, whose input buffer adds a tied embedding's gradient into this one in
+    place; fake tensors (the traced planner) are tensor subclasses, which autograd
+    always sums out of place, one V*d buffer more than a real run holds."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
     flat = hidden.reshape(-1, hidden.shape[-1])
     if flat.dtype != weight.dtype:  # what the head's matmul needs (autograd casts back)
         flat = flat.to(weight.dtype)
     out = _ChunkedLinearCE.apply(
-        flat, weight, bias, targets.reshape(-1), chunk_tokens, ignore_index
+        flat, weight, bias, targets.reshape(-1), chunk_tokens, ignore_index, grad_into_weight
     )
     return out  # type: ignore[no-any-return]

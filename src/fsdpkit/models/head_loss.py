@@ -122,6 +122,8 @@ class ChunkedLoss:
     (SFTBatch: ``IGNORE_INDEX`` targets skipped, divided by the batch's normalizer)."""
 
     chunk_tokens: int = 1024
+    grad_into_weight: bool = False
+    """The traced planner's setting (fsdpkit.models.chunked_ce.chunked_linear_cross_entropy)."""
 
     def __call__(self, model: nn.Module, batch: SFTBatch | torch.Tensor) -> torch.Tensor:
         if isinstance(batch, SFTBatch):
@@ -139,7 +141,7 @@ class ChunkedLoss:
         def loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
             total = chunked_linear_cross_entropy(
                 hidden, weight, bias, targets, chunk_tokens=self.chunk_tokens,
-                ignore_index=IGNORE_INDEX,
+                ignore_index=IGNORE_INDEX, grad_into_weight=self.grad_into_weight,
             )  # fmt: skip
             if normalizer is not None:
                 return total / normalizer

@@ -250,7 +250,9 @@ class _Step:
         if "embedding" in frozen:  # no weight grad: autograd stops at the embedding output
             led.add(TEMP, -s.nde)
         else:
-            led.apply(embedding_backward(s, tied=self.sc.model.tie_embeddings))
+            tied = self.sc.model.tie_embeddings
+            in_place = self.sc.loss_chunk is not None
+            led.apply(embedding_backward(s, tied=tied, in_place=in_place))
         self.post_backward(self.root, sync=sync)
         for flat in self.prefetched.values():  # prefetched for a unit backward skipped:
             led.add(COLL, -flat)  # freed when FSDP2's final callback reshards everything

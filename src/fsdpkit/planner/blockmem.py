@@ -332,15 +332,20 @@ def head_backward(s: Sizes, *, weight_grad: bool = True) -> list[Event]:
     return ev + _norm_backward(s) + [(TEMP, s.nde)]
 
 
-def embedding_backward(s: Sizes, *, tied: bool, workspace: int = 0) -> list[Event]:
+def embedding_backward(
+    s: Sizes, *, tied: bool, workspace: int = 0, in_place: bool = False
+) -> list[Event]:
     """Dense embedding grad (V*d*e); a tied weight adds it to the head's grad out of
     place (autograd's AccumulateGrad sums into a new buffer when the existing grad is
     referenced elsewhere, as FSDP2's unsharded gradient is): for a moment the head's
     grad, the embedding's and their sum coexist (measured on the V2 rows of
-    bench/plan_accuracy.py). Frees the incoming grad of the embedding output."""
+    bench/plan_accuracy.py). ``in_place``: the head's grad is the chunked loss's own
+    contiguous tensor, which autograd's input buffer adds into in place (measured: the
+    sum is never a third buffer). Frees the incoming grad of the embedding output."""
     w = s.vocab * s.d * s.e
     ev: list[Event] = [(TEMP, workspace), (GRAD, w), (TEMP, -workspace)]
-    ev += [(GRAD, w), (GRAD, -w), (GRAD, -w)] if tied else []
+    if tied:
+        ev += [(GRAD, -w)] if in_place else [(GRAD, w), (GRAD, -w), (GRAD, -w)]
     return [*ev, (TEMP, -s.nde)]
 
 

@@ -21,6 +21,11 @@ that world. Limits, all measured on torch 2.13:
   reduce-scatters a clone of its input (both seen in the allocator), so the trace runs
   FSDP2 with custom collectives that allocate exactly those temporaries around the
   (fake) call (``_GlooLikeAllGather`` / ``_GlooLikeReduceScatter``).
+- Fake tensors are tensor subclasses, for which autograd sums two gradients of one
+  tensor out of place; a real run adds a tied embedding's gradient in place into the
+  chunked loss's head gradient. The trace's chunked loss therefore adds the head's
+  gradient into ``.grad`` itself (``ChunkedLoss.grad_into_weight``), which holds what
+  the real run holds.
 - torch's tracker instruments every FSDP module on its own, which breaks a unit of
   several blocks (``parallel.blocks_per_unit``): its forward hooks then reshard the
   unit after its first block and the trace read 6-8% low. ``_UnitTracker`` hooks a
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,7 +61,7 @@ from fsdpkit.config import RunConfig, with_changes
 from fsdpkit.finetune import prepare
 from fsdpkit.mesh import build_mesh
 from fsdpkit.models.factory import next_token_loss
-from fsdpkit.models.head_loss import choose_loss
+from fsdpkit.models.head_loss import ChunkedLoss, choose_loss
 from fsdpkit.models.llama import Llama
 from fsdpkit.planner.analytic import late_free_spread, model_states
 from fsdpkit.planner.result import CATEGORIES, MemoryPlan, PeakPoint
@@ -277,6 +283,8 @@ def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
             default=next_token_loss,
             custom_loss=False,
         ).loss_fn
+        if isinstance(loss_fn, ChunkedLoss):  # a tied head's grad summed in place, as real
+            loss_fn = dataclasses.replace(loss_fn, grad_into_weight=True)
         opt = build_optimizer(model, cfg.train)  # the trainer's AdamW (foreach)
         for p in model.parameters():  # steady state: AdamW states exist already
             if p.requires_grad:
