@@ -28,6 +28,7 @@ import torch.distributed as dist
 from fsdpkit.config import RunConfig, load
 from fsdpkit.mesh import build_mesh
 from fsdpkit.models.factory import next_token_loss
+from fsdpkit.models.head_loss import choose_loss
 from fsdpkit.models.llama import Llama
 from fsdpkit.planner import Device, plan
 from fsdpkit.planner.scenario import model_shape
@@ -59,6 +60,12 @@ ROWS = [
                                "activations.mode=full")),
     Row("3b AC full 1x2048", ("model.preset=llama3-3b", "data.seq_len=2048",
                               "train.micro_batch_size=1", "activations.mode=full")),
+    # issue 12: the rows above run the chunked loss (auto); these with full logits
+    Row("1b 1x1024 full logits", ("model.preset=llama3-1b", "data.seq_len=1024",
+                                        "train.micro_batch_size=1", "train.chunked_loss=off")),
+    Row("1b AC full chunk 256", ("model.preset=llama3-1b", "data.seq_len=2048",
+                                        "train.micro_batch_size=1", "activations.mode=full",
+                                        "train.loss_chunk_tokens=256")),
 ]  # fmt: skip
 
 
@@ -76,7 +83,14 @@ def measure(cfg: RunConfig) -> int:
     batches = [
         torch.randint(0, shape.vocab_size, size, device="cuda") for _ in range(cfg.train.grad_accum)
     ]
-    kw = {"loss_fn": next_token_loss, "max_norm": cfg.train.grad_clip}
+    loss_fn = choose_loss(
+        model,
+        mode=cfg.train.chunked_loss,
+        chunk_tokens=cfg.train.loss_chunk_tokens,
+        default=next_token_loss,
+        custom_loss=False,
+    ).loss_fn  # the run's loss, as the planner plans it (train.chunked_loss)
+    kw = {"loss_fn": loss_fn, "max_norm": cfg.train.grad_clip}
     train_step(model, opt, batches, **kw)  # creates the AdamW states
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -57,6 +57,11 @@ MODELS = {
         "model.ffn_dim=512", "model.vocab_size=8000", "model.tie_embeddings=false",
         "data.seq_len=128", "train.micro_batch_size=2",
     ],
+    # chunked loss (issue 12): tiny but wide, 32k vocabulary, 1024-token sequences
+    "W": [
+        "model.dim=256", "model.vocab_size=32768", "data.seq_len=1024",
+        "train.micro_batch_size=2",
+    ],
     # a tiny one for bf16
     "T": [
         "model.dim=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
@@ -194,6 +199,19 @@ CASES = [
     Case("ACC M opt for-loop +AC", 1, "M", (FULL, AC, "train.optimizer_impl=for-loop")),
     Case("ACC M opt foreach +AC", 1, "M", (FULL, AC, "train.optimizer_impl=foreach")),
     Case("ACC M opt fused +AC", 1, "M", (FULL, AC, "train.optimizer_impl=fused")),
+    # issue 12: chunked linear cross-entropy against full logits
+    Case("W full logits", 2, "W", (FULL, "train.chunked_loss=off")),
+    Case("W chunked", 2, "W", (FULL, "train.chunked_loss=on")),
+    Case("W chunked 256", 2, "W", (FULL, "train.chunked_loss=on", "train.loss_chunk_tokens=256")),
+    Case("W full logits +AC", 2, "W", (FULL, AC, "train.chunked_loss=off")),
+    Case("W chunked +AC", 2, "W", (FULL, AC, "train.chunked_loss=on")),
+    Case("W chunked untied", 2, "W", (FULL, "train.chunked_loss=on", "model.tie_embeddings=false")),
+    Case(
+        "T bf16 chunked 48",
+        2,
+        "T",
+        (FULL, BF16, "train.chunked_loss=on", "train.loss_chunk_tokens=48"),
+    ),
 ]
 QUICK = [c for c in CASES if c.world == 2 and c.name in ("S full +AC", "S grad_op", "T bf16 full")]
 """The subset tests/distributed/test_planner_accuracy.py checks."""

@@ -20,6 +20,7 @@ GiB = 2**30
 LLAMA_1B = [
     "model.preset=llama3-1b", "data.seq_len=2048", "train.micro_batch_size=1",
     "train.grad_accum=4", "activations.mode=full",
+    "train.chunked_loss=off",  # the peak at the loss backward, where last holds every grad
 ]  # fmt: skip
 # units of ~21 MB (bf16) and tiny activations: prefetched units show in the peaks
 WIDE = [

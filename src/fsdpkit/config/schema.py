@@ -139,6 +139,18 @@ class TrainConfig:
     kernel, no temporaries; CPU and CUDA); auto = fused wherever parameters live on the
     CPU (offload.params, CPU ranks: measured fastest there, see docs/levers.md) and on
     CUDA, else foreach; foreach under fp16's gradient scaler (fused cannot step with it)."""
+    chunked_loss: Literal["auto", "on", "off"] = "auto"
+    """Cross-entropy from the final hidden states and the output head in token chunks
+    (fsdpkit.models.chunked_ce): no full logits, no fp32 copy of them, no full logits
+    gradient; each chunk's logits are recomputed in backward (one more head matmul).
+    auto = on wherever the head is a plain nn.Linear and the loss is fsdpkit's own
+    (built-in Llama, model.hf causal LMs, factory models exposing
+    get_output_embeddings() or lm_head): it never holds more than full logits, so it
+    always lowers the peak where the loss made it; otherwise off with one notice.
+    on = an error where unsupported. off = full logits."""
+    loss_chunk_tokens: int = 1024
+    """Tokens per chunk of the chunked loss: logits of this many tokens (and their fp32
+    copy) exist at once."""
 
 
 @dataclass(frozen=True)

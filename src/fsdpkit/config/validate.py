@@ -23,6 +23,7 @@ def _positive(cfg: RunConfig) -> list[tuple[str, Any]]:
         ("train.micro_batch_size", cfg.train.micro_batch_size),
         ("train.grad_accum", cfg.train.grad_accum),
         ("train.eval_batches", cfg.train.eval_batches),
+        ("train.loss_chunk_tokens", cfg.train.loss_chunk_tokens),
         ("parallel.blocks_per_unit", cfg.parallel.blocks_per_unit),
         ("parallel.timeout_s", cfg.parallel.timeout_s),
         ("activations.every", cfg.activations.every),

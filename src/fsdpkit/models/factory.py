@@ -15,6 +15,10 @@ A factory is ``"package.module:function"``, called with no arguments (after
   sequence; it must call ``module(...)`` itself (the FSDP root, so its hooks gather the
   parameters). The default is ``next_token_loss``: logits of ``tokens[:, :-1]`` against
   ``tokens[:, 1:]`` (shifted once), mean over tokens, ``IGNORE_INDEX`` labels skipped.
+- Chunked loss (``train.chunked_loss``, fsdpkit.models.head_loss): with the default
+  loss, a module whose output head is a plain ``nn.Linear`` returned unchanged as the
+  logits, exposed as ``get_output_embeddings()`` or ``lm_head``, trains without full
+  logits; others fall back to them (``auto``) with a notice.
 - Meta-device builds: build under ``fsdpkit.meta_params()`` (parameters on meta,
   buffers from the constructor) or give the module ``init_buffers()``; a run refuses a
   module with buffers on meta and neither ([Note: buffers of meta models]). Parameters

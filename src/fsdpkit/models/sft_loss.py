@@ -26,7 +26,8 @@ from fsdpkit.models.factory import IGNORE_INDEX, logits_of, next_token_loss
 from fsdpkit.models.hf_init import is_hf_model
 
 
-def _logits(model: nn.Module, batch: SFTBatch) -> torch.Tensor:
+def model_kwargs(model: nn.Module, batch: SFTBatch) -> dict[str, Any]:
+    """What ``model(batch.inputs, ...)`` takes besides the ids (packed positions)."""
     kwargs: dict[str, Any] = {}
     if batch.positions is not None:
         kwargs["position_ids"] = batch.positions
@@ -34,7 +35,11 @@ def _logits(model: nn.Module, batch: SFTBatch) -> torch.Tensor:
             # transformers builds the block-diagonal mask from position-id resets only
             # without a KV cache (with one it silently attends across examples)
             kwargs["use_cache"] = False
-    return logits_of(model(batch.inputs, **kwargs), tokens=batch.inputs)
+    return kwargs
+
+
+def _logits(model: nn.Module, batch: SFTBatch) -> torch.Tensor:
+    return logits_of(model(batch.inputs, **model_kwargs(model, batch)), tokens=batch.inputs)
 
 
 def sft_loss(model: nn.Module, batch: SFTBatch | torch.Tensor) -> torch.Tensor:

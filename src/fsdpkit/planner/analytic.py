@@ -41,6 +41,9 @@ from fsdpkit.planner.blockmem import (
     block_backward,
     block_forward,
     block_recompute,
+    chunked_head_forward,
+    chunked_loss_backward,
+    chunked_loss_forward,
     embedding_backward,
     head_backward,
     head_forward,
@@ -272,31 +275,43 @@ class _Step:
                     led.add(ACT, -s.nde)
             self.reshard_after_forward(u, self.reshard_of(u))
         led.at("forward", "final norm and output head")
-        led.apply(head_forward(s))
+        chunk = self.sc.loss_chunk
+        led.apply(head_forward(s) if chunk is None else chunked_head_forward(s))
+        if chunk is not None:  # inside the root's forward ([Note: the loss inside ...])
+            led.at("forward", f"chunked loss ({chunk}-token chunks)")
+            led.apply(chunked_loss_forward(s, chunk=chunk))
         led.add(COLL, -self.fwd_flat)  # the root's post-forward frees the last one
         self.fwd_flat = 0
         self.reshard_after_forward(self.root, self.reshard_of(self.root))
-        led.at("forward", "loss (logits.float(), log-softmax)")
-        led.apply(loss_forward(s))
+        if chunk is None:
+            led.at("forward", "loss (logits.float(), log-softmax)")
+            led.apply(loss_forward(s))
 
     def backward(self, *, sync: bool) -> None:
         led, s = self.led, self.s
-        led.at("backward", "loss backward (log-softmax grad)")
-        led.apply(loss_backward(s))
-        led.at("backward", "output head backward")
+        chunk = self.sc.loss_chunk
+        if chunk is None:
+            led.at("backward", "loss backward (log-softmax grad)")
+            led.apply(loss_backward(s))
+        led.at("backward", "output head backward" if chunk is None else "chunked loss backward")
         if self.held.get(self.root.name, 0) < self.root.gathered * s.e:
             self.unshard(self.root, forward=False)
         for ahead in self.units[::-1][: self.sc.backward_prefetch]:
             self.prefetch(ahead)
         frozen = self.sc.layout.frozen_names
-        led.apply(head_backward(s, weight_grad="head" not in frozen))
+        if chunk is None:
+            led.apply(head_backward(s, weight_grad="head" not in frozen))
+        else:
+            led.apply(chunked_loss_backward(s, chunk=chunk, weight_grad="head" not in frozen))
         for j in reversed(range(self.dead, len(self.units))):
             self.unit_backward(j, sync=sync)
         led.at("backward", "embedding backward and root reduce-scatter")
         if "embedding" in frozen:  # no weight grad: autograd stops at the embedding output
             led.add(TEMP, -s.nde)
         else:
-            led.apply(embedding_backward(s, tied=self.m.tie_embeddings))
+            tied = self.m.tie_embeddings
+            in_place = self.sc.loss_chunk is not None
+            led.apply(embedding_backward(s, tied=tied, in_place=in_place))
         self.post_backward(self.root, sync=sync)
         for flat in self.prefetched.values():  # prefetched for a unit backward skipped:
             led.add(COLL, -flat)  # freed when FSDP2's final callback reshards everything

@@ -8,9 +8,10 @@ from dataclasses import replace
 from fsdpkit.checkpoint.staging import async_staging_bytes
 from fsdpkit.config import RunConfig
 from fsdpkit.devices import Device
-from fsdpkit.planner.analytic import analytic_memory
+from fsdpkit.planner.analytic import analytic_memory, sizes
+from fsdpkit.planner.blockmem import loss_buffer_peak
 from fsdpkit.planner.comm import comm_volume
-from fsdpkit.planner.result import MemoryPlan, Plan
+from fsdpkit.planner.result import LossBuffers, MemoryPlan, Plan
 from fsdpkit.planner.scenario import PlanError, Scenario, scenario
 
 DEFAULT_MARGIN = 0.10
@@ -90,7 +91,17 @@ def plan_scenario(
         fits=None if usable is None else memory.peak.bytes <= usable,
         elapsed_s=time.perf_counter() - start,
         other=other,
+        loss=loss_buffers(sc) if analytic else None,
     )
+
+
+def loss_buffers(sc: Scenario) -> LossBuffers:
+    """Logits and loss buffers of ``sc``'s loss mode, and of full logits (a model the
+    analytic planner knows: the vocabulary and hidden size come from its shape)."""
+    s = sizes(sc)
+    chosen = loss_buffer_peak(s, chunk=sc.loss_chunk)
+    full = loss_buffer_peak(s, chunk=None) if sc.loss_chunk is not None else chosen
+    return LossBuffers(chunk=sc.loss_chunk, chosen=chosen, full=full)
 
 
 def plan(

@@ -52,6 +52,9 @@ class BuiltPlanModel:
     """Training FLOPs per token at the run's sequence length (step-time ranking)."""
     what: str
     """How the model is named in reports, e.g. "model.hf GPT2LMHeadModel"."""
+    chunked_why_not: str | None = None
+    """Why the chunked loss cannot replace this model's loss (None: it can; the
+    trainer's own rule, fsdpkit.models.head_loss.unsupported_reason)."""
 
 
 def build_key(cfg: RunConfig, *, vocab: int | None, precision: str) -> tuple[object, ...]:
@@ -115,6 +118,10 @@ def _plan_model(cfg: RunConfig, *, vocab: int | None, precision: str) -> BuiltPl
     if shape is not None:
         layout = replace(layout, decoder_blocks=True)
     flops = shape.flops_per_token(cfg.data.seq_len) if shape else _generic_flops(model, numel)
+    from fsdpkit.models.factory import next_token_loss
+    from fsdpkit.models.head_loss import unsupported_reason
+
+    custom = built.loss_fn is not next_token_loss
     return BuiltPlanModel(
         layout=layout,
         shape=shape,
@@ -122,6 +129,7 @@ def _plan_model(cfg: RunConfig, *, vocab: int | None, precision: str) -> BuiltPl
         vocab_size=int(rows),
         flops_per_token=flops,
         what=what,
+        chunked_why_not=unsupported_reason(model, custom_loss=custom),
     )
 
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from fsdpkit.config import ActivationsConfig, ParallelConfig
+from fsdpkit.models.head_loss import output_head
 from fsdpkit.models.llama import DecoderLayer, Llama, LlamaConfig
 from fsdpkit.sharding import choose_blocks, unit_specs
 
@@ -53,6 +54,9 @@ class ModelLayout:
     gradients are never computed)."""
     norms_frozen: bool = False
     """Every norm weight of the blocks is frozen (LoRA): norms save less for backward."""
+    plain_head: bool = True
+    """The output head is a plain ``nn.Linear`` (not LoRA-wrapped): the chunked loss
+    applies (fsdpkit.models.head_loss)."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,7 @@ def layout_of(model: nn.Module, *, class_names: Sequence[str] | None = None) -> 
         root_frozen=tuple(not p.requires_grad for p in root.values()) if tuned else (),
         frozen_bytes=frozen[0].element_size() if frozen else 4,
         frozen_names=_frozen_roles(model) if tuned else (),
+        plain_head=output_head(model) is not None,
         norms_frozen=tuned and _norms_frozen(choice.blocks),
     )
 

@@ -18,7 +18,7 @@ run further below peak); recompute = a third of the checkpointed blocks' share, 
 the share of a block's forward FLOPs that is recomputed (all of it under full
 checkpointing; under selective the matmuls the policy does not save — k, o and up of
 a Llama block, ~37% of llama3-8b's block forward at seq 8192 less attention, which
-is saved);
+is saved), and of the output head's with the chunked loss (train.chunked_loss);
 communication = all-gather + reduce-scatter bytes over the shard group's link (NVLink
 inside a node, the network across) + replica all-reduce + 50 us per collective,
 overlapped with compute as FSDP2 prefetching does; offload = host copies over PCIe
@@ -183,6 +183,9 @@ def step_cost(sc: Scenario) -> StepCost:
     blocks = sum(u.numel for u in sc.units) / max(matmul, 1)
     share = sc.checkpointed_blocks / max(len(sc.layout.blocks), 1)
     recompute = compute * share * blocks / 3 * recompute_fraction(sc)
+    m = sc.model
+    if sc.loss_chunk is not None and m is not None:  # the head's matmul again in backward
+        recompute += compute * m.vocab_size * m.dim / max(m.matmul_params(), 1) / 3
     shard_link = dev.intra_gbps if sc.shard <= sc.ranks_per_node else dev.inter_gbps
     replica_link = dev.intra_gbps if sc.world_size <= sc.ranks_per_node else dev.inter_gbps
     c = comm_volume(sc)

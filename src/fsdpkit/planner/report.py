@@ -101,6 +101,7 @@ def format_plan(p: Plan) -> str:
             f"{ph} {fmt_bytes(mem.phase_peaks[ph])}" for ph in PHASES if ph in mem.phase_peaks
         ),
         _states_line(mem, sc),
+        _loss_line(p),
         _comm_line(p),
     ]
     if mem.host_bytes:
@@ -121,6 +122,17 @@ def _spread_line(mem: MemoryPlan) -> str | None:
     return (
         f"  some steps peak up to {fmt_bytes(mem.spread)} higher (an all-gather buffer "
         f"freed late: {fmt_bytes(mem.peak.bytes + mem.spread)}; the margin covers it)"
+    )
+
+
+def _loss_line(p: Plan) -> str | None:
+    if p.loss is None:
+        return None
+    if p.loss.chunk is None:
+        return f"loss buffers per micro-batch: {fmt_bytes(p.loss.chosen)} (full logits)"
+    return (
+        f"loss buffers per micro-batch: {fmt_bytes(p.loss.chosen)} (chunked cross-entropy, "
+        f"{p.loss.chunk}-token chunks; full logits would take {fmt_bytes(p.loss.full)})"
     )
 
 
@@ -187,6 +199,7 @@ def plan_dict(p: Plan) -> dict[str, Any]:
         "fits": p.fits,
         "headroom": p.headroom,
         "elapsed_s": p.elapsed_s,
+        "loss": dataclasses.asdict(p.loss) if p.loss is not None else None,
     }
     if p.other is not None:
         out["analytic"] = dataclasses.asdict(p.other)

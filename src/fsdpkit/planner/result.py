@@ -82,6 +82,18 @@ class MemoryPlan:
 
 
 @dataclass(frozen=True)
+class LossBuffers:
+    """The most logits and loss bytes live at once in one micro-batch, for the chosen
+    loss and for the other one (``train.chunked_loss``)."""
+
+    chunk: int | None
+    """Tokens per chunk of the chunked loss; None: full logits."""
+    chosen: int
+    full: int
+    """With full logits (equal to ``chosen`` when they are chosen)."""
+
+
+@dataclass(frozen=True)
 class Plan:
     """A full plan: the scenario, its memory, its traffic and whether it fits."""
 
@@ -98,6 +110,8 @@ class Plan:
     elapsed_s: float = 0.0
     other: MemoryPlan | None = field(default=None)
     """The analytic plan alongside a traced one (for comparison), else None."""
+    loss: LossBuffers | None = None
+    """Logits and loss buffers of the chosen loss mode (analytic)."""
 
     @property
     def headroom(self) -> int | None:

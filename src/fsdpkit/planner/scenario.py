@@ -71,6 +71,9 @@ class Scenario:
     keep_unsharded: bool
     device: Device
     ranks_per_node: int
+    loss_chunk: int | None = None
+    """Tokens per chunk of the chunked cross-entropy; None: full logits
+    (``train.chunked_loss``, resolved by ``loss_chunk``)."""
     notes: tuple[str, ...] = ()
     """How inputs were interpreted (e.g. precision auto -> bf16)."""
     vocab_size: int = 0
@@ -176,6 +179,30 @@ def run_vocab_size(cfg: RunConfig) -> int | None:
     return build_tokenizer(cfg.data).vocab_size
 
 
+def loss_chunk(
+    cfg: RunConfig, layout: ModelLayout, *, why_not: str | None = None
+) -> tuple[int | None, str | None]:
+    """The chunk of the run's chunked loss (None: full logits), and a note when
+    ``auto`` falls back — the rule of fsdpkit.models.head_loss.choose_loss: the
+    built-in Llama's head is plain unless LoRA wraps it; for a model.hf / factory
+    model ``why_not`` is that function's reason (None: supported)."""
+    mode = cfg.train.chunked_loss
+    if mode == "off":
+        return None, None
+    if why_not is not None:
+        if mode == "on":
+            raise PlanError(f"train.chunked_loss = on, but {why_not}. Set it to auto or off.")
+        return None, f"train.chunked_loss = auto planned as full logits ({why_not})"
+    if layout.plain_head:
+        return cfg.train.loss_chunk_tokens, None
+    if mode == "on":
+        raise PlanError(
+            "train.chunked_loss = on, but the output head is LoRA-wrapped (not a plain "
+            "nn.Linear). Set train.chunked_loss = auto or off."
+        )
+    return None, "train.chunked_loss = auto planned as full logits (the head is LoRA-wrapped)"
+
+
 def scenario(
     cfg: RunConfig,
     *,
@@ -203,6 +230,8 @@ def scenario(
         model.layout, shard=shard, parallel=cfg.parallel, activations=cfg.activations
     )
     notes = [note] if note else []
+    chunk, loss_note = loss_chunk(cfg, model.layout, why_not=model.chunked_why_not)
+    notes += [loss_note] if loss_note else []
     builtin = not (cfg.model.hf or cfg.model.factory)
     if builtin and cfg.model.vocab_size is None and vocab is None and cfg.model.preset != "tiny":
         notes.append(_VOCAB_NOTE.format(PRESETS[cfg.model.preset].vocab_size))
@@ -228,6 +257,7 @@ def scenario(
         keep_unsharded=cfg.parallel.accum_keep_unsharded,
         device=dev,
         ranks_per_node=local,
+        loss_chunk=chunk,
         notes=tuple(notes),
         vocab_size=model.vocab_size,
         flops_per_token=model.flops_per_token,

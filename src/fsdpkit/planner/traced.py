@@ -21,6 +21,11 @@ that world. Limits, all measured on torch 2.13:
   reduce-scatters a clone of its input (both seen in the allocator), so the trace runs
   FSDP2 with custom collectives that allocate exactly those temporaries around the
   (fake) call (``_GlooLikeAllGather`` / ``_GlooLikeReduceScatter``).
+- Fake tensors are tensor subclasses, for which autograd sums two gradients of one
+  tensor out of place; a real run adds a tied embedding's gradient in place into the
+  chunked loss's head gradient. The trace's chunked loss therefore adds the head's
+  gradient into ``.grad`` itself (``ChunkedLoss.grad_into_weight``), which holds what
+  the real run holds.
 - torch's tracker instruments every FSDP module on its own, which breaks a unit of
   several blocks (``parallel.blocks_per_unit``): its forward hooks then reshard the
   unit after its first block and the trace read 6-8% low. ``_UnitTracker`` hooks a
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,6 +63,7 @@ from fsdpkit.errors import UserError
 from fsdpkit.finetune import prepare
 from fsdpkit.mesh import build_mesh
 from fsdpkit.models.factory import LossFn, next_token_loss
+from fsdpkit.models.head_loss import ChunkedLoss, choose_loss
 from fsdpkit.models.llama import Llama
 from fsdpkit.planner.analytic import late_free_spread, model_states
 from fsdpkit.planner.built import build_for_plan
@@ -304,6 +311,15 @@ def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
             shard(model, run_cfg, mesh=mesh)
         if sc.device.kind == "cpu" and sc.shard > 1:
             _model_gloo_buffers(model)
+        loss_fn = choose_loss(
+            model,
+            mode=cfg.train.chunked_loss,
+            chunk_tokens=cfg.train.loss_chunk_tokens,
+            default=loss_fn,
+            custom_loss=loss_fn is not next_token_loss,
+        ).loss_fn
+        if isinstance(loss_fn, ChunkedLoss):  # a tied head's grad summed in place, as real
+            loss_fn = dataclasses.replace(loss_fn, grad_into_weight=True)
         scaler = resolve_precision(run_cfg.precision, device_type="cpu").scaler
         opt = build_optimizer(model, cfg.train, grad_scaler=scaler)  # the trainer's AdamW
         for p in model.parameters():  # steady state: AdamW states exist already

@@ -337,7 +337,7 @@ def _train(s: Session, *, obs: Observer, stop: StopFlag, probe: HangProbe) -> Ru
         f"{s.split.global_batch} sequences per step ({s.split.grad_accum} x "
         f"{s.split.micro_batch} per rank)"
     )
-    for note in (s.finetune.describe() if s.finetune else None, s.data_note):
+    for note in (s.finetune.describe() if s.finetune else None, s.data_note, s.loss_note):
         if note:
             progress.message(note)
     if resumed is not None:

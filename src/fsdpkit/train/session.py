@@ -34,9 +34,9 @@ from fsdpkit.launch import DistEnv, pin_collectives, rendezvous_store
 from fsdpkit.mesh import build_mesh
 from fsdpkit.models.buffers import require_buffer_source
 from fsdpkit.models.factory import LossFn, build_model, next_token_loss
+from fsdpkit.models.head_loss import choose_loss, default_loss
 from fsdpkit.models.hf import with_model_tokenizer
 from fsdpkit.models.llama import LlamaConfig
-from fsdpkit.models.sft_loss import sft_loss
 from fsdpkit.precision import Precision
 from fsdpkit.rundir import RunDirError, describe_os_error, write_text_atomically
 from fsdpkit.sharding import ShardPlan, detect_blocks, make_grad_scaler, resolve_precision, shard
@@ -74,6 +74,8 @@ class Session:
     """What model.freeze / [lora] did (None for sessions built without them)."""
     data_note: str | None = None
     """What the data pipeline reports at the start (SFT rows, truncation counts)."""
+    loss_note: str | None = None
+    """Why ``train.chunked_loss = auto`` kept full logits (None: it did not)."""
 
     @property
     def dp_rank(self) -> int:
@@ -192,6 +194,13 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     model = built.module
     precision = resolve_precision(cfg.precision, device_type=env.device_type)
     finetune = prepare(model, cfg, precision=precision, init=built.init)
+    loss = choose_loss(
+        model,
+        mode=cfg.train.chunked_loss,
+        chunk_tokens=cfg.train.loss_chunk_tokens,
+        default=default_loss(sft=sft, built=built.loss_fn),
+        custom_loss=built.loss_fn is not next_token_loss,
+    )
     if is_meta(model):  # never train on buffers that to_empty leaves as garbage
         require_buffer_source(model)
     detect_blocks(model, class_names=cfg.parallel.block_classes or None)
@@ -219,7 +228,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         loader=loader,
         val=val,
         model=model,
-        loss_fn=sft_loss if sft and built.loss_fn is next_token_loss else built.loss_fn,
+        loss_fn=loss.loss_fn,
         llama=built.llama,
         plan=plan,
         precision=precision,
@@ -238,6 +247,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         metrics=MetricsWriter(run_dir / "metrics.jsonl", enabled=env.rank == 0),
         finetune=finetune,
         data_note=data_note,
+        loss_note=loss.note,
     )
 
 

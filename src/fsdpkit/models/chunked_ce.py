@@ -1,0 +1,170 @@
+"""Cross-entropy of a linear output head, computed in token chunks.
+
+``chunked_linear_cross_entropy(hidden, weight, bias, targets, chunk_tokens=...)`` equals
+``F.cross_entropy((hidden @ weight.T + bias).float(), targets, reduction="sum",
+ignore_index=...)`` and its gradients, without ever holding the logits of more than
+``chunk_tokens`` tokens.
+
+[Note: chunked cross-entropy]
+The full path keeps, per micro-batch of N tokens and vocabulary V, the logits (N*V in
+the compute dtype), their fp32 copy and fp32 log-probabilities, and in backward the
+fp32 logits gradient and its cast: 23.5 GiB for 2 x 8192 tokens of a 128k vocabulary.
+Here, per chunk of c tokens:
+
+- forward: logits_c = hidden_c @ W.T in the compute dtype (as the head would), their
+  fp32 copy, log-sum-exp per token in fp32 computed in place in that copy; the
+  chunk's losses are summed and every chunk tensor dies. Saved for backward: the
+  per-token log-sum-exp (N fp32) and the flattened targets; hidden and W are alive
+  anyway (the head's matmul saves them too).
+- backward: the chunk's logits are recomputed (the trade-off: one more head matmul,
+  2*N*V*d FLOPs per micro-batch), turned in place into softmax - one_hot (fp32),
+  scaled by the incoming gradient, cast to the compute dtype as autograd's cast back
+  would, then grad_hidden_c = g @ W and grad_W += g.T @ hidden_c (accumulated in the
+  compute dtype, as autograd accumulates the chunks' grads of a shared weight).
+
+[Note: chunked cross-entropy peak]
+The head's weight grad is the first chunk's product (never beside that chunk's fp32
+buffer); after it, a chunk's logits in the compute dtype and in fp32 coexist with the
+weight grad, where the full path holds only the N*V*e logits gradient beside it. In
+low precision, chunks after the first in backward are therefore at most N/3 tokens
+(c*(2+4) <= N*2), so at no point of the loss does the chunked path hold more than the
+full one (but for the saved log-sum-exp and targets, 12 bytes per token):
+``train.chunked_loss = auto`` needs no planning. In fp32 every later chunk
+is at most N/2 already.
+
+Numerics match the full path: logits in the compute dtype, softmax and loss in fp32.
+Ignored targets contribute no loss and no gradient. The head's weight is used as
+given: under FSDP2 the caller runs this while the root unit's parameters are
+unsharded (fsdpkit.models.head_loss), so the head is all-gathered once per micro-batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.autograd.function import FunctionCtx
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    """Sum over tokens of -log softmax(h @ W.T + b)[target]; see the module note."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        chunk: int,
+        ignore_index: int,
+        grad_into_weight: bool,
+    ) -> torch.Tensor:
+        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            logits = _logits(hidden[rows], weight, bias).float()  # a fresh fp32 buffer
+            tgt = targets[rows]
+            picked = logits.gather(1, tgt.clamp(min=0).unsqueeze(1)).squeeze(1)
+            lse[rows] = _logsumexp_(logits)
+            del logits
+            total += torch.where(tgt != ignore_index, lse[rows] - picked, 0.0).sum()
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)  # type: ignore[arg-type]
+        ctx.chunk, ctx.ignore_index = chunk, ignore_index  # type: ignore[attr-defined]
+        ctx.grad_into_weight = grad_into_weight  # type: ignore[attr-defined]
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w: torch.Tensor | None = None  # made by the first chunk: never beside its fp32
+        grad_b = torch.zeros_like(bias) if need_b else None
+        cast = weight.dtype != torch.float32
+        for rows in backward_chunks(hidden.shape[0], ctx.chunk, cast=cast):
+            g = _chunk_grad(
+                hidden[rows], weight, bias, targets[rows], lse[rows], grad_total, ctx.ignore_index
+            )
+            if grad_h is not None:
+                torch.mm(g, weight, out=grad_h[rows])
+            if need_w and grad_w is None:
+                grad_w = g.t() @ hidden[rows]
+            elif grad_w is not None:
+                grad_w.addmm_(g.t(), hidden[rows])
+            if grad_b is not None:
+                grad_b += g.sum(0)
+            del g
+        if grad_w is not None and ctx.grad_into_weight and weight.is_leaf:
+            weight.grad = grad_w if weight.grad is None else weight.grad.add_(grad_w)
+            grad_w = None
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def backward_chunks(n: int, chunk: int, *, cast: bool) -> list[slice]:
+    """Rows of each backward chunk ([Note: chunked cross-entropy peak]); the planner
+    reads the first two sizes from here."""
+    first = min(chunk, n)
+    later = min(chunk, max(1, n // 3)) if cast else chunk
+    return [slice(0, first)] + [slice(i, min(i + later, n)) for i in range(first, n, later)]
+
+
+def _logsumexp_(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise log-sum-exp of finite ``x``, overwriting ``x`` (torch.logsumexp would
+    allocate a second chunk-sized buffer inside its kernel, unseen by tracers)."""
+    top = x.amax(dim=-1, keepdim=True)
+    return x.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(-1))
+
+
+def _chunk_grad(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tgt: torch.Tensor,
+    lse: torch.Tensor,
+    grad_total: torch.Tensor,
+    ignore_index: int,
+) -> torch.Tensor:
+    """d loss / d logits of one chunk, in the compute dtype: (softmax - one_hot) times
+    the incoming gradient, zero on ignored rows."""
+    g = _logits(h, weight, bias).float()  # a fresh fp32 buffer (or the logits in fp32)
+    g.sub_(lse.unsqueeze(1)).exp_()
+    valid = tgt != ignore_index
+    g[torch.arange(g.shape[0], device=g.device), tgt.clamp(min=0)] -= 1.0
+    g.mul_(torch.where(valid, grad_total, 0.0).unsqueeze(1))
+    return g.to(weight.dtype)
+
+
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    *,
+    chunk_tokens: int,
+    ignore_index: int = -100,
+    grad_into_weight: bool = False,
+) -> torch.Tensor:
+    """Sum of the fp32 cross-entropy of every token whose target is not
+    ``ignore_index``: ``hidden`` (N, d) or (..., d), ``weight`` (V, d), ``targets``
+    with ``hidden``'s leading shape. Divide by the count (mean) or a normalizer.
+
+    ``grad_into_weight``: add the weight's gradient straight into ``weight.grad`` (a
+    leaf) instead of returning it to autograd. The memory is what autograd does with
+    plain tensors, whose input buffer adds a tied embedding's gradient into this one in
+    place; fake tensors (the traced planner) are tensor subclasses, which autograd
+    always sums out of place, one V*d buffer more than a real run holds."""
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if flat.dtype != weight.dtype:  # what the head's matmul needs (autograd casts back)
+        flat = flat.to(weight.dtype)
+    out = _ChunkedLinearCE.apply(
+        flat, weight, bias, targets.reshape(-1), chunk_tokens, ignore_index, grad_into_weight
+    )
+    return out  # type: ignore[no-any-return]
