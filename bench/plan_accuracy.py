@@ -17,16 +17,21 @@ planner's own bound (peak + the late-free spread it reports) should cover the wo
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from fsdpkit.config import RunConfig, load
+from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.planner import plan
 from fsdpkit.planner.measure import measure_step_peaks
 from fsdpkit.planner.scenario import model_shape
 from fsdpkit.testing import run_ranks
+from fsdpkit.testing.hf import write_tiny_model
 
 MODELS = {
     # fp32 models (bf16 matmuls are ~86x slower on CPUs without AVX512-BF16)
@@ -61,6 +66,27 @@ MODELS = {
 }  # fmt: skip
 
 
+HF_SHAPE = {"dim": 128, "layers": 3, "heads": 4, "kv_heads": 2, "ffn": 344, "vocab_size": 2048}
+HF_MODELS = {
+    # model.hf directories (config.json only: the model's own random init), issue 10
+    "HL": "llama",
+    "HM": "mistral",
+    "HQ": "qwen2",
+    "HG": "gpt2",
+    "HGe": "gemma",
+}
+HF_RUN = ["data.seq_len=128", "train.micro_batch_size=2"]
+_HF_ROOT = Path(tempfile.mkdtemp(prefix="fsdpkit-plan-accuracy-"))
+
+
+@functools.cache
+def hf_dir(arch: str) -> str:
+    """A config-only model directory of ``arch`` (written once per bench run)."""
+    out = _HF_ROOT / arch
+    write_tiny_model(out, arch=arch, weights=False, tokenizer=False, **HF_SHAPE)
+    return str(out)
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -69,9 +95,15 @@ class Case:
     overrides: tuple[str, ...]
 
     def config(self) -> RunConfig:
-        return load(
-            None, ["model.preset=tiny", "precision.mode=fp32", *MODELS[self.model], *self.overrides]
-        )
+        if self.model in HF_MODELS:
+            model = [f"model.hf={hf_dir(HF_MODELS[self.model])}", *HF_RUN]
+        else:
+            model = ["model.preset=tiny", *MODELS[self.model]]
+        return load(None, [*model, "precision.mode=fp32", *self.overrides])
+
+    def shape(self) -> LlamaConfig | None:
+        """The built-in model's shape (None: a model.hf model, built by the trainer)."""
+        return None if self.model in HF_MODELS else model_shape(self.config())
 
 
 FULL, GRAD_OP, REPL = (
@@ -124,6 +156,14 @@ CASES = [
     Case("S full 3 blocks/unit", 2, "S", (FULL, "parallel.blocks_per_unit=3")),
     Case("S full 3 blocks/unit +AC", 3, "S", (FULL, AC, "parallel.blocks_per_unit=3")),
     Case("M full 3 blocks/unit", 2, "M", (FULL, "parallel.blocks_per_unit=3")),
+    # issue 10: Hugging Face models (model.hf); analytic for the Llama family only
+    Case("HL hf llama full", 2, "HL", (FULL,)),
+    Case("HL hf llama full +AC", 2, "HL", (FULL, AC)),
+    Case("HM hf mistral grad_op", 2, "HM", (GRAD_OP,)),
+    Case("HQ hf qwen2 full", 2, "HQ", (FULL,)),
+    Case("HG hf gpt2 full", 2, "HG", (FULL,)),
+    Case("HG hf gpt2 full +AC", 2, "HG", (FULL, AC)),
+    Case("HGe hf gemma full", 2, "HGe", (FULL,)),
     # issue 12: accumulation modes (parallel.accum_sync) and explicit prefetch
     Case("A S accum=2 every", 2, "S", (FULL, "train.grad_accum=2", "parallel.accum_sync=every")),
     Case("A S accum=4 last", 2, "S", (FULL, "train.grad_accum=4", "parallel.accum_sync=last")),
@@ -150,7 +190,7 @@ def measure(cases: list[Case], *, steps: int) -> dict[tuple[str, int], list[int]
     out = {}
     for world in sorted({c.world for c in cases}):
         group = [c for c in cases if c.world == world]
-        specs = [(c.name, c.config(), model_shape(c.config())) for c in group]
+        specs = [(c.name, c.config(), c.shape()) for c in group]
         per_rank = run_ranks(
             measure_step_peaks, world_size=world, args=(specs, steps), timeout_s=1800
         )
@@ -164,7 +204,8 @@ class Result:
     case: Case
     steps: tuple[int, ...]
     """Measured peak of each step."""
-    analytic: int
+    analytic: int | None
+    """None: a model the analytic planner does not replay (traced only)."""
     traced: int
     spread: int
     """The planner's reported step-to-step spread above its peak."""
@@ -189,15 +230,15 @@ def rows(cases: list[Case], *, steps: int) -> list[Result]:
     out = []
     for c in cases:
         traced = plan(c.config(), world_size=c.world, trace=True)
-        assert traced.other is not None  # the analytic plan rides along
-        peak = traced.other.peak
+        other = traced.other  # the analytic plan rides along where it applies
+        peak = (other or traced.memory).peak
         out.append(
             Result(
                 case=c,
                 steps=tuple(measured[(c.name, c.world)]),
-                analytic=peak.bytes,
+                analytic=other.peak.bytes if other is not None else None,
                 traced=traced.memory.peak.bytes,
-                spread=traced.other.spread,
+                spread=traced.memory.spread,
                 where=f"{peak.phase}: {peak.where}",
             )
         )
@@ -210,11 +251,17 @@ def table(results: list[Result]) -> str:
     head += f"{'err':>7}{'(worst)':>8}{'traced':>9}{'err':>7}{'(worst)':>8}{'bound':>7}  peak at"
     lines = [head, "-" * len(head)]
     for r in results:
-        covered = "ok" if r.analytic + r.spread >= r.worst * 0.995 else "BELOW"
+        bound = r.analytic if r.analytic is not None else r.traced
+        covered = "ok" if bound + r.spread >= r.worst * 0.995 else "BELOW"
+        analytic = "      -       -       -"
+        if r.analytic is not None:
+            analytic = (
+                f"{r.analytic / mib:>9.2f}M{r.error(r.analytic):>+7.1%}"
+                f"{r.error(r.analytic, worst=True):>+8.1%}"
+            )
         lines.append(
             f"{r.case.name:<26}{r.case.world:>3}{r.typical / mib:>9.2f}M{r.worst / mib:>8.2f}M"
-            f"{r.analytic / mib:>9.2f}M{r.error(r.analytic):>+7.1%}"
-            f"{r.error(r.analytic, worst=True):>+8.1%}{r.traced / mib:>8.2f}M"
+            f"{analytic}{r.traced / mib:>8.2f}M"
             f"{r.error(r.traced):>+7.1%}{r.error(r.traced, worst=True):>+8.1%}{covered:>7}"
             f"  {r.where}"
         )
@@ -231,9 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in (QUICK if args.quick else CASES) if c.name.startswith(args.only)]
     results = rows(cases, steps=args.steps)
     print(table(results))
-    worst_a = max(abs(r.error(r.analytic)) for r in results)
+    analytic = [r for r in results if r.analytic is not None]
+    worst_a = max((abs(r.error(r.analytic)) for r in analytic if r.analytic), default=0.0)
     worst_t = max(abs(r.error(r.traced)) for r in results)
-    worst_aw = max(abs(r.error(r.analytic, worst=True)) for r in results)
+    worst_aw = max(
+        (abs(r.error(r.analytic, worst=True)) for r in analytic if r.analytic), default=0.0
+    )
     worst_tw = max(abs(r.error(r.traced, worst=True)) for r in results)
     print(
         f"\nworst error vs the typical step: analytic {worst_a:.1%}, traced {worst_t:.1%} "

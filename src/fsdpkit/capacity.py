@@ -87,19 +87,21 @@ def available_memory() -> int | None:
 
 
 def tensor_host_bytes(cfg: RunConfig, *, world_size: int, ranks_per_node: int, device: str) -> int:
-    """The planner's host memory per rank for ``cfg`` (0 when it cannot plan the
-    model, e.g. a user factory)."""
+    """The planner's host memory per rank for ``cfg`` (0 when the analytic planner cannot
+    plan the model, e.g. a user factory)."""
     from fsdpkit.devices import cpu_device
     from fsdpkit.planner import plan
 
-    try:
+    try:  # formulas only: tracing a model at every launch would cost seconds to minutes
         target = cpu_device(ranks=ranks_per_node) if device == "cpu" else None
-        p = plan(cfg, world_size=world_size, device=target, ranks_per_node=ranks_per_node)
+        p = plan(
+            cfg, world_size=world_size, device=target, ranks_per_node=ranks_per_node, trace=False
+        )
     except UserError:
         return 0
     if device == "cpu":
-        return p.memory.peak.bytes + p.memory.spread
-    return p.memory.host_bytes
+        return p.memory.peak.bytes + p.memory.spread + p.memory.staging_bytes
+    return p.memory.host_bytes + p.memory.staging_bytes
 
 
 @dataclass(frozen=True)

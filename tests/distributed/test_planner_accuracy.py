@@ -1,14 +1,16 @@
 """The planner's predicted per-rank peak against the true peak of real CPU ranks.
 
-Three configurations of bench/plan_accuracy.py's matrix and two fine-tuning ones
-(LoRA; frozen leading blocks) train real steps on 2 gloo ranks in one spawn; the true
-peak is c10's process-wide allocator count (see
+Three configurations of bench/plan_accuracy.py's matrix, two fine-tuning ones (LoRA;
+frozen leading blocks) and two model.hf ones (HF Llama, GPT-2) train real steps on 2
+gloo ranks in one spawn; the true peak is c10's process-wide allocator count (see
 [Note: measuring CPU peaks]). Bounds from the issue: analytic within 10%, traced
 within 5%. (Measured today: the three within 0.1%; LoRA analytic +0.9%, traced 0.0%;
 frozen lead analytic 0.0%, traced 0.0%.)
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,7 @@ from fsdpkit.planner import plan
 from fsdpkit.planner.measure import measure_step_peaks
 from fsdpkit.planner.scenario import model_shape
 from fsdpkit.testing import run_ranks
+from fsdpkit.testing.hf import write_tiny_model
 
 pytestmark = pytest.mark.distributed
 
@@ -41,22 +44,50 @@ CASES = {
 }
 
 
-def _config(name: str) -> RunConfig:
+HF = {"hf llama +AC": ("llama", True), "hf gpt2": ("gpt2", False)}
+"""model.hf directories (issue 10): HF Llama is planned analytically too, GPT-2 is
+traced only (measured today: llama analytic +0.5%, traced +0.1%; gpt2 traced +1.6%)."""
+HF_SHAPE = {"dim": 128, "layers": 3, "heads": 4, "kv_heads": 2, "ffn": 344, "vocab_size": 2048}
+
+
+@pytest.fixture(scope="module")
+def hf_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("hf-models")
+    for arch, _ in HF.values():
+        write_tiny_model(root / arch, arch=arch, weights=False, tokenizer=False, **HF_SHAPE)
+    return root
+
+
+def _config(name: str, hf_root: Path) -> RunConfig:
+    if name in HF:
+        arch, ac = HF[name]
+        hf = [f"model.hf={hf_root / arch}", "data.seq_len=128", "train.micro_batch_size=2"]
+        return load(
+            None, [*hf, "precision.mode=fp32", f"activations.mode={'full' if ac else 'none'}"]
+        )
     return load(None, CASES[name])
 
 
 @pytest.fixture(scope="module")
-def measured() -> dict[str, int]:
-    specs = [(name, _config(name), model_shape(_config(name))) for name in CASES]
+def measured(hf_root: Path) -> dict[str, int]:
+    specs = [
+        (name, _config(name, hf_root), None if name in HF else model_shape(_config(name, hf_root)))
+        for name in [*CASES, *HF]
+    ]
     per_rank = run_ranks(measure_step_peaks, world_size=2, args=(specs,), timeout_s=300)
-    return {name: max(rank[name][0] for rank in per_rank) for name in CASES}
+    return {name: max(rank[name][0] for rank in per_rank) for name, _, _ in specs}
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_planner_matches_the_measured_peak(measured: dict[str, int], name: str) -> None:
+@pytest.mark.parametrize("name", [*CASES, *HF])
+def test_planner_matches_the_measured_peak(
+    measured: dict[str, int], hf_root: Path, name: str
+) -> None:
     true = measured[name]
-    traced = plan(_config(name), world_size=2, trace=True)
+    traced = plan(_config(name, hf_root), world_size=2, trace=True)
+    assert abs(traced.memory.peak.bytes - true) / true <= 0.05, (name, traced.memory.peak, true)
+    if name in HF and HF[name][0] != "llama":
+        assert traced.other is None  # no analytic model of GPT-2 blocks: traced only
+        return
     assert traced.other is not None
     analytic = traced.other.peak.bytes
     assert abs(analytic - true) / true <= 0.10, (name, analytic, true)
-    assert abs(traced.memory.peak.bytes - true) / true <= 0.05, (name, traced.memory.peak, true)

@@ -138,16 +138,21 @@ def test_awkward_data_size_gives_every_rank_the_same_batches(tmp_path: Path) -> 
 
 
 def test_user_factory_model_trains(tmp_path: Path) -> None:
+    # parallel.auto plans the factory model by tracing it (issue 10: it used to say
+    # "no configuration of this model fits" even on 1000 GiB)
     result = fsdpkit(
         "train",
         *FAST,
         "model.factory=factories:token_mlp",
+        "parallel.auto=true",
+        "parallel.device_mem=cpu:1000GiB",
         "train.steps=30",
         "train.lr=1e-2",
         f"logging.run_dir={tmp_path / 'f'}",
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "fsdpkit train: parallel.auto chose " in result.stdout, result.stdout[:2000]
     assert "4 x ResidualMLP units" in result.stdout
     got = losses(tmp_path / "f")
     assert sum(got[-5:]) / 5 < sum(got[:5]) / 5 - 0.5

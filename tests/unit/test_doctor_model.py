@@ -150,7 +150,8 @@ def test_model_checks_of_a_factory_built_on_meta() -> None:
         by["meta buffers"].status == "fail"
         and "this run builds on the meta device" in by["meta buffers"].message
     )
-    assert by["plan fit"].status == "skip" and "model.factory" in by["plan fit"].message
+    # the planner traces factory models (issue 10): a peak, no verdict without --device-mem
+    assert by["plan fit"].status == "skip" and "peak" in by["plan fit"].message
     assert size is not None and size > 0
     good, _ = model_checks(factory_cfg("meta_buffer_recreated"), world_size=2)
     assert {c.name: c for c in good}["meta buffers"].status == "ok"

@@ -211,3 +211,14 @@ def test_reports() -> None:
     assert toml_lines({"parallel.strategy": "hybrid", "parallel.shard_degree": 8}) == (
         '[parallel]\nstrategy = "hybrid"\nshard_degree = 8'
     )
+
+
+def test_async_checkpoint_staging_is_planned_on_the_host() -> None:
+    # issue 15: the staging buffers async saves keep (sharded params + AdamW states)
+    off = plan(_cfg("checkpoint.every=10"), world_size=2)
+    on = plan(_cfg("checkpoint.every=10", "checkpoint.async_save=true"), world_size=2)
+    states = on.memory.model_states
+    assert off.memory.staging_bytes == 0
+    assert on.memory.staging_bytes == states["sharded_params"] + states["optimizer_states"]
+    assert on.memory.peak.bytes == off.memory.peak.bytes  # device peak unchanged
+    assert "async checkpoint staging" in format_plan(on)

@@ -60,7 +60,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=DEFAULT_MARGIN,
         help=f"share of device memory kept free (default {DEFAULT_MARGIN})",
     )
-    p.add_argument("--trace", action="store_true", help="run one fake step of the real code")
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="run one fake step of the real code (automatic for models without an analytic plan)",
+    )
     p.add_argument("--recommend", action="store_true", help="search settings that fit")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=run)
@@ -75,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         "device": device,
         "ranks_per_node": args.ranks_per_node,
     }
-    result = plan(cfg, trace=args.trace, margin=args.margin, **common)
+    result = plan(cfg, trace=args.trace or None, margin=args.margin, **common)
     rec = None
     if args.recommend:
         from fsdpkit.planner.recommend import recommend

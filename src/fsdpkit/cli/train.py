@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     if args.slurm_script:
         return _print_slurm_script(args, nproc)
     if resolved.auto_changes is not None:
-        _print_auto(resolved.auto_changes)
+        _print_auto(resolved.auto_changes, note=resolved.auto_note)
     _check_capacity(resolved.config, nproc=nproc, nnodes=args.nnodes)
     run_dir = Path(resolved.config.logging.run_dir)
     from fsdpkit.rundir import check_run_dir
@@ -157,6 +157,9 @@ def _print_slurm_script(args: argparse.Namespace, nproc: int) -> int:
     return 0
 
 
-def _print_auto(changes: dict[str, object]) -> None:
+def _print_auto(changes: dict[str, object], *, note: str | None) -> None:
+    if note is not None:
+        print(f"fsdpkit train: {note}")
+        return
     chosen = " ".join(f"{k}={toml_value(v)}" for k, v in changes.items() if v is not None)
     print(f"fsdpkit train: parallel.auto chose {chosen or 'the config as given'}")

@@ -29,6 +29,8 @@ class Resolved:
     auto_changes: dict[str, Any] | None = None
     """Dotted keys ``parallel.auto`` set (empty: it kept the config as given); None
     when parallel.auto is off."""
+    auto_note: str | None = None
+    """What ``parallel.auto`` could not plan (the config is then kept as given)."""
 
 
 def resolve(
@@ -41,16 +43,18 @@ def resolve(
     """The config a run of ``world_size`` ranks (``local_world_size`` per node) uses."""
     cfg = load(path, list(overrides))
     changes: dict[str, Any] | None = None
+    note = None
     if cfg.parallel.auto or cfg.parallel.accum_sync == "auto":
-        from fsdpkit.planner.auto import accum_sync_choice, auto_changes  # planner imports config
+        from fsdpkit.planner.auto import accum_sync_choice, auto_plan  # planner imports config
 
         sizes = {"world_size": world_size, "local_world_size": local_world_size}
         if cfg.parallel.auto:
-            changes = auto_changes(cfg, **sizes)
+            auto = auto_plan(cfg, **sizes)
+            changes, note = auto.changes, auto.note
             cfg = with_changes(cfg, changes, source="parallel.auto")
         sync = accum_sync_choice(cfg, **sizes)  # [Note: accum_sync auto], auto's budget
         cfg = with_changes(
             cfg, {"parallel.accum_sync": sync, "parallel.auto": False}, source="parallel.auto"
         )
     validate_for_world(cfg, world_size=world_size, local_world_size=local_world_size)
-    return Resolved(config=cfg, auto_changes=changes)
+    return Resolved(config=cfg, auto_changes=changes, auto_note=note)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdpkit.migrate.result import MigrateError, Migration
+from fsdpkit.strategies import STRATEGIES
 
 # torch.distributed.fsdp.ShardingStrategy: name -> (value, fsdpkit strategy, note)
 SHARDING: dict[str, tuple[int, str, str]] = {
@@ -274,7 +275,7 @@ def check_offload(m: Migration, *, offload_key: str, strategy_key: str) -> None:
     """FSDP1 allowed CPU offload with any strategy; FSDP2 offloading needs parameters
     resharded after forward (fsdpkit's config refuses the rest)."""
     strategy = m.value("parallel.strategy")
-    if m.value("offload.params") and strategy in ("grad_op", "hybrid_grad_op", "replicate"):
+    if m.value("offload.params") and not STRATEGIES[str(strategy)].allows_offload:
         raise MigrateError(
             f"{offload_key} with {strategy_key} = {strategy} (never resharded after forward) "
             "has no FSDP2 equivalent: offloading needs parameters resharded after forward. "

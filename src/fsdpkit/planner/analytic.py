@@ -58,6 +58,7 @@ COLL, UNSH = "collective_buffers", "unsharded_params"
 
 def sizes(sc: Scenario) -> Sizes:
     m = sc.model
+    assert m is not None, "require_decoder_blocks first"
     return Sizes(
         n=sc.tokens,
         d=m.dim,
@@ -97,6 +98,8 @@ class _Step:
     def __init__(self, sc: Scenario) -> None:
         self.sc = sc
         self.s = sizes(sc)
+        assert sc.model is not None
+        self.m = sc.model
         self.led = Ledger()
         self.root, self.units = sc.root, sc.units
         self.host_states = sc.offload and sc.device.kind == "gpu"
@@ -231,7 +234,7 @@ class _Step:
 
     def persistent(self) -> None:
         """Sharded params and optimizer states (device or host), buffers, the batch."""
-        led, m = self.led, self.sc.model
+        led, m = self.led, self.m
         if not self.host_states:
             for category, value in model_states(self.sc).items():
                 if category != "gradients":
@@ -245,7 +248,7 @@ class _Step:
         if self.held.get(self.root.name, 0) < self.root.gathered * s.e:
             self.unshard(self.root, forward=True)
         self.forward_prefetch(0)
-        rope = 2 * self.sc.seq_len * self.sc.model.head_dim * s.e if s.cast else 0
+        rope = 2 * self.sc.seq_len * self.m.head_dim * s.e if s.cast else 0
         led.apply([("buffers_inputs", rope), (ACT, s.nde)])
         for j, u in enumerate(self.units):
             led.at("forward", f"forward of {u.name}")
@@ -282,12 +285,12 @@ class _Step:
         if "embedding" in frozen:  # no weight grad: autograd stops at the embedding output
             led.add(TEMP, -s.nde)
         else:
-            led.apply(embedding_backward(s, tied=self.sc.model.tie_embeddings))
+            led.apply(embedding_backward(s, tied=self.m.tie_embeddings))
         self.post_backward(self.root, sync=sync)
         for flat in self.prefetched.values():  # prefetched for a unit backward skipped:
             led.add(COLL, -flat)  # freed when FSDP2's final callback reshards everything
         self.prefetched.clear()
-        rope = 2 * self.sc.seq_len * self.sc.model.head_dim * s.e if s.cast else 0
+        rope = 2 * self.sc.seq_len * self.m.head_dim * s.e if s.cast else 0
         led.apply([("buffers_inputs", -rope), (COLL, -self.rs_state)])
         self.rs_state = 0
 
@@ -332,13 +335,14 @@ def leading_frozen_units(sc: Scenario) -> int:
 
 
 def require_decoder_blocks(sc: Scenario) -> None:
-    """The analytic model knows the activations of fsdpkit's decoder layers op by op;
-    units of other modules it cannot replay (the traced planner runs any model)."""
-    if sc.layout.decoder_blocks:
+    """The analytic model knows the activations of Llama decoder layers op by op (fsdpkit's
+    and transformers' Llama/Mistral ones); units of other modules it cannot replay (the
+    traced planner runs any model: ``plan()`` switches to it)."""
+    if sc.analytic_why_not is None and sc.model is not None:
         return
     raise PlanError(
-        f"the analytic planner models decoder-layer units, but this run's units are "
-        f"{sc.layout.block_reason or 'different'}. Plan it with --trace (runs the real "
+        f"the analytic planner models Llama decoder-layer units, but this run has "
+        f"{sc.analytic_why_not or 'other units'}. Plan it with --trace (runs the real "
         "model under fake tensors), or leave parallel.block_classes empty."
     )
 

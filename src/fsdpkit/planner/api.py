@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
+from fsdpkit.checkpoint.staging import async_staging_bytes
 from fsdpkit.config import RunConfig
 from fsdpkit.devices import Device
 from fsdpkit.planner.analytic import analytic_memory
@@ -28,13 +30,16 @@ def decide_accum_sync(sc: Scenario, *, usable: int | None) -> Scenario:
     ``parallel.accum_sync = auto`` is ``last`` (the least traffic) when its planned
     peak fits ``usable`` bytes, else ``every`` (no unsharded gradients between
     micro-batches). Without a memory budget, without accumulation or without sharding
-    (nothing to choose) it is ``last``. The analytic plan decides (milliseconds), so
-    the launcher and every worker agree; ``fsdpkit.planner.auto.accum_sync_choice``
-    applies the same rule to a run."""
+    (nothing to choose) it is ``last``, and for a model only the traced planner can
+    plan ([Note: planning any model]: a trace per decision would cost seconds in every
+    process). The analytic plan decides (milliseconds), so the launcher and every
+    worker agree; ``fsdpkit.planner.auto.accum_sync_choice`` applies the same rule to
+    a run."""
     if not sc.accum_auto:
         return sc
     last = sc.with_(accum_auto=False, accum_sync="last")
-    if usable is None or sc.grad_accum == 1 or sc.shard == 1 or not sc.layout.decoder_blocks:
+    analytic = sc.analytic_why_not is None and sc.model is not None
+    if usable is None or sc.grad_accum == 1 or sc.shard == 1 or not analytic:
         return last
     peak = analytic_memory(last).peak.bytes
     if peak <= usable:
@@ -51,24 +56,32 @@ def _size(n: int) -> str:
 
 
 def plan_scenario(
-    sc: Scenario, *, cfg: RunConfig | None = None, trace: bool = False, margin: float
+    sc: Scenario, *, cfg: RunConfig | None = None, trace: bool | None = None, margin: float
 ) -> Plan:
-    """Plan an already resolved scenario (``cfg`` is needed for ``trace``)."""
+    """Plan an already resolved scenario. ``trace``: True runs the traced planner,
+    False the analytic one (PlanError for a model it cannot replay), None the analytic
+    one where it applies and the traced one otherwise. ``cfg`` is needed to trace."""
     if not 0.0 <= margin < 1.0:
         raise PlanError(f"--margin must be in [0, 1), got {margin}.")
     start = time.perf_counter()
     usable = usable_bytes(sc.device, margin=margin)
     sc = decide_accum_sync(sc, usable=usable)
     other: MemoryPlan | None = None
+    analytic = sc.analytic_why_not is None and sc.model is not None
+    if trace is None and not analytic:  # [Note: planning any model]: trace the rest
+        trace = True
+        sc = sc.with_(notes=(*sc.notes, f"planned by tracing: {sc.analytic_why_not}"))
     if trace:
         if cfg is None:
             raise PlanError("traced planning needs the RunConfig (pass cfg=...)")
         from fsdpkit.planner.traced import traced_memory  # imports torch's fake machinery
 
         memory = traced_memory(cfg, sc)
-        other = analytic_memory(sc) if sc.layout.decoder_blocks else None
+        other = analytic_memory(sc) if analytic else None
     else:
         memory = analytic_memory(sc)
+    if sc.async_checkpoint:
+        memory = replace(memory, staging_bytes=async_staging_bytes(memory.model_states))
     return Plan(
         scenario=sc,
         memory=memory,
@@ -87,7 +100,7 @@ def plan(
     *,
     world_size: int,
     device: Device | None = None,
-    trace: bool = False,
+    trace: bool | None = None,
     margin: float = DEFAULT_MARGIN,
     ranks_per_node: int = 8,
     vocab_size: int | None = None,
@@ -96,7 +109,8 @@ def plan(
 
     ``device`` (see ``devices.parse_device``) gives the memory to fit in and how
     ``precision.mode = auto`` resolves; ``trace`` runs the real model code on a fake
-    process group instead of the formulas (seconds to minutes, no devices needed);
+    process group instead of the formulas (seconds to minutes, no devices needed;
+    None: only for a model the formulas do not cover, False: formulas or PlanError);
     ``vocab_size`` is the tokenizer's when the config leaves model.vocab_size empty.
     """
     sc = scenario(

@@ -23,14 +23,17 @@ import os
 from collections.abc import Callable, Iterator
 
 import torch
+from torch import nn
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 from fsdpkit.config import RunConfig, batch_split, mesh_shape
 from fsdpkit.finetune import prepare
+from fsdpkit.init import Initializer
 from fsdpkit.mesh import build_mesh
-from fsdpkit.models.factory import next_token_loss
+from fsdpkit.models.factory import LossFn, next_token_loss
 from fsdpkit.models.llama import Llama, LlamaConfig
+from fsdpkit.planner.built import build_for_plan, input_vocab
 from fsdpkit.sharding import resolve_precision, shard
 from fsdpkit.sharding.grads import sync_mode
 from fsdpkit.train.optim import build_optimizer
@@ -92,11 +95,15 @@ def peak_bytes(fn: Callable[[], object]) -> int:
 
 
 def measure_step_peaks(
-    rank: int, world_size: int, specs: list[tuple[str, RunConfig, LlamaConfig]], steps: int = 1
+    rank: int,
+    world_size: int,
+    specs: list[tuple[str, RunConfig, LlamaConfig | None]],
+    steps: int = 1,
 ) -> dict[str, list[int]]:
     """run_ranks worker: for each (name, RunConfig, model shape), the true peak of
     ``steps`` steady-state steps (one number per step) minus what the process held
-    before building the model."""
+    before building the model. Shape None: the run's model.hf / model.factory model,
+    built by the trainer's builder."""
     enable_process_wide_accounting()
     return {
         name: _step_peaks(cfg, shape, rank=rank, world_size=world_size, steps=steps)
@@ -104,31 +111,42 @@ def measure_step_peaks(
     }
 
 
+def _model(
+    cfg: RunConfig, shape: LlamaConfig | None
+) -> tuple[nn.Module, Initializer | None, LossFn]:
+    """The run's model before sharding (prepared for fine-tuning), its init and loss."""
+    precision = resolve_precision(cfg.precision, device_type="cpu")
+    if shape is None:
+        built = build_for_plan(cfg, vocab=None, precision=precision.name)
+        return built.module, built.init, built.loss_fn
+    with torch.device("meta"):
+        model = Llama(shape)
+    tuned = prepare(model, cfg, precision=precision, init=None)  # LoRA / model.freeze
+    return model, tuned.init, next_token_loss
+
+
 def _step_peaks(
-    cfg: RunConfig, shape: LlamaConfig, *, rank: int, world_size: int, steps: int
+    cfg: RunConfig, shape: LlamaConfig | None, *, rank: int, world_size: int, steps: int
 ) -> list[int]:
     base = live_bytes()
     replicate, shard_degree = mesh_shape(cfg, world_size=world_size, local_world_size=world_size)
     mesh = build_mesh(replicate=replicate, shard=shard_degree, device_type="cpu")
-    with torch.device("meta"):
-        model = Llama(shape)
-    precision = resolve_precision(cfg.precision, device_type="cpu")
-    tuned = prepare(model, cfg, precision=precision, init=None)  # LoRA / model.freeze
-    shard(model, cfg, mesh=mesh, init=tuned.init)
-    opt = build_optimizer(model, cfg.train, grad_scaler=precision.scaler)  # the trainer's
+    model, init, loss_fn = _model(cfg, shape)
+    vocab = shape.vocab_size if shape is not None else input_vocab(model, default=256)
+    shard(model, cfg, mesh=mesh, init=init)
+    scaler = resolve_precision(cfg.precision, device_type="cpu").scaler
+    opt = build_optimizer(model, cfg.train, grad_scaler=scaler)  # the trainer's
     gen = torch.Generator().manual_seed(rank)
     split = batch_split(cfg.train, dp_world=world_size)
     size = (split.micro_batch, cfg.data.seq_len + 1)
-    batches = [
-        torch.randint(0, shape.vocab_size, size, generator=gen) for _ in range(split.grad_accum)
-    ]
+    batches = [torch.randint(0, vocab, size, generator=gen) for _ in range(split.grad_accum)]
 
     def step() -> None:
         train_step(
             model,
             opt,
             batches,
-            loss_fn=next_token_loss,
+            loss_fn=loss_fn,
             max_norm=cfg.train.grad_clip,
             keep_unsharded=cfg.parallel.accum_keep_unsharded,
             accum_sync=sync_mode(cfg.parallel.accum_sync),

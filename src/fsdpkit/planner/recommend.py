@@ -6,7 +6,8 @@ parallel.strategy with every useful hybrid shard degree, reshard_after_forward
 activation checkpointing (none, every 2nd block, every block), CPU offload (GPUs),
 the micro-batch size, and with accumulation how gradients are reduced
 (parallel.accum_sync last or every: [Note: accumulation modes]). Each candidate is
-planned analytically; those that fit are ranked by an estimated step time — a
+planned analytically (a model only the traced planner can plan is traced cheapest
+first, until enough fit); those that fit are ranked by an estimated step time — a
 relative cost, not a prediction:
 
     step = max(compute + recompute, communication) + offload transfers
@@ -29,7 +30,9 @@ from dataclasses import dataclass
 from fsdpkit.config import RunConfig, batch_split, with_changes
 from fsdpkit.devices import Device
 from fsdpkit.errors import UserError
+from fsdpkit.planner.analytic import model_states
 from fsdpkit.planner.api import DEFAULT_MARGIN, plan_scenario
+from fsdpkit.planner.comm import comm_volume
 from fsdpkit.planner.result import Plan
 from fsdpkit.planner.scenario import PlanError, Scenario, run_vocab_size, scenario
 from fsdpkit.strategies import STRATEGIES
@@ -86,7 +89,11 @@ class Recommendation:
     cheaper_unfit: Candidate | None
     """The cheapest configuration that does not fit, if cheaper than ``best``."""
     considered: int
+    """Configurations planned."""
     fitting: int
+    searched: int = 0
+    """Valid configurations in the search grid (more than ``considered`` when a traced
+    model was planned cheapest first)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -160,22 +167,24 @@ def _diff(cfg: RunConfig, changes: dict[str, object]) -> dict[str, object]:
     return {k: v for k, v in changes.items() if current[k.split(".")[0]][k.split(".")[1]] != v}
 
 
-def step_cost(sc: Scenario, p: Plan) -> StepCost:
-    """Estimated step time of a planned scenario (see the module docstring)."""
-    m, dev = sc.model, sc.device
-    compute = sc.tokens * sc.grad_accum * m.flops_per_token(sc.seq_len)
+def step_cost(sc: Scenario) -> StepCost:
+    """Estimated step time of a scenario (see the module docstring); needs no memory
+    plan, so a traced search can rank before it traces."""
+    dev = sc.device
+    compute = sc.tokens * sc.grad_accum * sc.flops_per_token
     compute *= (1 + SMALL_BATCH_TOKENS / sc.tokens) / (dev.tflops * 1e12 * MFU)
-    blocks = sum(u.numel for u in sc.units) / max(m.matmul_params(), 1)
+    matmul = sc.model.matmul_params() if sc.model is not None else sc.num_params
+    blocks = sum(u.numel for u in sc.units) / max(matmul, 1)
     share = sc.checkpointed_blocks / max(len(sc.layout.blocks), 1)
     recompute = compute * share * blocks / 3
     shard_link = dev.intra_gbps if sc.shard <= sc.ranks_per_node else dev.inter_gbps
     replica_link = dev.intra_gbps if sc.world_size <= sc.ranks_per_node else dev.inter_gbps
-    c = p.comm
+    c = comm_volume(sc)
     comm = (c.all_gather + c.reduce_scatter) / (shard_link * 1e9)
     comm += c.all_reduce / (replica_link * 1e9) + c.calls * LATENCY_S
     offload = 0.0
     if sc.offload and dev.kind == "gpu":
-        local = sum(p.memory.model_states.values())
+        local = sum(model_states(sc).values())
         offload = c.host_transfer / (dev.host_gbps * 1e9) + local / (HOST_MEMORY_GBPS * 1e9)
     return StepCost(compute, recompute, comm, offload)
 
@@ -189,7 +198,17 @@ class _Search:
     vocab: int | None
 
 
-def _candidate(cfg: RunConfig, changes: dict[str, object], search: _Search) -> Candidate | None:
+@dataclass(frozen=True)
+class _Option:
+    """A valid configuration of the search, costed but not yet planned."""
+
+    changes: dict[str, object]
+    config: RunConfig
+    scenario: Scenario
+    cost: StepCost
+
+
+def _option(cfg: RunConfig, changes: dict[str, object], search: _Search) -> _Option | None:
     try:
         new = with_changes(cfg, changes, source="the recommender")
         sc = scenario(
@@ -203,8 +222,31 @@ def _candidate(cfg: RunConfig, changes: dict[str, object], search: _Search) -> C
         return None  # e.g. offload with grad_op: not a valid configuration
     if changes.get("parallel.accum_sync") == "every" and (sc.grad_accum == 1 or sc.shard == 1):
         return None  # nothing is accumulated across micro-batches, or nothing sharded
-    p = plan_scenario(sc, margin=search.margin)
-    return Candidate(_diff(cfg, changes), new, p, step_cost(sc, p))
+    return _Option(_diff(cfg, changes), new, sc, step_cost(sc))
+
+
+def _planned(o: _Option, search: _Search) -> Candidate:
+    p = plan_scenario(o.scenario, cfg=o.config, margin=search.margin)
+    return Candidate(o.changes, o.config, p, o.cost)
+
+
+def _rank_key(c: Candidate | _Option) -> tuple[float, int]:
+    peak = c.plan.memory.peak.bytes if isinstance(c, Candidate) else 0
+    return c.cost.total_s * (1 + CHANGE_PENALTY * len(c.changes)), peak
+
+
+def _planned_options(options: list[_Option], search: _Search, *, top: int) -> list[Candidate]:
+    """Plan every option analytically; a model only the traced planner can plan
+    ([Note: planning any model]) is traced cheapest first until ``top`` fit (each trace
+    runs the real model code: seconds, not microseconds)."""
+    if all(o.scenario.analytic_why_not is None for o in options):
+        return [_planned(o, search) for o in options]
+    out: list[Candidate] = []
+    for o in sorted(options, key=_rank_key):
+        out.append(_planned(o, search))
+        if sum(c.fits for c in out) >= top:
+            break
+    return out
 
 
 def recommend(
@@ -227,16 +269,13 @@ def recommend(
         )
     vocab = vocab_size if vocab_size is not None else run_vocab_size(cfg)
     search = _Search(world_size, device, margin, ranks_per_node, vocab)
-    current = _candidate(cfg, {}, search)
+    given = _option(cfg, {}, search)
+    current = _planned(given, search) if given is not None else None
     grid = _grid(cfg, world=world_size, per_node=ranks_per_node, gpu=device.kind == "gpu")
-    found = [_candidate(cfg, changes, search) for changes in grid]
-    candidates = [c for c in found if c is not None]
-    key = lambda c: (  # noqa: E731
-        c.cost.total_s * (1 + CHANGE_PENALTY * len(c.changes)),
-        c.plan.memory.peak.bytes,
-    )
-    fitting = sorted((c for c in candidates if c.fits), key=key)
-    unfit = sorted((c for c in candidates if not c.fits), key=key)
+    options = [o for o in (_option(cfg, changes, search) for changes in grid) if o is not None]
+    candidates = _planned_options(options, search, top=top)
+    fitting = sorted((c for c in candidates if c.fits), key=_rank_key)
+    unfit = sorted((c for c in candidates if not c.fits), key=_rank_key)
     best = fitting[0] if fitting else None
     cheaper = None
     if unfit and (best is None or unfit[0].cost.total_s < best.cost.total_s):
@@ -248,4 +287,5 @@ def recommend(
         cheaper_unfit=cheaper,
         considered=len(candidates),
         fitting=len(fitting),
+        searched=len(options),
     )

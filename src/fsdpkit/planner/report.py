@@ -37,13 +37,13 @@ def _mesh(sc: Scenario) -> str:
 
 
 def describe_scenario(sc: Scenario) -> str:
-    m = sc.model
-    params = (
-        f"{m.num_params() / 1e9:.2f}B" if m.num_params() >= 1e8 else f"{m.num_params() / 1e6:.1f}M"
-    )
+    m, n = sc.model, sc.num_params
+    params = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
     n_blocks = len(sc.layout.blocks)
+    shape = f"{m.n_layers} layers, d={m.dim}, vocab {m.vocab_size}" if m else f"{n_blocks} blocks"
+    source = f"{sc.source}, " if sc.source else ""
     return (
-        f"{params} params ({m.n_layers} layers, d={m.dim}, vocab {m.vocab_size}); "
+        f"{source}{params} params ({shape}); "
         f"{sc.world_size} ranks: {_mesh(sc)}, reshard_after_forward={sc.reshard_after_forward}; "
         f"{sc.precision}; {sc.micro_batch} x {sc.seq_len} tokens x {sc.grad_accum} accumulation; "
         f"AC on {sc.checkpointed_blocks}/{n_blocks} blocks{'; CPU offload' if sc.offload else ''}\n"
@@ -104,6 +104,11 @@ def format_plan(p: Plan) -> str:
     ]
     if mem.host_bytes:
         lines.append(f"host memory per rank (CPU offload): {fmt_bytes(mem.host_bytes)}")
+    if mem.staging_bytes:
+        lines.append(
+            f"host memory per rank for async checkpoint staging (kept for the run): "
+            f"{fmt_bytes(mem.staging_bytes)}"
+        )
     notes = [*sc.notes, *mem.notes]
     lines += [f"note: {n}" for n in notes]
     return "\n".join(line for line in lines if line is not None)
@@ -168,8 +173,9 @@ def plan_dict(p: Plan) -> dict[str, Any]:
                 for u in [*sc.units, sc.root]
             ],
             "block_reason": sc.layout.block_reason,
-            "model": sc.model.to_dict(),
-            "params": sc.model.num_params(),
+            "model": sc.model.to_dict() if sc.model is not None else None,
+            "source": sc.source or None,
+            "params": sc.num_params,
             "device": dataclasses.asdict(sc.device),
         },
         "memory": dataclasses.asdict(p.memory),
@@ -211,13 +217,19 @@ def _cost(c: Candidate) -> str:
 
 def _peak(c: Candidate) -> str:
     m = c.plan.memory
-    return f"peak {fmt_bytes(m.peak.bytes)} at {m.peak.phase}: {m.peak.where}"
+    where = f": {m.peak.where}" if m.peak.where else ""
+    return f"peak {fmt_bytes(m.peak.bytes)} at {m.peak.phase}{where}"
 
 
 def explain(rec: Recommendation) -> list[str]:
     """Why the recommendation is what it is, one sentence per line."""
     usable = rec.current.plan.usable_bytes if rec.current else None
     lines = [f"searched {rec.considered} configurations; {rec.fitting} fit in {fmt_bytes(usable)}."]
+    if rec.searched > rec.considered:
+        lines[0] = (
+            f"searched {rec.searched} configurations, traced {rec.considered} of them cheapest "
+            f"first (the model has no analytic plan); {rec.fitting} fit in {fmt_bytes(usable)}."
+        )
     if rec.current is not None:
         verdict = "fits" if rec.current.fits else "does not fit"
         lines.append(f"yours {verdict}: {_peak(rec.current)}, {_cost(rec.current)}.")
@@ -269,6 +281,7 @@ def recommendation_dict(rec: Recommendation) -> dict[str, Any]:
         "current": _candidate_dict(rec.current),
         "cheaper_unfit": _candidate_dict(rec.cheaper_unfit),
         "considered": rec.considered,
+        "searched": rec.searched,
         "fitting": rec.fitting,
         "explanation": explain(rec),
     }

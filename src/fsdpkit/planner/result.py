@@ -76,6 +76,9 @@ class MemoryPlan:
     notes: tuple[str, ...] = ()
     spread: int = 0
     """How much higher than ``peak`` some steps may go: see [Note: late frees]."""
+    staging_bytes: int = 0
+    """Host memory async checkpointing keeps for its staging buffers for the life of
+    the run (checkpoint.async_save; fsdpkit.checkpoint.async_staging_bytes)."""
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from fsdpkit.devices import Device
 from fsdpkit.errors import UserError
 from fsdpkit.models.factory import llama_shape
 from fsdpkit.models.llama import PRESETS, LlamaConfig
+from fsdpkit.planner.built import BuiltPlanModel, planned_model
 from fsdpkit.planner.finetune import finetune_layout, finetuned
 from fsdpkit.planner.layout import ModelLayout, Unit, llama_layout, units
 from fsdpkit.sharding.grads import SyncMode, sync_mode
@@ -28,15 +29,25 @@ _VOCAB_NOTE = (
 )
 
 
+BYTE_VOCAB = 256
+"""The byte-level tokenizer's vocabulary: what a run without data.tokenizer trains on."""
+
+
 class PlanError(UserError, ValueError):
     """The planner cannot plan this input; the message names the field."""
+
+
+class TraceError(PlanError):
+    """The model's own code failed while the traced planner ran one fake step."""
 
 
 @dataclass(frozen=True)
 class Scenario:
     """Everything the memory and communication models need, resolved."""
 
-    model: LlamaConfig
+    model: LlamaConfig | None
+    """The Llama shape the analytic model plans (None: a model it cannot replay, which
+    is planned by tracing; see ``analytic_why_not``)."""
     world_size: int
     replicate: int
     """Replicas (HSDP outer axis); 1 for full / grad_op."""
@@ -62,6 +73,16 @@ class Scenario:
     ranks_per_node: int
     notes: tuple[str, ...] = ()
     """How inputs were interpreted (e.g. precision auto -> bf16)."""
+    vocab_size: int = 0
+    """Rows of the model's input embedding (token ids a traced step may draw)."""
+    flops_per_token: float = 0.0
+    """Training FLOPs per token (the recommender's step-time estimate)."""
+    analytic_why_not: str | None = None
+    """Why the analytic model cannot plan this run (None: it can)."""
+    source: str = ""
+    """A model.hf / model.factory model, as reports name it ("" for the built-in Llama)."""
+    async_checkpoint: bool = False
+    """checkpoint.async_save: staging buffers on the host for the whole run."""
     accum_sync: SyncMode = "last"
     """Resolved parallel.accum_sync: "last" or "every" ([Note: accumulation modes])."""
     accum_auto: bool = False
@@ -90,6 +111,12 @@ class Scenario:
         return sum(sum(u.checkpointed) for u in self.units)
 
     @property
+    def num_params(self) -> int:
+        """Parameters of the model (tied ones once), from its layout."""
+        shapes = [*self.layout.root, *(s for b in self.layout.blocks for s in b)]
+        return sum(rows * cols for rows, cols in shapes)
+
+    @property
     def tokens(self) -> int:
         """Tokens per micro-batch per rank."""
         return self.micro_batch * self.seq_len
@@ -99,25 +126,14 @@ class Scenario:
 
 
 def model_shape(cfg: RunConfig, *, vocab_size: int | None = None) -> LlamaConfig:
-    """The Llama shape ``fsdpkit train`` builds for ``cfg`` (fsdpkit.models.factory).
+    """The Llama shape ``fsdpkit train`` builds for the built-in model of ``cfg``
+    (fsdpkit.models.factory; model.hf / model.factory: fsdpkit.planner.built).
 
     Train takes the vocabulary from model.vocab_size, else from the tokenizer; pass the
     tokenizer's size as ``vocab_size``. Without either, the preset's vocabulary is
     planned (a note says so), which is what a real run of a preset needs anyway.
     """
     m = cfg.model
-    if m.factory is not None:
-        raise PlanError(
-            f"model.factory = {m.factory!r}: the planner knows the built-in Llama presets "
-            "only. Plan with model.preset set to the closest preset (and model.dim/n_layers "
-            "overrides), or measure your model with `fsdpkit train` on one step."
-        )
-    if m.hf is not None:  # planned from the meta-built model after the planner refactor
-        raise PlanError(
-            f"model.hf = {m.hf!r}: the planner does not plan Hugging Face models yet. Plan "
-            "the closest built-in preset (model.preset with model.dim/n_layers overrides), or "
-            "measure the model with `fsdpkit train` on a few steps."
-        )
     if m.preset not in PRESETS:
         raise PlanError(
             f"model.preset = {m.preset!r} is not a built-in preset; choose one of "
@@ -150,6 +166,9 @@ def planned_precision(mode: str, device: Device | None) -> tuple[str, str | None
 def run_vocab_size(cfg: RunConfig) -> int | None:
     """The vocabulary ``fsdpkit train`` takes when model.vocab_size is empty: the
     tokenizer's (None: no tokenizer is configured, the preset's own is planned)."""
+    from fsdpkit.models.hf import with_model_tokenizer
+
+    cfg = with_model_tokenizer(cfg)  # model.hf: the directory's tokenizer
     if cfg.model.vocab_size is not None or cfg.data.tokenizer is None:
         return None
     from fsdpkit.data.tokenizer import build_tokenizer
@@ -178,27 +197,26 @@ def scenario(
     validate_for_world(cfg, world_size=world_size, local_world_size=local)
     replicate, shard = mesh_shape(cfg, world_size=world_size, local_world_size=local)
     vocab = vocab_size if vocab_size is not None else run_vocab_size(cfg)
-    shape = model_shape(cfg, vocab_size=vocab)
     precision, note = planned_precision(cfg.precision.mode, device)
-    if finetuned(cfg):  # frozen parameters and adapters (fsdpkit.planner.finetune)
-        layout = finetune_layout(cfg, shape, precision=precision)
-    else:
-        layout = llama_layout(shape, tuple(cfg.parallel.block_classes))
-    root, blocks = units(layout, shard=shard, parallel=cfg.parallel, activations=cfg.activations)
+    model = _planned_model(cfg, vocab=vocab, precision=precision)
+    root, blocks = units(
+        model.layout, shard=shard, parallel=cfg.parallel, activations=cfg.activations
+    )
     notes = [note] if note else []
-    if cfg.model.vocab_size is None and vocab is None and cfg.model.preset != "tiny":
+    builtin = not (cfg.model.hf or cfg.model.factory)
+    if builtin and cfg.model.vocab_size is None and vocab is None and cfg.model.preset != "tiny":
         notes.append(_VOCAB_NOTE.format(PRESETS[cfg.model.preset].vocab_size))
     dev = device if device is not None else Device("unspecified", "cpu", None)
     split = batch_split(cfg.train, dp_world=world_size)
     return Scenario(
-        model=shape,
+        model=model.shape,
         world_size=world_size,
         replicate=replicate,
         shard=shard,
         strategy=cfg.parallel.strategy,
         precision=precision,
         reshard_after_forward=reshard_after_forward(cfg.parallel),
-        layout=layout,
+        layout=model.layout,
         root=root,
         units=blocks,
         ac_mode=cfg.activations.mode,
@@ -211,6 +229,11 @@ def scenario(
         device=dev,
         ranks_per_node=local,
         notes=tuple(notes),
+        vocab_size=model.vocab_size,
+        flops_per_token=model.flops_per_token,
+        analytic_why_not=model.why_traced,
+        source=model.what,
+        async_checkpoint=cfg.checkpoint.async_save and cfg.checkpoint.every > 0,
         accum_sync=sync_mode(cfg.parallel.accum_sync),
         accum_auto=cfg.parallel.accum_sync == "auto",
         optimizer_impl=planned_optimizer(cfg, dev, precision=precision),
@@ -227,4 +250,26 @@ def planned_optimizer(cfg: RunConfig, device: Device, *, precision: str) -> str:
     scaler = presets.PRESETS[precision].scaler if scaler is None else scaler
     return resolve_impl(
         cfg.train.optimizer_impl, device_type="cpu" if on_cpu else "cuda", grad_scaler=scaler
+    )
+
+
+def _planned_model(cfg: RunConfig, *, vocab: int | None, precision: str) -> BuiltPlanModel:
+    """The model ``fsdpkit train`` builds for ``cfg``, as the planner needs it: the
+    built-in Llama from its shape, anything else built on meta by the trainer's own
+    builder ([Note: planning any model])."""
+    if cfg.model.hf or cfg.model.factory:
+        return planned_model(cfg, vocab=vocab or BYTE_VOCAB, precision=precision)
+    shape = model_shape(cfg, vocab_size=vocab)
+    if finetuned(cfg):  # frozen parameters and adapters (fsdpkit.planner.finetune)
+        layout = finetune_layout(cfg, shape, precision=precision)
+    else:
+        layout = llama_layout(shape, tuple(cfg.parallel.block_classes))
+    why = None if layout.decoder_blocks else f"units of {layout.block_reason}"
+    return BuiltPlanModel(
+        layout=layout,
+        shape=shape,
+        why_traced=why,
+        vocab_size=shape.vocab_size,
+        flops_per_token=shape.flops_per_token(cfg.data.seq_len),
+        what="",
     )

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import (
     FSDPMemTracker,
@@ -52,13 +53,15 @@ from torch.distributed.fsdp._fully_shard._fsdp_state import _register_group_forw
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdpkit.config import RunConfig, with_changes
+from fsdpkit.errors import UserError
 from fsdpkit.finetune import prepare
 from fsdpkit.mesh import build_mesh
-from fsdpkit.models.factory import next_token_loss
+from fsdpkit.models.factory import LossFn, next_token_loss
 from fsdpkit.models.llama import Llama
 from fsdpkit.planner.analytic import late_free_spread, model_states
+from fsdpkit.planner.built import build_for_plan
 from fsdpkit.planner.result import CATEGORIES, MemoryPlan, PeakPoint
-from fsdpkit.planner.scenario import PlanError, Scenario
+from fsdpkit.planner.scenario import PlanError, Scenario, TraceError
 from fsdpkit.precision import PRESETS
 from fsdpkit.sharding import resolve_precision, shard
 from fsdpkit.train.optim import build_optimizer
@@ -257,14 +260,43 @@ def _prepare(model: torch.nn.Module, cfg: RunConfig, *, precision: str, fake: An
                 )
 
 
+def _model(cfg: RunConfig, sc: Scenario, *, fake: FakeTensorMode) -> tuple[nn.Module, LossFn]:
+    """The run's model (prepared for fine-tuning) with fake parameters, and its loss."""
+    if sc.model is not None and not (cfg.model.hf or cfg.model.factory):
+        model = Llama(sc.model)
+        _prepare(model, cfg, precision=sc.precision, fake=fake)
+        return model, next_token_loss
+    with unset_fake_temporarily():  # the trainer's builder, parameters on meta
+        built = build_for_plan(cfg, vocab=sc.vocab_size, precision=sc.precision)
+    _fake_tensors(built.module, fake=fake)
+    return built.module, built.loss_fn
+
+
+def _fake_tensors(model: nn.Module, *, fake: FakeTensorMode) -> None:
+    """Give a model built outside fake mode fake CPU parameters and buffers (tied
+    parameters stay tied; real buffers keep their values' metadata)."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            if p is not None and not isinstance(p, FakeTensor):
+                if id(p) not in made:
+                    data = torch.empty(p.shape, dtype=p.dtype)  # fake: no storage
+                    made[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
+                module._parameters[key] = made[id(p)]  # type: ignore[assignment]
+        for key, b in module._buffers.items():
+            if b is not None and not isinstance(b, FakeTensor):
+                module._buffers[key] = (
+                    torch.empty(b.shape, dtype=b.dtype) if b.is_meta else fake.from_tensor(b)
+                )
+
+
 def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
     mesh = build_mesh(
         replicate=sc.replicate, shard=sc.shard, device_type="cpu", world_size=sc.world_size
     )
+    run_cfg = _run_config(cfg, sc)
     with FakeTensorMode() as fake:
-        model = Llama(sc.model)
-        run_cfg = _run_config(cfg, sc)
-        _prepare(model, run_cfg, precision=sc.precision, fake=fake)
+        model, loss_fn = _model(run_cfg, sc, fake=fake)
         with _real_submeshes():
             shard(model, run_cfg, mesh=mesh)
         if sc.device.kind == "cpu" and sc.shard > 1:
@@ -277,9 +309,7 @@ def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
         opt.step()
         opt.zero_grad(set_to_none=True)
         shape = (sc.micro_batch, sc.seq_len + 1)
-        batches = [
-            torch.randint(0, sc.model.vocab_size, shape) for _ in range(min(sc.grad_accum, 2))
-        ]
+        batches = [torch.randint(0, sc.vocab_size, shape) for _ in range(min(sc.grad_accum, 2))]
         tracker = _UnitTracker(model, opt)
         tracker.track_inputs(tuple(batches))
         recorder = _PhaseRecorder(tracker)
@@ -288,7 +318,7 @@ def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
                 model,
                 opt,
                 batches,
-                loss_fn=next_token_loss,
+                loss_fn=loss_fn,
                 max_norm=cfg.train.grad_clip,
                 keep_unsharded=sc.keep_unsharded,
                 accum_sync=sc.accum_sync,
@@ -312,6 +342,16 @@ def traced_memory(cfg: RunConfig, sc: Scenario) -> MemoryPlan:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=sc.world_size)
     try:
         recorder = _trace(cfg, sc)
+    except UserError:
+        raise
+    except Exception as exc:
+        what = sc.source or "the model"
+        raise TraceError(
+            f"tracing one training step of {what} under fake tensors failed "
+            f"({type(exc).__name__}: {exc}). Code that reads tensor values (data-dependent "
+            "control flow, .item(), numpy) cannot run on fake tensors; plan a config whose "
+            "model traces, or measure a few real steps with `fsdpkit train`."
+        ) from exc
     finally:
         dist.destroy_process_group()
     return _memory_plan(sc, recorder)

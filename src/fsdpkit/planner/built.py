@@ -1,0 +1,211 @@
+"""Models the planner did not write: ``model.hf`` directories and ``model.factory``.
+
+[Note: planning any model]
+The planner plans what ``fsdpkit train`` builds, so for these models it builds the run's
+model exactly as the trainer does (``fsdpkit.models.factory.build_model``: an HF model
+on meta with its constructor's buffers; a factory called as the trainer calls it), runs
+``fsdpkit.finetune.prepare`` when the run freezes anything, and reads the units off it
+(``layout_of``: the blocks ``shard()`` would pick). Parameter shapes, and so sharded
+states, gradients, all-gather buffers and traffic, are then exact for any model.
+
+Activations are not: they depend on the block's ops. The analytic model knows the ops
+of one block family: a pre-norm Llama decoder layer (RMSNorm, RoPE, grouped-query SDPA,
+SwiGLU). transformers' Llama and Mistral decoder layers run those ops, so an HF config
+of that family without extras (biases, sliding windows, other activations) is planned
+analytically with its shape read from config.json (``hf_llama_shape``); every other
+model is planned by tracing its real code under fake tensors (fsdpkit.planner.traced).
+bench/plan_accuracy.py measures both against real runs (rows "H ...").
+
+The build is cached per model-relevant config (the recommender plans many variants of
+one run, and a factory may be slow).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fsdpkit.config import RunConfig
+from fsdpkit.errors import UserError
+from fsdpkit.models.llama import LlamaConfig
+from fsdpkit.planner.layout import ModelLayout, layout_of
+from fsdpkit.precision import PRESETS
+
+ANALYTIC_HF_BLOCKS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer"}
+"""HF model types whose decoder layer runs the ops of the analytic block model, and the
+layer class that must be the unit (a forced other class is traced)."""
+
+
+@dataclass(frozen=True)
+class BuiltPlanModel:
+    """What the planner needs of a model built by the trainer's own builder."""
+
+    layout: ModelLayout
+    shape: LlamaConfig | None
+    """Its Llama shape when the analytic model applies, else None (traced)."""
+    why_traced: str | None
+    """Why the analytic model does not apply (None when it does)."""
+    vocab_size: int
+    """Rows of its input embedding (token ids the traced step may draw)."""
+    flops_per_token: float
+    """Training FLOPs per token at the run's sequence length (step-time ranking)."""
+    what: str
+    """How the model is named in reports, e.g. "model.hf GPT2LMHeadModel"."""
+
+
+def build_key(cfg: RunConfig, *, vocab: int | None, precision: str) -> tuple[object, ...]:
+    """Everything the build and layout depend on."""
+    return (
+        repr(cfg.model),
+        repr(cfg.lora),
+        repr(cfg.parallel.block_classes),
+        cfg.precision.norms_fp32,
+        cfg.data.seq_len,
+        cfg.train.seed,
+        vocab,
+        precision,
+    )
+
+
+def build_for_plan(cfg: RunConfig, *, vocab: int | None, precision: str) -> Any:
+    """The trainer's model of ``cfg`` (``BuiltModel``), prepared for fine-tuning as the
+    trainer prepares it, parameters on meta where the builder puts them."""
+    from fsdpkit.finetune import prepare
+    from fsdpkit.models.factory import build_model
+
+    built = build_model(
+        cfg.model, vocab_size=vocab or 1, seq_len=cfg.data.seq_len, seed=cfg.train.seed
+    )
+    if cfg.lora.rank or cfg.model.freeze:
+        prepare(built.module, cfg, precision=PRESETS[precision], init=None)
+    return built
+
+
+def planned_model(cfg: RunConfig, *, vocab: int | None, precision: str) -> BuiltPlanModel:
+    """The layout (and, where it applies, the analytic shape) of a model.hf / factory
+    model (see [Note: planning any model]); cached."""
+    key = build_key(cfg, vocab=vocab, precision=precision)
+    found = _CACHE.get(key)
+    if found is None:
+        found = _plan_model(cfg, vocab=vocab, precision=precision)
+        if len(_CACHE) > 16:
+            _CACHE.clear()
+        _CACHE[key] = found
+    return found
+
+
+_CACHE: dict[tuple[object, ...], BuiltPlanModel] = {}
+
+
+def _plan_model(cfg: RunConfig, *, vocab: int | None, precision: str) -> BuiltPlanModel:
+    from fsdpkit.planner.scenario import PlanError
+
+    try:
+        built = build_for_plan(cfg, vocab=vocab, precision=precision)
+    except UserError as exc:
+        raise PlanError(str(exc)) from None
+    model = built.module
+    layout = layout_of(model, class_names=cfg.parallel.block_classes or None)
+    numel = sum(p.numel() for p in model.parameters())
+    rows = input_vocab(model, default=vocab or 256)
+    what = f"model.{'hf' if cfg.model.hf else 'factory'} {type(model).__name__}"
+    hf_config = getattr(model, "config", None) if built.hf is not None else None
+    shape, why = _analytic_shape(hf_config, layout=layout, seq_len=cfg.data.seq_len)
+    if shape is not None:
+        layout = replace(layout, decoder_blocks=True)
+    flops = shape.flops_per_token(cfg.data.seq_len) if shape else _generic_flops(model, numel)
+    return BuiltPlanModel(
+        layout=layout,
+        shape=shape,
+        why_traced=None if shape else f"{what}: {why}",
+        vocab_size=int(rows),
+        flops_per_token=flops,
+        what=what,
+    )
+
+
+def input_vocab(model: Any, *, default: int) -> int:
+    """Token ids the model embeds: its input embedding's rows (HF's
+    ``get_input_embeddings``, else the first ``nn.Embedding``), else ``default``."""
+    from torch import nn
+
+    embed = getattr(model, "get_input_embeddings", lambda: None)()
+    if embed is None:
+        embed = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return int(embed.weight.shape[0]) if embed is not None else default
+
+
+def _generic_flops(model: Any, numel: int) -> float:
+    """6 FLOPs per parameter per token (the matmul count; attention scores unknown for a
+    module fsdpkit did not write)."""
+    del model
+    return 6.0 * numel
+
+
+def _analytic_shape(
+    config: Any, *, layout: ModelLayout, seq_len: int
+) -> tuple[LlamaConfig | None, str]:
+    """(the Llama shape, "") when the analytic block model applies, else (None, why)."""
+    if config is None:
+        return None, "a factory module (the analytic model knows fsdpkit's and HF Llama blocks)"
+    kind = getattr(config, "model_type", "?")
+    block = ANALYTIC_HF_BLOCKS.get(kind)
+    if block is None:
+        return None, f"model_type {kind!r} (analytic: {', '.join(ANALYTIC_HF_BLOCKS)})"
+    if layout.block_class != block:
+        return None, f"units of {layout.block_class} rather than {block}"
+    extra = _extras(config)
+    if extra:
+        return None, f"{kind} with {extra} (the analytic block model has none)"
+    shape = hf_llama_shape(config, seq_len=seq_len)
+    if shape is None:
+        return None, f"{kind} with a head_dim other than hidden_size / heads"
+    return shape, ""
+
+
+def _extras(config: Any) -> str:
+    """What an HF Llama-family config adds beyond the analytic block's ops ("" none)."""
+    found = [
+        name
+        for name, value in (
+            ("attention_bias", getattr(config, "attention_bias", False)),
+            ("mlp_bias", getattr(config, "mlp_bias", False)),
+            ("sliding_window", getattr(config, "sliding_window", None)),
+            ("attention_dropout", getattr(config, "attention_dropout", 0.0)),
+        )
+        if value
+    ]
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        found.append(f"hidden_act={act}")
+    return ", ".join(found)
+
+
+def hf_llama_shape(config: Any, *, seq_len: int) -> LlamaConfig | None:
+    """The Llama shape of an HF Llama-family config (None: its head_dim differs from
+    hidden_size / heads, which the built-in Llama cannot express)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if head_dim * heads != config.hidden_size:
+        return None
+    return LlamaConfig(
+        vocab_size=config.vocab_size,
+        dim=config.hidden_size,
+        n_layers=config.num_hidden_layers,
+        n_heads=heads,
+        n_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        ffn_dim=config.intermediate_size,
+        max_seq_len=max(seq_len, getattr(config, "max_position_embeddings", seq_len)),
+        tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        init_std=getattr(config, "initializer_range", 0.02),
+        norm_eps=getattr(config, "rms_norm_eps", 1e-5),
+        rope_theta=_rope_theta(config),
+    )
+
+
+def _rope_theta(config: Any) -> float:
+    theta = getattr(config, "rope_theta", None)
+    if theta is None:  # transformers 5 keeps it in rope_parameters
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return float(theta) if theta and math.isfinite(float(theta)) else 10000.0
