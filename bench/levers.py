@@ -71,9 +71,14 @@ LEVERS: list[Lever] = [
         ("parallel.backward_prefetch=1",),
         ("parallel.backward_prefetch=2",),
     ),
+    ("chunked loss on vs off", ("train.chunked_loss=off",), ("train.chunked_loss=on",)),
+    ("selective AC vs none", ("activations.mode=none",), ("activations.mode=selective",)),
+    ("selective AC vs full", ("activations.mode=full",), ("activations.mode=selective",)),
 ]
-"""(name, off-overrides, on-overrides); the lead adds train.chunked_loss,
-activations.mode=selective and train.compile rows here."""
+"""(name, off-overrides, on-overrides). train.compile has its own bench,
+bench/act_levers.py: each compiled run there resets dynamo and compiles (warm on-disk
+cache), and the cold first compile is measured apart, which this table's shared
+warm-up does not do."""
 
 
 @dataclass(frozen=True)
