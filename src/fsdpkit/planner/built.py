@@ -71,6 +71,22 @@ def build_key(cfg: RunConfig, *, vocab: int | None, precision: str) -> tuple[obj
     )
 
 
+def planned_loss(model: Any, cfg: RunConfig, *, loss_fn: Any) -> Any:
+    """The loss the trainer would run for ``model`` (``train.chunked_loss`` over the
+    model's own ``loss_fn``): the one the traced planner traces and the accuracy
+    measurement runs (fsdpkit.models.head_loss.choose_loss, after sharding)."""
+    from fsdpkit.models.factory import next_token_loss
+    from fsdpkit.models.head_loss import choose_loss
+
+    return choose_loss(
+        model,
+        mode=cfg.train.chunked_loss,
+        chunk_tokens=cfg.train.loss_chunk_tokens,
+        default=loss_fn,
+        custom_loss=loss_fn is not next_token_loss,
+    ).loss_fn
+
+
 def build_for_plan(cfg: RunConfig, *, vocab: int | None, precision: str) -> Any:
     """The trainer's model of ``cfg`` (``BuiltModel``), prepared for fine-tuning as the
     trainer prepares it, parameters on meta where the builder puts them."""

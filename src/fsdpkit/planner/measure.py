@@ -32,9 +32,8 @@ from fsdpkit.finetune import prepare
 from fsdpkit.init import Initializer
 from fsdpkit.mesh import build_mesh
 from fsdpkit.models.factory import LossFn, next_token_loss
-from fsdpkit.models.head_loss import choose_loss
 from fsdpkit.models.llama import Llama, LlamaConfig
-from fsdpkit.planner.built import build_for_plan, input_vocab
+from fsdpkit.planner.built import build_for_plan, input_vocab, planned_loss
 from fsdpkit.sharding import resolve_precision, shard
 from fsdpkit.sharding.grads import sync_mode
 from fsdpkit.train.optim import build_optimizer
@@ -135,13 +134,7 @@ def _step_peaks(
     model, init, loss_fn = _model(cfg, shape)
     vocab = shape.vocab_size if shape is not None else input_vocab(model, default=256)
     shard(model, cfg, mesh=mesh, init=init)
-    loss_fn = choose_loss(
-        model,
-        mode=cfg.train.chunked_loss,
-        chunk_tokens=cfg.train.loss_chunk_tokens,
-        default=loss_fn,
-        custom_loss=loss_fn is not next_token_loss,
-    ).loss_fn
+    loss_fn = planned_loss(model, cfg, loss_fn=loss_fn)
     precision = resolve_precision(cfg.precision, device_type="cpu")
     opt = build_optimizer(model, cfg.train, grad_scaler=precision.scaler)  # the trainer's
     gen = torch.Generator().manual_seed(rank)

@@ -63,10 +63,10 @@ from fsdpkit.errors import UserError
 from fsdpkit.finetune import prepare
 from fsdpkit.mesh import build_mesh
 from fsdpkit.models.factory import LossFn, next_token_loss
-from fsdpkit.models.head_loss import ChunkedLoss, choose_loss
+from fsdpkit.models.head_loss import ChunkedLoss
 from fsdpkit.models.llama import Llama
 from fsdpkit.planner.analytic import late_free_spread, model_states
-from fsdpkit.planner.built import build_for_plan
+from fsdpkit.planner.built import build_for_plan, planned_loss
 from fsdpkit.planner.result import CATEGORIES, MemoryPlan, PeakPoint
 from fsdpkit.planner.scenario import PlanError, Scenario, TraceError
 from fsdpkit.precision import PRESETS
@@ -311,13 +311,7 @@ def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
             shard(model, run_cfg, mesh=mesh)
         if sc.device.kind == "cpu" and sc.shard > 1:
             _model_gloo_buffers(model)
-        loss_fn = choose_loss(
-            model,
-            mode=cfg.train.chunked_loss,
-            chunk_tokens=cfg.train.loss_chunk_tokens,
-            default=loss_fn,
-            custom_loss=loss_fn is not next_token_loss,
-        ).loss_fn
+        loss_fn = planned_loss(model, cfg, loss_fn=loss_fn)
         if isinstance(loss_fn, ChunkedLoss):  # a tied head's grad summed in place, as real
             loss_fn = dataclasses.replace(loss_fn, grad_into_weight=True)
         scaler = resolve_precision(run_cfg.precision, device_type="cpu").scaler
