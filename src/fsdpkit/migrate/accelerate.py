@@ -187,13 +187,30 @@ def _others(m: Migration, data: dict[str, Any]) -> None:
         note_conflict(
             m, "the file has both deepspeed_config and fsdp_config; only FSDP is converted"
         )
-    dynamo = data.get("dynamo_config") or {}
-    if data.get("dynamo_backend") not in (None, "NO"):
-        dynamo = {"dynamo_backend": data["dynamo_backend"]}
-    if dynamo:
-        m.drop(f"dynamo_config: {dynamo}", "no torch.compile setting in fsdpkit yet")
+    _dynamo(m, data)
     if data.get("fp8_config"):
         m.drop("fp8_config", "no fp8 in fsdpkit")
+
+
+def _dynamo(m: Migration, data: dict[str, Any]) -> None:
+    """Accelerate's torch.compile settings: the inductor backend becomes train.compile
+    (fsdpkit compiles each block before sharding, as torchtitan does); other backends
+    and dynamo's options have no equivalent."""
+    dynamo = dict(data.get("dynamo_config") or {})
+    if data.get("dynamo_backend") not in (None, "NO"):
+        dynamo = {"dynamo_backend": data["dynamo_backend"]}
+    backend = str(dynamo.pop("dynamo_backend", "NO")).upper()
+    if backend == "INDUCTOR":
+        m.set(
+            "train.compile",
+            True,
+            "dynamo_config.dynamo_backend: INDUCTOR",
+            "torch.compile per block before sharding (not the whole model)",
+        )
+    elif backend != "NO":
+        m.drop(f"dynamo_backend: {backend}", "fsdpkit compiles with inductor only")
+    if dynamo:
+        m.drop(f"dynamo_config: {dynamo}", "dynamo options are not converted")
 
 
 def convert_accelerate(path: str | Path, *, output_name: str = "run.toml") -> Migration:
