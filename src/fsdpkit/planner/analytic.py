@@ -197,14 +197,28 @@ class _Step:
         self.led.add(COLL, -self.rs_state)  # the previous unit's input is released
         if self.last_micro or not self.sc.keep_unsharded:  # else kept for the next forward
             self.led.add(UNSH, -self.held.pop(u.name))
+        late = self._late_head_grad(u)
         self.led.add(COLL, gathered * rb)  # copy-in, then the grads are freed
-        self.led.add(GRAD, -new_grads - self.accumulated.pop(u.name, 0))
+        self.led.add(GRAD, -new_grads - self.accumulated.pop(u.name, 0) + late)
         self.rs_state = gathered * rb
         gloo = gathered * rb if self.gloo else 0  # gloo reduces a clone of the input
         if self.sc.replicate > 1 and not self.last_micro:
             self._partial_sum(u, gloo)
         else:
             self._reduced(u, gloo)
+        self.led.add(GRAD, -late)
+
+    def _late_head_grad(self, u: Unit) -> int:
+        """[Note: the head's late gradient]
+        An untied, trainable output head's unsharded gradient is still referenced by
+        the loss's backward graph when the root's reduce-scatter runs (FSDP2 runs it in
+        the final callback of backward, before autograd frees the graph), so it lives
+        through the root's reduce-scatter (measured: V1 bf16 +AC, V3 rows of
+        bench/plan_accuracy.py)."""
+        head = u is self.root and not self.m.tie_embeddings
+        if not head or "head" in self.sc.layout.frozen_names or self.accumulated:
+            return 0
+        return self.s.vocab * self.s.d * self.s.e
 
     def _reduced(self, u: Unit, gloo: int) -> None:
         """The reduce-scatter output becomes the sharded gradient, or (``every``, after
