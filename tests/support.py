@@ -6,6 +6,8 @@ variant, so parity tests compare like with like.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -39,12 +41,19 @@ class ResidualMLP(nn.Module):
 
 
 class MLPNet(nn.Module):
-    """Token embedding -> residual MLP blocks -> head: no attention, no shared names."""
+    """Token embedding -> residual MLP blocks -> head: no attention, no shared names.
+    ``block(dim)`` makes each block (default ``ResidualMLP``)."""
 
-    def __init__(self, vocab: int = 128, dim: int = 64, depth: int = 4) -> None:
+    def __init__(
+        self,
+        vocab: int = 128,
+        dim: int = 64,
+        depth: int = 4,
+        block: Callable[[int], nn.Module] = ResidualMLP,
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(ResidualMLP(dim) for _ in range(depth))
+        self.blocks = nn.ModuleList(block(dim) for _ in range(depth))
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -52,6 +61,23 @@ class MLPNet(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.head(h)
+
+
+COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_reduce")
+"""The c10d entry points FSDP2 calls (all-gather, reduce-scatter, HSDP all-reduce)."""
+
+
+def count_collectives(counter: Counter[str], names: tuple[str, ...] = COLLECTIVES) -> None:
+    """Wrap the c10d entry points ``names`` in this process, counting each call in
+    ``counter`` under its name."""
+    for name in names:
+        original = getattr(dist, name)
+
+        def counted(*args: Any, _name: str = name, _orig: Any = original, **kw: Any) -> Any:
+            counter[_name] += 1
+            return _orig(*args, **kw)
+
+        setattr(dist, name, counted)
 
 
 def build_mlp(*, seed: int = 0) -> MLPNet:

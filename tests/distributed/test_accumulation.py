@@ -8,29 +8,23 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fsdpkit import build_mesh, gradient_sync, shard
 from fsdpkit.config import ParallelConfig, RunConfig, mesh_shape
 from fsdpkit.testing import run_ranks
-from support import GLOBAL_BATCH, TINY, build, global_batches, lm_loss, local
+from support import (
+    GLOBAL_BATCH,
+    TINY,
+    build,
+    count_collectives,
+    global_batches,
+    lm_loss,
+    local,
+)
 
 pytestmark = pytest.mark.distributed
 
 K = 4
-COUNTED = ("all_gather_single", "reduce_scatter_single", "all_reduce")
-
-
-def _count_collectives(counter: Counter[str]) -> None:
-    """Wrap the c10d entry points FSDP2 calls, counting each call."""
-    for name in COUNTED:
-        original = getattr(dist, name)
-
-        def counted(*args: Any, _name: str = name, _orig: Any = original, **kw: Any) -> Any:
-            counter[_name] += 1
-            return _orig(*args, **kw)
-
-        setattr(dist, name, counted)
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -43,7 +37,7 @@ def _accumulate(rank: int, world: int, strategy: str, keep_unsharded: bool) -> d
     mesh = build_mesh(replicate=replicate, shard=shard_deg, device_type="cpu")
     micro = global_batches(1, micro=K)[0]  # (K, GLOBAL_BATCH, seq+1)
     counter: Counter[str] = Counter()
-    _count_collectives(counter)
+    count_collectives(counter)
 
     accumulated = build(TINY)
     shard(accumulated, cfg, mesh=mesh)

@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fsdpkit import build_mesh, make_grad_scaler, resolve_precision, shard
 from fsdpkit.config import RunConfig, load, mesh_shape
@@ -26,12 +25,11 @@ from fsdpkit.sharding.grads import sync_mode
 from fsdpkit.testing import run_ranks
 from fsdpkit.train.optim import impl_kwargs, resolve_impl
 from fsdpkit.train.step import train_step
-from support import TINY, build, full_state, global_batches, local
+from support import TINY, build, count_collectives, full_state, global_batches, local
 
 pytestmark = pytest.mark.distributed
 
 STEPS = 10
-COUNTED = ("all_gather_single", "reduce_scatter_single", "all_reduce")
 
 # name -> (micro-batches per step, config overrides)
 VARIANTS: dict[str, tuple[int, list[str]]] = {
@@ -48,18 +46,6 @@ VARIANTS: dict[str, tuple[int, list[str]]] = {
     "prefetch-off": (1, []),
     "prefetch-on": (1, ["parallel.forward_prefetch=2", "parallel.backward_prefetch=2"]),
 }
-
-
-def _count_collectives(counter: Counter[str]) -> None:
-    """Wrap the c10d entry points FSDP2 calls, counting each call."""
-    for name in COUNTED:
-        original = getattr(dist, name)
-
-        def counted(*args: Any, _name: str = name, _orig: Any = original, **kw: Any) -> Any:
-            counter[_name] += 1
-            return _orig(*args, **kw)
-
-        setattr(dist, name, counted)
 
 
 def _train(rank: int, world: int, cfg: RunConfig, micro: int) -> dict[str, Any]:
@@ -85,7 +71,7 @@ def _train(rank: int, world: int, cfg: RunConfig, micro: int) -> dict[str, Any]:
             per_micro.append(dict(counter - marks[-1]))
             marks.append(Counter(counter))
 
-    _count_collectives(counter)
+    count_collectives(counter)
     losses = []
     for step in global_batches(STEPS, micro=micro):
         batches = [local(step[i], rank, world // replicate * replicate) for i in range(micro)]

@@ -22,7 +22,7 @@ from fsdpkit.config import ActivationsConfig, RunConfig, TrainConfig
 from fsdpkit.init import init_weights
 from fsdpkit.models.factory import next_token_loss
 from fsdpkit.testing import run_ranks
-from support import build, full_state, global_batches, train
+from support import MLPNet, build, full_state, global_batches, train
 
 pytestmark = pytest.mark.distributed
 
@@ -41,20 +41,6 @@ class OddBlock(nn.Module):
         return x + self.c(F.gelu(self.b(torch.tanh(self.a(self.norm(x))))))
 
 
-class OddNet(nn.Module):
-    def __init__(self, vocab: int = 128, dim: int = 32, depth: int = 3) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(OddBlock(dim) for _ in range(depth))
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
-
-
 def _hf_llama() -> nn.Module:
     """A transformers Llama as fsdpkit builds ``model.hf`` ones (no KV cache)."""
     import transformers
@@ -67,8 +53,8 @@ def _hf_llama() -> nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
-def _odd_net() -> OddNet:
-    model = OddNet()
+def _odd_net() -> MLPNet:
+    model = MLPNet(dim=32, depth=3, block=OddBlock)
     init_weights(model, seed=0)
     return model
 

@@ -28,7 +28,16 @@ from fsdpkit.models.factory import IGNORE_INDEX, build_model, next_token_loss
 from fsdpkit.models.head_loss import choose_loss, default_loss
 from fsdpkit.testing import run_ranks
 from fsdpkit.train.step import train_step
-from support import SEQ, TINY, build, full_state, global_batches, local, untied
+from support import (
+    SEQ,
+    TINY,
+    build,
+    count_collectives,
+    full_state,
+    global_batches,
+    local,
+    untied,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -61,17 +70,6 @@ def _model(variant: str, model_dir: str) -> tuple[torch.nn.Module, Any, RunConfi
     return model, None, RunConfig(parallel=parallel)
 
 
-def _count_all_gathers(counter: Counter[str]) -> None:
-    """Count the c10d all-gathers FSDP2 issues (as test_accumulation.py counts)."""
-    original = dist.all_gather_single
-
-    def counted(*args: Any, **kw: Any) -> Any:
-        counter["all_gather"] += 1
-        return original(*args, **kw)
-
-    dist.all_gather_single = counted
-
-
 def _train(
     rank: int, world: int, variant: str, mode: str, model_dir: str, counter: Counter[str]
 ) -> dict[str, Any]:
@@ -92,9 +90,9 @@ def _train(
         micro: list[Any] = [
             _sft_batch(t, rank=rank, world=world) if sft else local(t, rank, world) for t in step
         ]
-        before = counter["all_gather"]
+        before = counter["all_gather_single"]
         result = train_step(model, opt, micro, loss_fn=choice.loss_fn, max_norm=1.0)
-        gathers.append(counter["all_gather"] - before)
+        gathers.append(counter["all_gather_single"] - before)
         total = result.loss.clone()
         dist.all_reduce(total)
         losses.append(float(total) / world)
@@ -104,7 +102,7 @@ def _train(
 
 def _all(rank: int, world: int, model_dir: str) -> dict[str, Any]:
     counter: Counter[str] = Counter()
-    _count_all_gathers(counter)
+    count_collectives(counter, ("all_gather_single",))
     return {
         (v, mode): _train(rank, world, v, mode, model_dir, counter)
         for v in VARIANTS
