@@ -118,6 +118,8 @@ _CACHE: dict[tuple[object, ...], BuiltPlanModel] = {}
 
 
 def _plan_model(cfg: RunConfig, *, vocab: int | None, precision: str) -> BuiltPlanModel:
+    from fsdpkit.models.factory import next_token_loss
+    from fsdpkit.models.head_loss import unsupported_reason
     from fsdpkit.planner.scenario import PlanError
 
     try:
@@ -126,17 +128,16 @@ def _plan_model(cfg: RunConfig, *, vocab: int | None, precision: str) -> BuiltPl
         raise PlanError(str(exc)) from None
     model = built.module
     layout = layout_of(model, class_names=cfg.parallel.block_classes or None)
-    numel = sum(p.numel() for p in model.parameters())
     rows = input_vocab(model, default=vocab or 256)
     what = f"model.{'hf' if cfg.model.hf else 'factory'} {type(model).__name__}"
     hf_config = getattr(model, "config", None) if built.hf is not None else None
     shape, why = _analytic_shape(hf_config, layout=layout, seq_len=cfg.data.seq_len)
     if shape is not None:
         layout = replace(layout, decoder_blocks=True)
-    flops = shape.flops_per_token(cfg.data.seq_len) if shape else _generic_flops(model, numel)
-    from fsdpkit.models.factory import next_token_loss
-    from fsdpkit.models.head_loss import unsupported_reason
-
+    if shape is not None:
+        flops = shape.flops_per_token(cfg.data.seq_len)
+    else:  # 6 per parameter (fsdpkit.models.flops); its attention term needs the shape
+        flops = 6.0 * sum(p.numel() for p in model.parameters())
     custom = built.loss_fn is not next_token_loss
     return BuiltPlanModel(
         layout=layout,
@@ -158,13 +159,6 @@ def input_vocab(model: Any, *, default: int) -> int:
     if embed is None:
         embed = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     return int(embed.weight.shape[0]) if embed is not None else default
-
-
-def _generic_flops(model: Any, numel: int) -> float:
-    """6 FLOPs per parameter per token (the matmul count; attention scores unknown for a
-    module fsdpkit did not write)."""
-    del model
-    return 6.0 * numel
 
 
 def _analytic_shape(
