@@ -74,6 +74,11 @@ LEVERS: list[Lever] = [
     ("chunked loss on vs off", ("train.chunked_loss=off",), ("train.chunked_loss=on",)),
     ("selective AC vs none", ("activations.mode=none",), ("activations.mode=selective",)),
     ("selective AC vs full", ("activations.mode=full",), ("activations.mode=selective",)),
+    (
+        "edge units on vs off (untied)",
+        ("model.tie_embeddings=false", "parallel.edge_units=false"),
+        ("model.tie_embeddings=false", "parallel.edge_units=true"),
+    ),
 ]
 """(name, off-overrides, on-overrides). train.compile has its own bench,
 bench/act_levers.py: each compiled run there resets dynamo and compiles (warm on-disk

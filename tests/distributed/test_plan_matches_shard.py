@@ -1,7 +1,8 @@
 """The planner plans exactly the units ``shard()`` builds.
 
 For every strategy x precision preset x activation-checkpointing mode (and
-blocks_per_unit 1 and 3, an int reshard_after_forward, a large vocabulary), a real
+blocks_per_unit 1 and 3, an int reshard_after_forward, a large untied vocabulary,
+whose embedding, final norm and head get units of their own), a real
 model is sharded on gloo ranks by the trainer's own builder and ``shard()``; what
 FSDP2 and the checkpoint wrapper then hold — units, their blocks, resharding after
 forward, compute and reduce dtypes, checkpointed blocks — is read back from the
@@ -36,6 +37,9 @@ MODEL = [
 ]  # fmt: skip
 """Embedding and head hold ~80% of the parameters: the large-vocabulary case."""
 
+EDGES = {"model.embed_tokens": "embedding", "model.norm": "norm", "lm_head": "head"}
+"""The untied model's edge units ([Note: edge units] in fsdpkit.sharding.edges)."""
+
 AC = (["activations.mode=none"], ["activations.mode=full"], ["activations.mode=every"])
 
 
@@ -58,8 +62,11 @@ def _applied_reshard(group: Any) -> bool | int:
     return True if post.shard_mesh_size == group.mesh_info.shard_mesh_size else post.shard_mesh_size
 
 
-def _unit_facts(module: FSDPModule) -> dict[str, Any]:
+def _unit_facts(module: FSDPModule) -> dict[str, Any] | None:
+    """None for a unit without parameters (a root whose modules all have units)."""
     group = module._get_fsdp_state()._fsdp_param_group
+    if group is None:
+        return None
     mp = group.mp_policy
     return {
         "modules": len(group.modules),
@@ -84,9 +91,15 @@ def _applied(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
         if id(group) not in seen:
             seen.add(id(group))
             units.append(_unit_facts(b))  # type: ignore[arg-type]
+    edges = {
+        EDGES[name]: _unit_facts(module)
+        for name, module in built.module.named_modules()
+        if name in EDGES and isinstance(module, FSDPModule)
+    }
     return {
         "block_class": type(blocks[0]).__name__.removeprefix("FSDP"),
         "units": units,
+        "edges": edges,
         "root": _unit_facts(built.module),  # type: ignore[arg-type]
         "checkpointed": [checkpoint.state(b) is not None for b in blocks],
     }
@@ -113,7 +126,8 @@ def _planned(world: int, overrides: list[str]) -> dict[str, Any]:
     return {
         "block_class": sc.layout.block_class,
         "units": [facts(u, len(u.blocks)) for u in sc.units],
-        "root": facts(sc.root, 1),
+        "edges": {u.name: facts(u, 1) for u in sc.edges},
+        "root": facts(sc.root, 1) if sc.root.numel else None,
         "checkpointed": [c for u in sc.units for c in u.checkpointed],
     }
 
@@ -124,4 +138,5 @@ def test_planned_units_are_the_applied_units(world: int) -> None:
     applied = run_ranks(_applied_all, world_size=world, args=(cases,), timeout_s=300)[0]
     for case, real in zip(cases, applied):
         assert real["block_class"] == "DecoderLayer", case  # not nn.Linear
+        assert list(real["edges"]) == ["embedding", "norm", "head"], case
         assert _planned(world, case) == real, case

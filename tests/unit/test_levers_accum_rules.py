@@ -70,7 +70,7 @@ def test_every_trades_unsharded_grads_for_reduce_scatters() -> None:
     every = _plan([*LLAMA_1B, "parallel.accum_sync=every"])
     # at the peak (the last micro-batch's loss backward) last holds every parameter's
     # unsharded grad (bf16 preset: fp32 reduce); every holds the sharded grads instead
-    units = [last.scenario.root, *last.scenario.units]
+    units = list(last.scenario.all_units)
     held = 4 * sum(u.grads_numel for u in units)
     sharded = 4 * sum(u.grads_sharded for u in units)
     assert last.memory.peak.bytes - every.memory.peak.bytes == held - sharded
@@ -154,7 +154,7 @@ def test_each_adamw_kernel_temporary() -> None:
         for impl in ("fused", "foreach", "for-loop")
     }
     sc = peaks["fused"].scenario
-    units = [sc.root, *sc.units]
+    units = list(sc.all_units)
     opt = {k: p.memory.phase_peaks["optimizer step"] for k, p in peaks.items()}
     assert opt["foreach"] - opt["fused"] == 4 * sum(u.grads_matrix_sharded for u in units)
     assert opt["for-loop"] - opt["fused"] == 8 * max(u.largest_sharded for u in units)

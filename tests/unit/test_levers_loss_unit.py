@@ -192,7 +192,9 @@ def test_llama3_8b_chunked_loss_drops_the_logits() -> None:
     full = plan(load(None, [*LLAMA3_8B, "train.chunked_loss=off"]), world_size=8, device=h100)
     chunked = plan(load(None, LLAMA3_8B), world_size=8, device=h100)  # auto = on
     assert chunked.scenario.loss_chunk == 1024
-    assert full.memory.peak.bytes == pytest.approx(41.70 * GiB, abs=0.01 * GiB)
+    # the 41.70 GiB, less the untied embedding and head in the root unit
+    # ([Note: edge units] in fsdpkit.sharding.edges)
+    assert full.memory.peak.bytes == pytest.approx(40.72 * GiB, abs=0.01 * GiB)
     # What is left of the loss: one chunk's logits, fp32 copy and logsumexp temp in
     # forward; the peak moves into a block's backward (docs/levers-loss.md)
     assert chunked.memory.peak.bytes < full.memory.peak.bytes - 17 * GiB

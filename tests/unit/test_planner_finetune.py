@@ -25,7 +25,7 @@ def _plan(*overrides: str, precision: str = "bf16") -> object:
 
 def test_lora_states_are_the_adapters_only_and_the_base_is_bf16() -> None:
     full, lora = _plan(), _plan("lora.rank=16")
-    units = [lora.scenario.root, *lora.scenario.units]  # type: ignore[attr-defined]
+    units = list(lora.scenario.all_units)  # type: ignore[attr-defined]
     trainable = sum(u.grads_sharded for u in units)
     frozen = sum(u.sharded - u.grads_sharded for u in units)
     states = lora.memory.model_states  # type: ignore[attr-defined]

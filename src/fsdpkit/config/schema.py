@@ -167,6 +167,13 @@ class ParallelConfig:
     """Class names of the blocks to shard one per unit; empty = detect automatically."""
     blocks_per_unit: int = 1
     """Blocks grouped into one FSDP unit."""
+    edge_units: bool = True
+    """Shard an untied input embedding, the final norm and the output head as FSDP units
+    of their own (as torchtitan) instead of in the root unit: the embedding is resharded
+    after forward and the head's gradient reduce-scattered before any block's backward
+    (2.9 GiB less per rank for llama3-8b on 8 ranks). false keeps them in the root, for
+    a model that reads these weights outside their modules' forward. A tied embedding
+    and head always stay in the root."""
     accum_keep_unsharded: bool = False
     """During gradient accumulation keep parameters unsharded between micro-batches
     (fewer all-gathers, but full parameters stay in memory); applies to both

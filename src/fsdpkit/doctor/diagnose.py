@@ -175,7 +175,12 @@ def model_checks(
             f"{type(model).__name__}: {n_params / 1e6:.2f}M parameters, {len(units)} block "
             f"unit(s); blocks: {choice.describe()}",
         ),
-        *structure_checks(model, units, block_classes=cfg.parallel.block_classes),
+        *structure_checks(
+            model,
+            units,
+            block_classes=cfg.parallel.block_classes,
+            edge_units=cfg.parallel.edge_units,
+        ),
         _safe_buffer_check(cfg, vocab=vocab, param_bytes=size // 3),
         *_plan_checks(cfg, world_size=world_size, device=device, trace=trace, vocab=vocab),
     ]

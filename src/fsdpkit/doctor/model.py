@@ -19,8 +19,13 @@ from torch import nn
 from fsdpkit.config import RunConfig
 from fsdpkit.doctor.check import Check, fail, ok, skip, warn
 from fsdpkit.sharding import unit_specs
+from fsdpkit.sharding.edges import edge_modules
+from fsdpkit.sharding.units import block_specs
 
 ROOT = -1
+EDGE = -2
+"""An untied embedding (EDGE) or head (EDGE - 1): units of their own ([Note: edge
+units] in fsdpkit.sharding.edges)."""
 ROOT_SHARE_WARN = 1 / 3
 """Root share of all parameters above which the root unit is called out."""
 BLOCK_SPREAD_WARN = 2.0
@@ -30,9 +35,10 @@ ROOT_VS_BLOCK_WARN = 4.0
 
 
 def plan_units(blocks: Sequence[nn.Module], cfg: RunConfig) -> list[list[nn.Module]]:
-    """The block units ``shard`` builds (``fsdpkit.sharding.unit_specs``), root left out."""
+    """The block units ``shard`` builds (``fsdpkit.sharding.unit_specs``); edge and root
+    units left out."""
     specs = unit_specs(len(blocks), parallel=cfg.parallel, activations=cfg.activations)
-    return [[blocks[i] for i in spec.blocks] for spec in specs if not spec.is_root]
+    return [[blocks[i] for i in spec.blocks] for spec in block_specs(specs)]
 
 
 @dataclass(frozen=True)
@@ -41,14 +47,19 @@ class ParamInfo:
 
     name: str
     unit: int
-    """Index into the units, or ROOT."""
+    """Index into the units, ROOT or EDGE."""
     param: nn.Parameter
 
 
-def param_table(model: nn.Module, units: list[list[nn.Module]]) -> list[ParamInfo]:
-    """Every parameter registration (tied parameters once per name) with its unit."""
+def param_table(
+    model: nn.Module, units: list[list[nn.Module]], *, edge_units: bool = True
+) -> list[ParamInfo]:
+    """Every parameter registration (tied parameters once per name) with its unit
+    (``edge_units``: parallel.edge_units)."""
     unit_of: dict[int, int] = {}
-    for u, unit in enumerate(units):
+    blocks = [b for unit in units for b in unit]
+    edges = edge_modules(model, blocks=blocks, enabled=edge_units)
+    for u, unit in [*((EDGE - i, [m]) for i, m in enumerate(edges.values())), *enumerate(units)]:
         for block in unit:
             for sub in block.modules():
                 unit_of[id(sub)] = u
@@ -67,12 +78,13 @@ def _fmt(n: float) -> str:
 
 
 def unit_sizes(table: list[ParamInfo], n_units: int) -> tuple[list[int], int]:
-    """(parameters per block unit, parameters in the root), tied ones counted once."""
+    """(parameters per block unit, parameters in the root), tied ones counted once;
+    edge units are neither."""
     sizes = [0] * n_units
     root = 0
     seen: set[int] = set()
     for info in table:
-        if id(info.param) in seen:
+        if id(info.param) in seen or info.unit <= EDGE:
             continue
         seen.add(id(info.param))
         if info.unit == ROOT:
@@ -85,7 +97,8 @@ def unit_sizes(table: list[ParamInfo], n_units: int) -> tuple[list[int], int]:
 def check_root_share(table: list[ParamInfo], units: list[list[nn.Module]]) -> Check:
     """Parameters in no block unit: FSDP2's root unit gathers them for the whole step."""
     sizes, root = unit_sizes(table, len(units))
-    total = root + sum(sizes)
+    edge = sum({id(i.param): i.param.numel() for i in table if i.unit <= EDGE}.values())
+    total = root + sum(sizes) + edge
     name = "params outside blocks"
     if total == 0:
         return skip(name, "the model has no parameters")
@@ -106,6 +119,8 @@ def check_root_share(table: list[ParamInfo], units: list[list[nn.Module]]) -> Ch
     where = f"{_fmt(root)} of {_fmt(total)} parameters ({share:.0%}) are outside the " + (
         f"{len(units)} block units: {', '.join(outside[:6])}{' ...' if len(outside) > 6 else ''}"
     )
+    if edge:
+        where += f"; {_fmt(edge)} in the untied embedding and head's own units"
     if share > ROOT_SHARE_WARN:
         return warn(
             name,
@@ -209,7 +224,7 @@ def check_dtypes(model: nn.Module, table: list[ParamInfo], units: list[list[nn.M
     mixed = {u: d for u, d in per_unit.items() if len(d) > 1}
     if mixed:
         u, found = next(iter(mixed.items()))
-        where = "the root unit" if u == ROOT else f"unit {u}"
+        where = "the root unit" if u == ROOT else "an edge unit" if u <= EDGE else f"unit {u}"
         return fail(
             name,
             f"{where} mixes parameter dtypes {sorted(str(d) for d in found)}: FSDP2 "
@@ -268,10 +283,15 @@ def check_unit_balance(table: list[ParamInfo], units: list[list[nn.Module]]) -> 
 
 
 def structure_checks(
-    model: nn.Module, units: list[list[nn.Module]], *, block_classes: list[str]
+    model: nn.Module,
+    units: list[list[nn.Module]],
+    *,
+    block_classes: list[str],
+    edge_units: bool = True,
 ) -> list[Check]:
-    """The structural checks over ``units`` (as ``plan_units`` groups them)."""
-    table = param_table(model, units)
+    """The structural checks over ``units`` (as ``plan_units`` groups them; the edge
+    units as ``parallel.edge_units`` makes them)."""
+    table = param_table(model, units, edge_units=edge_units)
     return [
         check_root_share(table, units),
         check_shared_params(model, table, units, block_classes=block_classes),

@@ -12,11 +12,14 @@ input, and a forward hook on the model, run before FSDP2's post-forward hook,
 computes the chunked loss from that input and the head's weight and returns it as
 the model's output. So:
 
-- the head's weight is read while FSDP2 holds the root unit unsharded (its pre-forward
-  all-gathered it): one all-gather per micro-batch, as with full logits, whatever the
-  root's ``reshard_after_forward``;
+- the head's weight is read while FSDP2 holds it unsharded: in the root unit (a tied
+  head), or in the head's own unit, which is never resharded after forward ([Note:
+  edge units] in fsdpkit.sharding.edges): one all-gather per micro-batch, as with
+  full logits, whatever the strategy's ``reshard_after_forward``;
 - the loss is the root's output, so FSDP2's pre-backward hook on it runs before the
-  loss's backward and re-gathers the root if it was resharded;
+  loss's backward and re-gathers the root if it was resharded; a head unit's
+  post-backward (its reduce-scatter) runs when the loss's backward has produced the
+  gradient of the head's input, as with full logits;
 - any model whose head output is post-processed (logit soft-capping, scaling, a
   cast) is caught: the model's returned "logits" are then not the head's output
   tensor, and the call fails with an error naming ``train.chunked_loss`` instead of
@@ -26,6 +29,7 @@ the model's output. So:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +53,9 @@ _LOGIT_POSTPROCESSING = (
     "output_multiplier",
 )
 """HF config keys of models that change the head's output before returning it."""
+
+_VIEW_WARNING = r"FSDP2-wrapped module \(\w+\) returned a view tensor"
+"""FSDP2's warning for a unit whose output is a view (fsdp/_fully_shard/_fsdp_state.py)."""
 
 
 class HeadLossError(ModelError):
@@ -181,7 +188,11 @@ def loss_in_forward(
     head.forward = head_forward  # type: ignore[method-assign,assignment]
     handle = model.register_forward_hook(root_hook, prepend=True)
     try:
-        yield
+        with warnings.catch_warnings():
+            # A head unit returns its input, a view made by FSDP2's post-backward
+            # registration; nothing modifies it in place (the loss reads it).
+            warnings.filterwarnings("ignore", message=_VIEW_WARNING, category=UserWarning)
+            yield
     finally:
         handle.remove()
         del head.forward

@@ -297,6 +297,14 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    def get_input_embeddings(self) -> nn.Module:
+        """The token embedding (Hugging Face's accessor name)."""
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module:
+        """The output head (Hugging Face's accessor name)."""
+        return self.lm_head
+
     def forward(
         self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -8,7 +8,10 @@ that keeps the peak. What is modeled, and why (see docs/planner.md for the proof
   all-gathered copy), AdamW's two fp32 states, and fp32 sharded gradients that appear
   unit by unit during backward (the previous step's ``zero_grad`` set them to None):
   16 bytes per parameter / shard degree at the optimizer step (ZeRO-3 arithmetic).
-- Unsharded parameters: the root unit for the whole forward; each block unit from its
+- Unsharded parameters: the root unit for the whole forward; an untied embedding,
+  final norm and head as units of their own ([Note: edge units] in
+  fsdpkit.sharding.edges): the embedding like a block unit, norm and head from their
+  forward to their backward, which comes first; each block unit from its
   pre-forward until its post-forward reshard (never, for the last unit when resharding
   is True, and for every unit under grad_op); in backward the current unit plus the
   all-gather output of the one prefetched. In forward FSDP2 keeps the previous
@@ -36,6 +39,7 @@ import functools
 from fsdpkit.planner.blockmem import (
     ACT,
     GRAD,
+    LOGITS,
     TEMP,
     Sizes,
     block_backward,
@@ -45,6 +49,7 @@ from fsdpkit.planner.blockmem import (
     chunked_loss_backward,
     chunked_loss_forward,
     embedding_backward,
+    final_norm_backward,
     head_backward,
     head_forward,
     loss_backward,
@@ -186,17 +191,17 @@ class _Step:
         e, rb = self.s.e, self.sc.reduce_bytes
         new_grads = u.grads_numel * e
         if not new_grads:
-            self.led.add(UNSH, -self.held.pop(u.name))
+            self.led.add(UNSH, -self.held.pop(u.name, 0))
             return
         if not sync:
             self._accumulate(u, new_grads)
             if not self.sc.keep_unsharded:
-                self.led.add(UNSH, -self.held.pop(u.name))
+                self.led.add(UNSH, -self.held.pop(u.name, 0))
             return
         gathered = u.grads_sharded * self.sc.shard  # the reduce-scatter input
         self.led.add(COLL, -self.rs_state)  # the previous unit's input is released
         if self.last_micro or not self.sc.keep_unsharded:  # else kept for the next forward
-            self.led.add(UNSH, -self.held.pop(u.name))
+            self.led.add(UNSH, -self.held.pop(u.name, 0))
         late = self._late_head_grad(u)
         self.led.add(COLL, gathered * rb)  # copy-in, then the grads are freed
         self.led.add(GRAD, -new_grads - self.accumulated.pop(u.name, 0) + late)
@@ -211,12 +216,13 @@ class _Step:
     def _late_head_grad(self, u: Unit) -> int:
         """[Note: the head's late gradient]
         An untied, trainable output head's unsharded gradient is still referenced by
-        the loss's backward graph when the root's reduce-scatter runs (FSDP2 runs it in
-        the final callback of backward, before autograd frees the graph), so it lives
-        through the root's reduce-scatter (measured: V1 bf16 +AC, V3 rows of
-        bench/plan_accuracy.py)."""
-        head = u is self.root and not self.m.tie_embeddings
-        if not head or "head" in self.sc.layout.frozen_names or self.accumulated:
+        the loss's backward graph when its unit's reduce-scatter runs, so it lives
+        through that reduce-scatter: the root's (FSDP2 runs it in the final callback of
+        backward, before autograd frees the graph; ``parallel.edge_units=false``), or
+        the head unit's right after the loss's backward (measured both ways: V1 bf16
+        +AC, V3 rows of bench/plan_accuracy.py)."""
+        unit = self.sc.edge("head") or (None if self.m.tie_embeddings else self.root)
+        if u is not unit or "head" in self.sc.layout.frozen_names or self.accumulated:
             return 0
         return self.s.vocab * self.s.d * self.s.e
 
@@ -268,29 +274,56 @@ class _Step:
         led.add("buffers_inputs", 2 * m.max_seq_len * m.head_dim * 4)  # RoPE tables
         led.add("buffers_inputs", self.sc.micro_batch * (self.sc.seq_len + 1) * 8)  # tokens
 
+    def gathered(self, u: Unit | None, *, forward: bool) -> None:
+        """A unit's pre-forward / pre-backward: all-gather unless it is still unsharded."""
+        if u is not None and self.held.get(u.name, 0) < u.gathered * self.s.e:
+            self.unshard(u, forward=forward)
+
     def forward(self) -> None:
-        led, s = self.led, self.s
-        led.at("forward", "root unit all-gather and embedding")
-        if self.held.get(self.root.name, 0) < self.root.gathered * s.e:
-            self.unshard(self.root, forward=True)
+        self.led.at("forward", "root unit all-gather and embedding")
+        self.gathered(self.root, forward=True)
         self.forward_prefetch(0)
-        rope = 2 * self.sc.seq_len * self.m.head_dim * s.e if s.cast else 0
-        led.apply([("buffers_inputs", rope), (ACT, s.nde)])
+        self.embedding_forward()
         for j, u in enumerate(self.units):
-            led.at("forward", f"forward of {u.name}")
-            if self.held.get(u.name, 0) < u.gathered * s.e:
-                self.unshard(u, forward=True)
-            self.forward_prefetch(j + 1)
-            for ckpt in u.checkpointed:
-                keep = not ckpt and j >= self.dead
-                selective = ckpt and self.selective and j >= self.dead
-                led.apply_summary(_forward_summary(s, keep, selective))
-                if j < self.dead:  # nothing needs a gradient yet: the input dies here
-                    led.add(ACT, -s.nde)
-            self.reshard_after_forward(u, self.reshard_of(u))
+            self.unit_forward(j, u)
+        self.head_and_loss_forward()
+
+    def embedding_forward(self) -> None:
+        """The embedding's output, in the embedding unit (then resharded like a block
+        unit) or the root's."""
+        s, embedding = self.s, self.sc.edge("embedding")
+        self.gathered(embedding, forward=True)
+        rope = 2 * self.sc.seq_len * self.m.head_dim * s.e if s.cast else 0
+        self.led.apply([("buffers_inputs", rope), (ACT, s.nde)])
+        if embedding is not None:
+            self.reshard_after_forward(embedding, self.reshard_of(embedding))
+
+    def unit_forward(self, j: int, u: Unit) -> None:
+        led, s = self.led, self.s
+        led.at("forward", f"forward of {u.name}")
+        self.gathered(u, forward=True)
+        self.forward_prefetch(j + 1)
+        for ckpt in u.checkpointed:
+            keep = not ckpt and j >= self.dead
+            selective = ckpt and self.selective and j >= self.dead
+            led.apply_summary(_forward_summary(s, keep, selective))
+            if j < self.dead:  # nothing needs a gradient yet: the input dies here
+                led.add(ACT, -s.nde)
+        self.reshard_after_forward(u, self.reshard_of(u))
+
+    def head_and_loss_forward(self) -> None:
+        """Final norm and head (in their units, kept unsharded, or the root's), the
+        loss, and the root's post-forward."""
+        led, s = self.led, self.s
         led.at("forward", "final norm and output head")
-        chunk = self.sc.loss_chunk
-        led.apply(head_forward(s) if chunk is None else chunked_head_forward(s))
+        chunk, head = self.sc.loss_chunk, self.sc.edge("head")
+        if head is None:
+            led.apply(head_forward(s) if chunk is None else chunked_head_forward(s))
+        else:
+            self.gathered(self.sc.edge("norm"), forward=True)
+            led.apply(chunked_head_forward(s))  # the final norm
+            self.gathered(head, forward=True)
+            led.add(LOGITS, s.nve if chunk is None else 0)
         if chunk is not None:  # inside the root's forward ([Note: the loss inside ...])
             led.at("forward", f"chunked loss ({chunk}-token chunks)")
             led.apply(chunked_loss_forward(s, chunk=chunk))
@@ -302,30 +335,50 @@ class _Step:
             led.apply(loss_forward(s))
 
     def backward(self, *, sync: bool) -> None:
+        self.loss_and_head_backward(sync=sync)
+        for j in reversed(range(self.dead, len(self.units))):
+            self.unit_backward(j, sync=sync)
+        self.embedding_and_root_backward(sync=sync)
+
+    def loss_and_head_backward(self, *, sync: bool) -> None:
+        """The loss and head's backward; a head unit reduce-scatters right after it, and
+        the norm unit's post-backward after the final norm's releases that buffer."""
         led, s = self.led, self.s
         chunk = self.sc.loss_chunk
         if chunk is None:
             led.at("backward", "loss backward (log-softmax grad)")
             led.apply(loss_backward(s))
         led.at("backward", "output head backward" if chunk is None else "chunked loss backward")
-        if self.held.get(self.root.name, 0) < self.root.gathered * s.e:
-            self.unshard(self.root, forward=False)
+        self.gathered(self.root, forward=False)
         for ahead in self.units[::-1][: self.sc.backward_prefetch]:
             self.prefetch(ahead)
-        frozen = self.sc.layout.frozen_names
+        head = self.sc.edge("head")
+        weight_grad, norm = "head" not in self.sc.layout.frozen_names, head is None
         if chunk is None:
-            led.apply(head_backward(s, weight_grad="head" not in frozen))
+            led.apply(head_backward(s, weight_grad=weight_grad, norm=norm))
         else:
-            led.apply(chunked_loss_backward(s, chunk=chunk, weight_grad="head" not in frozen))
-        for j in reversed(range(self.dead, len(self.units))):
-            self.unit_backward(j, sync=sync)
+            led.apply(chunked_loss_backward(s, chunk=chunk, weight_grad=weight_grad, norm=norm))
+        if head is not None:
+            self.post_backward(head, sync=sync)
+            led.apply(final_norm_backward(s))
+            norm_unit = self.sc.edge("norm")
+            if norm_unit is not None:
+                self.post_backward(norm_unit, sync=sync)
+
+    def embedding_and_root_backward(self, *, sync: bool) -> None:
+        """The embedding's backward (in its unit, prefetched by the first block unit,
+        or the root's), the root's post-backward, FSDP2's final callback."""
+        led, s = self.led, self.s
         led.at("backward", "embedding backward and root reduce-scatter")
-        if "embedding" in frozen:  # no weight grad: autograd stops at the embedding output
+        embedding = self.sc.edge("embedding")
+        if "embedding" in self.sc.layout.frozen_names:  # autograd stops at its output
             led.add(TEMP, -s.nde)
         else:
-            tied = self.m.tie_embeddings
-            in_place = self.sc.loss_chunk is not None
+            self.gathered(embedding, forward=False)
+            tied, in_place = self.m.tie_embeddings, self.sc.loss_chunk is not None
             led.apply(embedding_backward(s, tied=tied, in_place=in_place))
+            if embedding is not None:
+                self.post_backward(embedding, sync=sync)
         self.post_backward(self.root, sync=sync)
         for flat in self.prefetched.values():  # prefetched for a unit backward skipped:
             led.add(COLL, -flat)  # freed when FSDP2's final callback reshards everything
@@ -337,11 +390,14 @@ class _Step:
     def unit_backward(self, j: int, *, sync: bool) -> None:
         led, s, u = self.led, self.s, self.units[j]
         led.at("backward", f"backward of {u.name}")
-        if self.held.get(u.name, 0) < u.gathered * s.e:
-            self.unshard(u, forward=False)
-        # FSDP2 prefetches by forward order, a unit backward skips included
+        self.gathered(u, forward=False)
+        # FSDP2 prefetches by forward order, a unit backward skips included; the first
+        # block unit's list is empty, so it prefetches implicitly: the embedding unit
         for ahead in self.units[max(j - self.sc.backward_prefetch, 0) : j][::-1]:
             self.prefetch(ahead)
+        embedding = self.sc.edge("embedding")
+        if j == 0 and embedding is not None:
+            self.prefetch(embedding)
         full = u.grads_numel == u.numel  # else frozen weights: only trainable grads
         for ckpt in reversed(u.checkpointed):
             summary = _backward_summary(s, ckpt, self.sdpa_workspace, full, self.selective)
@@ -356,7 +412,7 @@ class _Step:
         its quotient for one parameter at a time, fused nothing."""
         impl = self.sc.optimizer_impl
         self.led.at("optimizer step", f"AdamW step ({impl})")
-        every = [self.root, *self.units]
+        every = list(self.sc.all_units)
         temp = 0
         if impl == "foreach":
             temp = 4 * sum(u.grads_matrix_sharded for u in every)
@@ -393,7 +449,7 @@ def model_states(sc: Scenario) -> dict[str, int]:
     (padded) local parameter element — ZeRO's 16 bytes per parameter / shard degree.
     Frozen parameters (fine-tuning) keep only their stored bytes: no gradient, no
     optimizer state (fsdpkit.planner.finetune)."""
-    units = [sc.root, *sc.units]
+    units = list(sc.all_units)
     trainable = sum(u.grads_sharded for u in units)
     return {
         "sharded_params": sum(u.sharded_param_bytes for u in units),
@@ -437,4 +493,4 @@ def late_free_spread(sc: Scenario) -> int:
     worst step (bench/plan_accuracy.py checks it)."""
     if sc.shard <= 1:
         return 0
-    return max(u.gathered for u in [sc.root, *sc.units]) * sc.param_bytes
+    return max(u.gathered for u in list(sc.all_units)) * sc.param_bytes

@@ -340,7 +340,9 @@ def chunked_loss_forward(s: Sizes, *, chunk: int) -> list[Event]:
     return [*ev, (LOGITS, -c4)]
 
 
-def chunked_loss_backward(s: Sizes, *, chunk: int, weight_grad: bool = True) -> list[Event]:
+def chunked_loss_backward(
+    s: Sizes, *, chunk: int, weight_grad: bool = True, norm: bool = True
+) -> list[Event]:
     """Backward of the chunked loss and the head together, then the final norm: the
     hidden states' grad (N*d*e) first; per chunk the recomputed logits and their fp32
     copy (which becomes the gradient in place), then its cast to the compute dtype;
@@ -355,7 +357,7 @@ def chunked_loss_backward(s: Sizes, *, chunk: int, weight_grad: bool = True) -> 
     if len(rows) > 1:  # the second chunk, the largest beside the weight grad
         ev += _chunk_backward(s, rows[1].stop - rows[1].start, grad=[])
     ev += [(LOGITS, -12 * s.n), (ACT, -y)]
-    return ev + _norm_backward(s) + [(TEMP, s.nde)]
+    return ev + (final_norm_backward(s) if norm else [])
 
 
 def _chunk_backward(s: Sizes, c: int, *, grad: list[Event]) -> list[Event]:
@@ -374,14 +376,20 @@ def _chunk_bytes(s: Sizes, chunk: int) -> tuple[int, int]:
     return c * s.vocab * s.e, c * s.vocab * 4
 
 
-def head_backward(s: Sizes, *, weight_grad: bool = True) -> list[Event]:
+def head_backward(s: Sizes, *, weight_grad: bool = True, norm: bool = True) -> list[Event]:
     """Output head (grad of its input, then of the weight unless it is frozen), then
-    the final norm: ends with the last block output's grad (N*d*e) live, the head
-    weight grad kept."""
+    the final norm (``norm``; else the caller applies ``final_norm_backward``): ends
+    with the last block output's grad (N*d*e) live, the head weight grad kept."""
     w = s.vocab * s.d * s.e if weight_grad else 0
     y = s.nde if s.cast else s.nd4
     ev: list[Event] = [(TEMP, s.nde), (GRAD, w), (LOGITS, -s.nve), (ACT, -y)]
-    return ev + _norm_backward(s) + [(TEMP, s.nde)]
+    return ev + (final_norm_backward(s) if norm else [])
+
+
+def final_norm_backward(s: Sizes) -> list[Event]:
+    """The final norm's backward after the head's: ends with the last block output's
+    grad (N*d*e) live."""
+    return [*_norm_backward(s), (TEMP, s.nde)]
 
 
 def embedding_backward(

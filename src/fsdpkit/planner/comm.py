@@ -38,7 +38,7 @@ def _gathers(sc: Scenario, u: Unit, raf: bool | int, *, first: bool) -> tuple[in
 
 def comm_volume(sc: Scenario) -> CommVolume:
     """Per-rank collective traffic of one optimizer step of ``sc``."""
-    every: list[Unit] = [sc.root, *sc.units]
+    every: list[Unit] = list(sc.all_units)
     gather = calls = 0
     for micro in range(sc.grad_accum):
         for u in every:

@@ -3,6 +3,8 @@
 ``model_layout`` builds the run's model on the meta device (no memory), asks
 ``fsdpkit.sharding.choose_blocks`` which blocks it has (``parallel.block_classes``
 included) and records every parameter's shape per block and for the root.
+The untied embedding and head, which ``shard()`` gives units of their own
+(``fsdpkit.sharding.edge_modules``), are recorded apart from the root.
 ``units`` then groups the blocks with ``fsdpkit.sharding.unit_specs`` — the function
 ``shard()`` applies — and sizes each unit's shard with FSDP2's padding: every
 parameter is sharded on dim 0, padded up to a multiple of the shard group, so a
@@ -24,9 +26,21 @@ from fsdpkit.config import ActivationsConfig, ParallelConfig
 from fsdpkit.models.head_loss import output_head
 from fsdpkit.models.llama import DecoderLayer, Llama, LlamaConfig
 from fsdpkit.sharding import choose_blocks, unit_specs
+from fsdpkit.sharding.edges import edge_modules
 
 Shape = tuple[int, int]
 """(rows, cols) of a parameter as FSDP2 shards it: dim 0, and the rest flattened."""
+
+
+@dataclass(frozen=True)
+class EdgeLayout:
+    """An untied embedding or head, a unit of its own ([Note: edge units])."""
+
+    role: str
+    """"embedding" or "head"."""
+    shapes: tuple[Shape, ...]
+    frozen: tuple[bool, ...] = ()
+    """Per parameter: frozen (empty: everything trains)."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +52,7 @@ class ModelLayout:
     blocks: tuple[tuple[Shape, ...], ...]
     """Per block in forward order, the shapes of its parameters."""
     root: tuple[Shape, ...]
-    """Parameters in no block (embedding, final norm, an untied head...)."""
+    """Parameters in no block and no edge unit (a tied embedding, the final norm...)."""
     decoder_blocks: bool
     """Whether the blocks are fsdpkit's Llama decoder layers, whose activations the
     analytic model ([Note: block event model]) knows op by op."""
@@ -57,6 +71,8 @@ class ModelLayout:
     plain_head: bool = True
     """The output head is a plain ``nn.Linear`` (not LoRA-wrapped): the chunked loss
     applies (fsdpkit.models.head_loss)."""
+    edges: tuple[EdgeLayout, ...] = ()
+    """The edge units in forward order (embedding, head), where ``shard()`` makes them."""
 
 
 @dataclass(frozen=True)
@@ -119,8 +135,9 @@ def _shape(p: torch.Tensor) -> Shape:
 def layout_of(model: nn.Module, *, class_names: Sequence[str] | None = None) -> ModelLayout:
     """The layout of an (unsharded, e.g. meta) model, frozen parameters included."""
     choice = choose_blocks(model, class_names=class_names)
-    in_blocks = {id(p) for b in choice.blocks for p in b.parameters()}
-    root = {id(p): p for p in model.parameters() if id(p) not in in_blocks}
+    edges = edge_modules(model, blocks=choice.blocks)
+    elsewhere = {id(p) for m in [*choice.blocks, *edges.values()] for p in m.parameters()}
+    root = {id(p): p for p in model.parameters() if id(p) not in elsewhere}
     params = list(model.parameters())
     frozen = [p for p in params if not p.requires_grad]
     tuned = bool(frozen)
@@ -139,6 +156,14 @@ def layout_of(model: nn.Module, *, class_names: Sequence[str] | None = None) -> 
         frozen_names=_frozen_roles(model) if tuned else (),
         plain_head=output_head(model) is not None,
         norms_frozen=tuned and _norms_frozen(choice.blocks),
+        edges=tuple(
+            EdgeLayout(
+                role=role,
+                shapes=tuple(_shape(p) for p in m.parameters()),
+                frozen=tuple(not p.requires_grad for p in m.parameters()) if tuned else (),
+            )
+            for role, m in edges.items()
+        ),
     )
 
 
@@ -154,8 +179,6 @@ def _frozen_roles(model: nn.Module) -> tuple[str, ...]:
     roles = []
     embed = getattr(model, "get_input_embeddings", lambda: None)()
     head = getattr(model, "get_output_embeddings", lambda: None)()
-    if isinstance(model, Llama):
-        embed, head = model.model.embed_tokens, model.lm_head
     for role, module in (("embedding", embed), ("head", head)):
         weight = getattr(module, "weight", None)
         if weight is not None and not weight.requires_grad:
@@ -196,13 +219,31 @@ def _unit(
     )
 
 
+@dataclass(frozen=True)
+class Units:
+    """The units of a run for a shard group, as ``shard()`` builds them."""
+
+    root: Unit
+    edges: tuple[Unit, ...]
+    """The edge units in forward order, named by role ("embedding", "head")."""
+    blocks: tuple[Unit, ...]
+    """Block units in forward order."""
+
+
 def units(
     layout: ModelLayout, *, shard: int, parallel: ParallelConfig, activations: ActivationsConfig
-) -> tuple[Unit, tuple[Unit, ...]]:
-    """(root, block units in forward order) for a shard group of ``shard`` ranks."""
-    specs = unit_specs(len(layout.blocks), parallel=parallel, activations=activations)
+) -> Units:
+    """The root, edge and block units for a shard group of ``shard`` ranks; without
+    ``parallel.edge_units`` the edge modules' parameters stay in the root."""
+    edges = {e.role: e for e in layout.edges} if parallel.edge_units else {}
+    in_root = [e for e in layout.edges if e.role not in edges]
+    root_shapes = [*layout.root, *(s for e in in_root for s in e.shapes)]
+    root_frozen = [*layout.root_frozen, *(f for e in in_root for f in e.frozen)]
+    specs = unit_specs(
+        len(layout.blocks), parallel=parallel, activations=activations, edges=tuple(edges)
+    )
     out = []
-    for spec in specs[:-1]:
+    for spec in [s for s in specs if s.role == "block"]:
         first, last = spec.blocks[0], spec.blocks[-1]
         label = f"layers.{first}" if first == last else f"layers.{first}-{last}"
         shapes = [s for b in spec.blocks for s in layout.blocks[b]]
@@ -213,7 +254,12 @@ def units(
                   frozen=frozen, frozen_bytes=layout.frozen_bytes)
         )  # fmt: skip
     root_spec = specs[-1]
-    root = _unit("root", layout.root, shard=shard, blocks=(), raf=root_spec.reshard_after_forward,
-                 checkpointed=(), frozen=layout.root_frozen,
+    root = _unit("root", root_shapes, shard=shard, blocks=(), raf=root_spec.reshard_after_forward,
+                 checkpointed=(), frozen=root_frozen,
                  frozen_bytes=layout.frozen_bytes)  # fmt: skip
-    return root, tuple(out)
+    edge_units = tuple(
+        _unit(s.role, edges[s.role].shapes, shard=shard, blocks=(), raf=s.reshard_after_forward,
+              checkpointed=(), frozen=edges[s.role].frozen, frozen_bytes=layout.frozen_bytes)
+        for s in specs if s.role in edges
+    )  # fmt: skip
+    return Units(root=root, edges=edge_units, blocks=tuple(out))

@@ -48,8 +48,14 @@ def describe_scenario(sc: Scenario) -> str:
         f"{sc.precision}; {sc.micro_batch} x {sc.seq_len} tokens x {sc.grad_accum} accumulation; "
         f"{'selective ' if sc.ac_mode == 'selective' else ''}AC on "
         f"{sc.checkpointed_blocks}/{n_blocks} blocks{'; CPU offload' if sc.offload else ''}\n"
-        f"units: {len(sc.units)} + root ({sc.layout.block_reason})"
+        f"units: {len(sc.units)}{_edges(sc)} + root ({sc.layout.block_reason})"
     )
+
+
+def _edges(sc: Scenario) -> str:
+    """The edge units ([Note: edge units] in fsdpkit.sharding.edges), as " + embedding,
+    norm, head"."""
+    return f" + {', '.join(u.name for u in sc.forward_units if not u.blocks)}" if sc.edges else ""
 
 
 def _device_line(p: Plan) -> str:
@@ -139,7 +145,7 @@ def _loss_line(p: Plan) -> str | None:
 def _states_line(mem: MemoryPlan, sc: Scenario) -> str:
     s = mem.model_states
     where = "host" if mem.host_bytes else "device"
-    units = [sc.root, *sc.units]
+    units = list(sc.all_units)
     trainable = sum(u.grads_numel for u in units)
     total = sum(u.numel for u in units)
     why = (
@@ -174,7 +180,7 @@ def plan_dict(p: Plan) -> dict[str, Any]:
             **{
                 k: v
                 for k, v in dataclasses.asdict(sc).items()
-                if k not in ("model", "device", "layout", "root", "units")
+                if k not in ("model", "device", "layout", "root", "units", "edges")
             },
             "units": [
                 {
@@ -183,7 +189,7 @@ def plan_dict(p: Plan) -> dict[str, Any]:
                     "reshard_after_forward": u.reshard_after_forward,
                     "checkpointed_blocks": sum(u.checkpointed),
                 }
-                for u in [*sc.units, sc.root]
+                for u in [*sc.forward_units, sc.root]
             ],
             "block_reason": sc.layout.block_reason,
             "model": sc.model.to_dict() if sc.model is not None else None,

@@ -95,6 +95,25 @@ class Scenario:
     """Resolved train.optimizer_impl: for-loop, foreach or fused ([Note: AdamW kernels])."""
     forward_prefetch: int = 0
     backward_prefetch: int = 1
+    edges: tuple[Unit, ...] = ()
+    """An untied embedding, the final norm and the head as units of their own, in
+    forward order, named by role ([Note: edge units] in fsdpkit.sharding.edges)."""
+
+    def edge(self, role: str) -> Unit | None:
+        """The edge unit of ``role`` ("embedding", "norm", "head"), None if it is in the
+        root."""
+        return next((u for u in self.edges if u.name == role), None)
+
+    @property
+    def forward_units(self) -> tuple[Unit, ...]:
+        """The non-root units in forward order: embedding, blocks, final norm, head."""
+        first = [u for u in self.edges if u.name == "embedding"]
+        return (*first, *self.units, *[u for u in self.edges if u.name != "embedding"])
+
+    @property
+    def all_units(self) -> tuple[Unit, ...]:
+        """Every unit: the root, the edge units, the block units."""
+        return (self.root, *self.edges, *self.units)
 
     @property
     def every_sync(self) -> bool:
@@ -116,7 +135,8 @@ class Scenario:
     @property
     def num_params(self) -> int:
         """Parameters of the model (tied ones once), from its layout."""
-        shapes = [*self.layout.root, *(s for b in self.layout.blocks for s in b)]
+        edges = [s for e in self.layout.edges for s in e.shapes]
+        shapes = [*self.layout.root, *edges, *(s for b in self.layout.blocks for s in b)]
         return sum(rows * cols for rows, cols in shapes)
 
     @property
@@ -226,9 +246,7 @@ def scenario(
     vocab = vocab_size if vocab_size is not None else run_vocab_size(cfg)
     precision, note = planned_precision(cfg.precision.mode, device)
     model = _planned_model(cfg, vocab=vocab, precision=precision)
-    root, blocks = units(
-        model.layout, shard=shard, parallel=cfg.parallel, activations=cfg.activations
-    )
+    planned = units(model.layout, shard=shard, parallel=cfg.parallel, activations=cfg.activations)
     notes = [note] if note else []
     chunk, loss_note = loss_chunk(cfg, model.layout, why_not=model.chunked_why_not)
     notes += [loss_note] if loss_note else []
@@ -246,8 +264,9 @@ def scenario(
         precision=precision,
         reshard_after_forward=reshard_after_forward(cfg.parallel),
         layout=model.layout,
-        root=root,
-        units=blocks,
+        root=planned.root,
+        units=planned.blocks,
+        edges=planned.edges,
         ac_mode=cfg.activations.mode,
         ac_every=cfg.activations.every,
         offload=cfg.offload.params,

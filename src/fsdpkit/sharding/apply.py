@@ -2,7 +2,8 @@
 
 Order (as torchtitan): meta-device model -> activation checkpointing -> compile each
 block (``train.compile``) -> optional fp32 norm units -> ``fully_shard`` per block (or
-group of k blocks), bottom-up -> root -> explicit prefetching
+group of k blocks), bottom-up -> an untied embedding and head ([Note: edge units] in
+fsdpkit.sharding.edges) -> root -> explicit prefetching
 (``parallel.forward_prefetch`` / ``backward_prefetch``) -> materialize local shards
 (meta models only). The optimizer must be built after this.
 
@@ -37,9 +38,10 @@ from fsdpkit.init import Initializer
 from fsdpkit.sharding.activations import checkpoint_forward
 from fsdpkit.sharding.blocks import choose_blocks
 from fsdpkit.sharding.compile import compile_blocks
+from fsdpkit.sharding.edges import edge_modules
 from fsdpkit.sharding.materialize import is_meta, materialize
 from fsdpkit.sharding.policy import offload_policy, reshard_after_forward, resolve_precision
-from fsdpkit.sharding.units import UnitSpec, unit_specs
+from fsdpkit.sharding.units import UnitSpec, block_specs, unit_specs
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +57,11 @@ class ShardPlan:
     blocks: int
     """Blocks found."""
     units: int
-    """FSDP units below the root (``blocks_per_unit`` blocks each, the last maybe fewer)."""
+    """FSDP block units (``blocks_per_unit`` blocks each, the last maybe fewer)."""
     params_per_unit: int
-    """Parameters in the first unit."""
+    """Parameters in the first block unit."""
     root_params: int
-    """Parameters left to the root unit (embeddings, tied head, final norm...)."""
+    """Parameters left to the root unit (a tied embedding and head, the final norm...)."""
     checkpointed: int
     """Blocks whose activations are recomputed in backward (wholly, or op by op)."""
     precision: str
@@ -72,6 +74,8 @@ class ShardPlan:
     """activations.mode: what a checkpointed block recomputes (full or selective)."""
     compiled: bool = False
     """Whether each block was torch.compile'd (train.compile)."""
+    edges: tuple[str, ...] = ()
+    """Edge modules in units of their own ([Note: edge units]): "embedding", "norm", "head"."""
 
     def describe(self) -> str:
         if not self.units:
@@ -79,12 +83,13 @@ class ShardPlan:
                 f"1 unit (root only, {_m(self.root_params)} params: {self.block_reason}); "
                 f"precision {self.precision}"
             )
-        per = len(self.specs[0].blocks) if self.specs else 1
+        per = len(block_specs(self.specs)[0].blocks) if self.specs else 1
         group = f"{self.block_class}" if per == 1 else f"{per} x {self.block_class}"
+        edges = f"; {', '.join(self.edges)} in units of their own" if self.edges else ""
         return (
             f"{self.units} x {group} units ({self.block_reason}), {_m(self.params_per_unit)} "
-            f"params in the first, root holds {_m(self.root_params)}; {self._ac()} activation "
-            f"checkpointing on {self.checkpointed}/{self.blocks} blocks; precision "
+            f"params in the first{edges}, root holds {_m(self.root_params)}; {self._ac()} "
+            f"activation checkpointing on {self.checkpointed}/{self.blocks} blocks; precision "
             f"{self.precision}; reshard_after_forward={self.reshard_after_forward}"
             + ("; blocks compiled" if self.compiled else "")
         )
@@ -143,41 +148,57 @@ def shard(
     precision = resolve_precision(cfg.precision, device_type=device_type)
     choice = choose_blocks(model, class_names=cfg.parallel.block_classes or None)
     blocks = list(choice.blocks)  # the class name is taken before FSDP renames it
-    specs = unit_specs(len(blocks), parallel=cfg.parallel, activations=cfg.activations)
+    edges = edge_modules(model, blocks=blocks, enabled=cfg.parallel.edge_units)
+    fp32_norms = cfg.precision.norms_fp32 and precision.low_precision
+    if fp32_norms:  # every norm is an fp32 unit of its own already
+        edges.pop("norm", None)
+    specs = unit_specs(
+        len(blocks), parallel=cfg.parallel, activations=cfg.activations, edges=tuple(edges)
+    )
     checkpointed = _checkpoint(blocks, specs, cfg)
     if cfg.train.compile:
         compile_blocks(blocks)
     offload = offload_policy(enabled=cfg.offload.params, device_type=device_type)
-    if cfg.precision.norms_fp32 and precision.low_precision:
+    if fp32_norms:
         kw = {"mp_policy": precision.norm_policy(), "offload_policy": offload}
         _shard_norms(model, mesh=mesh, raf=reshard_after_forward(cfg.parallel), kw=kw)
     for spec in specs:
         fully_shard(
-            model if spec.is_root else [blocks[b] for b in spec.blocks],
+            _unit_modules(spec, model=model, blocks=blocks, edges=edges),
             mesh=mesh,
             reshard_after_forward=spec.reshard_after_forward,
             mp_policy=precision.policy(),
             offload_policy=offload,
         )
-    _set_prefetch(model, [blocks[s.blocks[0]] for s in specs if not s.is_root], cfg.parallel)
+    _set_prefetch(model, [blocks[s.blocks[0]] for s in block_specs(specs)], cfg.parallel)
     if is_meta(model):
         _materialize(model, cfg, device_type=device_type, init=init)
     plan = ShardPlan(
         block_class=choice.class_name,
         block_reason=choice.reason,
         blocks=len(blocks),
-        units=len(specs) - 1,
-        params_per_unit=_numel(blocks[b] for b in specs[0].blocks),
-        root_params=_numel([model]) - _numel(blocks),
+        units=len(block_specs(specs)),
+        params_per_unit=_numel(blocks[b] for b in block_specs(specs)[0].blocks) if blocks else 0,
+        root_params=_numel([model]) - _numel([*blocks, *edges.values()]),
         checkpointed=checkpointed,
         checkpoint_mode=cfg.activations.mode,
         compiled=cfg.train.compile,
         precision=precision.name,
         reshard_after_forward=reshard_after_forward(cfg.parallel),
         specs=specs,
+        edges=tuple(edges),
     )
     log.info("fsdpkit.shard: %s", plan.describe())
     return plan
+
+
+def _unit_modules(
+    spec: UnitSpec, *, model: nn.Module, blocks: list[nn.Module], edges: dict[str, nn.Module]
+) -> nn.Module | list[nn.Module]:
+    """What ``fully_shard`` is applied to for ``spec``."""
+    if spec.role == "block":
+        return [blocks[b] for b in spec.blocks]
+    return model if spec.is_root else edges[spec.role]
 
 
 def _set_prefetch(model: nn.Module, units: list[nn.Module], cfg: ParallelConfig) -> None:
