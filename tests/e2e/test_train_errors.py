@@ -82,3 +82,19 @@ def test_a_rank_that_raises_stops_every_rank(tmp_path: Path) -> None:
     )
     assert "error on rank 0" not in err  # the peer's "connection closed" is not shown
     assert err.count("Traceback") == 1
+
+
+def test_compile_without_a_cpu_compiler_fails_before_launch(tmp_path: Path) -> None:
+    result = fsdpkit(
+        "train",
+        *FAST,
+        "train.compile=true",
+        f"logging.run_dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+        timeout=90,
+        env={"CXX": "no-such-cxx"},
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "C++ compiler (no-such-cxx) is not on PATH" in result.stderr
+    assert "train.compile = false" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()  # refused before the run dir was made

@@ -137,3 +137,19 @@ def test_only_relevant_variables_are_read() -> None:
     assert seen == {"MASTER_ADDR": "n0", "NCCL_DEBUG": "INFO"}
     lines = check_environ(replace(HEALTHY, environ=seen, gpus=()))
     assert [c.name for c in lines] == ["env MASTER_ADDR", "env NCCL_DEBUG"]
+
+
+def test_compile_needs_inductors_compiler_where_the_run_runs() -> None:
+    cpu = {"gpu": False, "cxx_name": "g++", "cxx": None, "triton": False}
+    assert env.check_compile(compile_blocks=False, **cpu).status == "skip"
+    missing = env.check_compile(compile_blocks=True, **cpu)
+    assert missing.status == "fail" and "C++ compiler (g++) is not on PATH" in missing.message
+    assert "train.compile = false" in missing.fix
+    found = env.check_compile(compile_blocks=True, **{**cpu, "cxx": "/usr/bin/g++"})
+    assert found.status == "ok" and "/usr/bin/g++" in found.message
+    gpu = {**cpu, "gpu": True}
+    no_triton = env.check_compile(compile_blocks=True, **gpu)
+    assert no_triton.status == "fail" and "Triton" in no_triton.message
+    assert env.check_compile(compile_blocks=True, **{**gpu, "triton": True}).status == "ok"
+    facts = replace(HEALTHY, gpus=(), cxx_name="g++", cxx=None)
+    assert by_name(env.environment_checks(facts, compile_blocks=True))["compile"].status == "fail"

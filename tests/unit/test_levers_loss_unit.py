@@ -273,3 +273,34 @@ def test_grad_into_weight_leaves_the_same_gradient_with_a_tied_embedding() -> No
         loss.backward()
         grads.append(emb.weight.grad)
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow  # inductor compiles two kernels per dtype (~8 s on 2 cores)
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-3)])
+def test_compiled_chunks_equal_eager_ones(dtype: torch.dtype, tol: float) -> None:
+    """[Note: compiling the chunk]: the same loss and gradients (bf16: inductor keeps the
+    fused softmax gradient in fp32 until one cast, eager rounds per op)."""
+    torch.manual_seed(0)
+    h = torch.randn(300, 64, dtype=dtype, requires_grad=True)
+    w = (torch.randn(1000, 64) * 0.1).to(dtype).requires_grad_()
+    targets = torch.randint(0, 1000, (300,))
+    targets[::7] = IGNORE_INDEX
+    out = []
+    for compiled in (False, True):
+        h.grad = w.grad = None
+        loss = chunked_linear_cross_entropy(
+            h, w, None, targets, chunk_tokens=128, compiled=compiled
+        )
+        loss.backward()
+        assert h.grad is not None and w.grad is not None
+        out.append([loss.detach().float(), h.grad.float(), w.grad.float()])
+    for eager, compiled_ in zip(*out):
+        torch.testing.assert_close(compiled_, eager, rtol=tol, atol=tol * eager.abs().max())
+
+
+def test_choose_loss_compiles_the_chunks_when_asked() -> None:
+    """(The trainer asks under train.compile in bf16/fp16: fsdpkit.train.session.)"""
+    model = build(TINY)
+    kw = {"mode": "auto", "chunk_tokens": 64, "default": next_token_loss, "custom_loss": False}
+    assert choose_loss(model, **kw, compiled=True).loss_fn == ChunkedLoss(64, compiled=True)
+    assert choose_loss(model, **kw).loss_fn == ChunkedLoss(64)

@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     if resolved.auto_changes is not None:
         _print_auto(resolved.auto_changes, note=resolved.auto_note)
     _check_capacity(resolved.config, nproc=nproc, nnodes=args.nnodes)
+    _check_compile(resolved.config)
     run_dir = Path(resolved.config.logging.run_dir)
     from fsdpkit.rundir import check_run_dir
     from fsdpkit.runlock import acquire
@@ -142,6 +143,23 @@ def _check_capacity(cfg: configuration.RunConfig, *, nproc: int, nnodes: int) ->
     if warning:
         print(f"fsdpkit train: {warning}", file=sys.stderr)
     room.check_memory()
+
+
+def _check_compile(cfg: configuration.RunConfig) -> None:
+    """train.compile without inductor's toolchain fails before any worker starts (the
+    doctor's check: fsdpkit.doctor.environment.check_compile)."""
+    if not cfg.train.compile:
+        return
+    import os
+
+    from fsdpkit.devices import local_gpus
+    from fsdpkit.doctor.environment import check_compile
+    from fsdpkit.doctor.facts import compile_toolchain
+
+    toolchain = compile_toolchain(os.environ)
+    check = check_compile(gpu=bool(local_gpus()), compile_blocks=True, **toolchain)
+    if check.status == "fail":
+        raise UserError(f"{check.message}. Fix: {check.fix}.")
 
 
 def _print_slurm_script(args: argparse.Namespace, nproc: int) -> int:

@@ -130,9 +130,10 @@ class TrainConfig:
     sample_tokens: int = 120
     """Tokens of sample text generated at the end for the built-in LM; 0 disables."""
     compile: bool = False
-    """torch.compile each block (after activation checkpointing, before sharding); the
-    first step includes compilation, reported apart as compile_s and kept out of
-    tokens/s. On a CPU inductor needs a C++ compiler, and small models gain little."""
+    """torch.compile each block (after activation checkpointing, before sharding), and in
+    bf16/fp16 runs each chunk of the chunked loss; the first step includes compilation,
+    reported apart as compile_s and kept out of tokens/s. On a CPU inductor needs a C++
+    compiler, and small models gain little."""
     optimizer_impl: OptimizerImpl = "auto"
     """torch AdamW kernel: for-loop (one parameter at a time, least temporary memory),
     foreach (multi-tensor: fast, one temporary the size of all 2-D weights), fused (one

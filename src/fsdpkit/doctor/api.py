@@ -102,7 +102,12 @@ def run_doctor(
         elif per_checkpoint is not None:
             need = 0
     checks = _tag(
-        environment_checks(facts, precision=cfg.precision.mode, checkpoint_bytes=need),
+        environment_checks(
+            facts,
+            precision=cfg.precision.mode,
+            checkpoint_bytes=need,
+            compile_blocks=cfg.train.compile,
+        ),
         "environment",
     )
     checks += _tag(model_part, f"model (world size {world_size})")

@@ -155,6 +155,35 @@ def check_bf16(f: EnvFacts, *, precision: str = "auto") -> Check:
     )
 
 
+def check_compile(
+    *, compile_blocks: bool, gpu: bool, cxx_name: str, cxx: str | None, triton: bool
+) -> Check:
+    """``train.compile``: inductor needs a C++ compiler (``cxx_name``, found at ``cxx``)
+    for CPU kernels and Triton for GPU ones; without them the first step fails deep
+    inside torch.compile. ``fsdpkit train`` runs this check before launching."""
+    if not compile_blocks:
+        return skip("compile", "train.compile is off")
+    if gpu:
+        if not triton:
+            return fail(
+                "compile",
+                "train.compile = true on GPUs, but Triton (inductor's GPU code generator) "
+                "is not installed: the first step would fail inside torch.compile",
+                "pip install triton (the version your torch wheel pins), or set "
+                "train.compile = false",
+            )
+        return ok("compile", "inductor on GPU: Triton is installed")
+    if cxx is None:
+        return fail(
+            "compile",
+            f"train.compile = true on CPU, but inductor's C++ compiler ({cxx_name}) is not "
+            "on PATH: the first step would fail inside torch.compile",
+            "install a C++ compiler (e.g. apt install g++) or point CXX at one, or set "
+            "train.compile = false",
+        )
+    return ok("compile", f"inductor on CPU compiles with {cxx}")
+
+
 def check_p2p(f: EnvFacts) -> Check:
     if len(f.gpus) < 2:
         return skip("p2p", "fewer than 2 local GPUs: no peer-to-peer traffic to check")
@@ -240,7 +269,11 @@ def check_clock() -> Check:
 
 
 def environment_checks(
-    f: EnvFacts, *, precision: str = "auto", checkpoint_bytes: int | None = None
+    f: EnvFacts,
+    *,
+    precision: str = "auto",
+    checkpoint_bytes: int | None = None,
+    compile_blocks: bool = False,
 ) -> list[Check]:
     """Every environment check over ``f`` (environment variables: see ``envvars``)."""
     from fsdpkit.doctor.envvars import check_environ
@@ -252,6 +285,13 @@ def environment_checks(
         check_backends(f),
         check_devices(f),
         check_bf16(f, precision=precision),
+        check_compile(
+            compile_blocks=compile_blocks,
+            gpu=bool(f.gpus),
+            cxx_name=f.cxx_name,
+            cxx=f.cxx,
+            triton=f.triton,
+        ),
         check_p2p(f),
         *check_environ(f),
         check_shm(f),

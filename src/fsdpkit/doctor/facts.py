@@ -10,14 +10,18 @@ ROCm, which torch exposes through ``torch.cuda``).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import platform
 import resource
+import shutil
 import socket
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 RELEVANT_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "GLOO_", "PYTORCH_CUDA_ALLOC")
 RELEVANT_NAMES = (
@@ -84,6 +88,13 @@ class EnvFacts:
     disk_free: int | None = None
     local_ranks: int = 1
     """Ranks this machine will run (for thread oversubscription)."""
+    cxx_name: str = "g++"
+    """The C++ compiler inductor calls for CPU kernels (train.compile): $CXX, else g++
+    (clang++ on macOS), as torch._inductor.config.cpp.cxx picks it."""
+    cxx: str | None = None
+    """Its path on PATH (None: not found)."""
+    triton: bool = False
+    """Triton (inductor's GPU code generator) is importable."""
 
 
 def relevant_environ(environ: Mapping[str, str]) -> dict[str, str]:
@@ -245,4 +256,13 @@ def gather(*, environ: Mapping[str, str], run_dir: Path, local_ranks: int) -> En
         disk_path=disk_path,
         disk_free=disk_free,
         local_ranks=local_ranks,
+        **compile_toolchain(environ),
     )
+
+
+def compile_toolchain(environ: Mapping[str, str]) -> dict[str, Any]:
+    """``cxx_name``, ``cxx`` and ``triton`` of ``EnvFacts``: what inductor needs
+    (train.compile), read cheaply (``fsdpkit train`` checks it before launching)."""
+    name = environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+    triton = importlib.util.find_spec("triton") is not None
+    return {"cxx_name": name, "cxx": shutil.which(name), "triton": triton}

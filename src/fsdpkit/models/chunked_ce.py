@@ -32,6 +32,15 @@ full one (but for the saved log-sum-exp and targets, 12 bytes per token):
 ``train.chunked_loss = auto`` needs no planning. In fp32 every later chunk
 is at most N/2 already.
 
+[Note: compiling the chunk]
+With ``compiled`` (``train.compile`` in a low-precision run), each chunk's forward
+(logits, log-sum-exp, picked logit) and gradient (recomputed logits, softmax - one-hot,
+scale, cast) run as inductor graphs; the two gradient matmuls stay eager (they write
+into existing buffers). ``python bench/loss_compile.py`` (one chunk, 1024 tokens x
+32768 x 256, 1 CPU thread): bf16 1.27x faster compiled (716 -> 565 ms, control 1.00x),
+fp32 0.98x: the cast-free fp32 path has nothing left to fuse, so fp32 runs stay eager.
+The planner plans the eager kernels (an upper bound, as for compiled blocks).
+
 Numerics match the full path: logits in the compute dtype, softmax and loss in fp32.
 Ignored targets contribute no loss and no gradient. The head's weight is used as
 given: under FSDP2 the caller runs this while the root unit's parameters are
@@ -40,6 +49,8 @@ unsharded (fsdpkit.models.head_loss), so the head is all-gathered once per micro
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,20 +74,19 @@ class _ChunkedLinearCE(torch.autograd.Function):
         chunk: int,
         ignore_index: int,
         grad_into_weight: bool,
+        compiled: bool,
     ) -> torch.Tensor:
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        forward = _compiled(_chunk_forward) if compiled else _chunk_forward
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            logits = _logits(hidden[rows], weight, bias).float()  # a fresh fp32 buffer
-            tgt = targets[rows]
-            picked = logits.gather(1, tgt.clamp(min=0).unsqueeze(1)).squeeze(1)
-            lse[rows] = _logsumexp_(logits)
-            del logits
-            total += torch.where(tgt != ignore_index, lse[rows] - picked, 0.0).sum()
+            lse[rows], part = forward(hidden[rows], weight, bias, targets[rows], ignore_index)
+            total += part
         ctx.save_for_backward(hidden, weight, bias, targets, lse)  # type: ignore[arg-type]
         ctx.chunk, ctx.ignore_index = chunk, ignore_index  # type: ignore[attr-defined]
         ctx.grad_into_weight = grad_into_weight  # type: ignore[attr-defined]
+        ctx.compiled = compiled  # type: ignore[attr-defined]
         return total
 
     @staticmethod
@@ -87,8 +97,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
         grad_w: torch.Tensor | None = None  # made by the first chunk: never beside its fp32
         grad_b = torch.zeros_like(bias) if need_b else None
         cast = weight.dtype != torch.float32
+        chunk_grad = _compiled(_chunk_grad) if ctx.compiled else _chunk_grad
         for rows in backward_chunks(hidden.shape[0], ctx.chunk, cast=cast):
-            g = _chunk_grad(
+            g = chunk_grad(
                 hidden[rows], weight, bias, targets[rows], lse[rows], grad_total, ctx.ignore_index
             )
             if grad_h is not None:
@@ -103,7 +114,27 @@ class _ChunkedLinearCE(torch.autograd.Function):
         if grad_w is not None and ctx.grad_into_weight and weight.is_leaf:
             weight.grad = grad_w if weight.grad is None else weight.grad.add_(grad_w)
             grad_w = None
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+@functools.cache
+def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` compiled by inductor, once per process ([Note: compiling the chunk])."""
+    return torch.compile(fn, fullgraph=True)
+
+
+def _chunk_forward(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tgt: torch.Tensor,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-sum-exp per token, summed loss of the chunk); the logits die on return."""
+    logits = _logits(h, weight, bias).float()  # a fresh fp32 buffer
+    picked = logits.gather(1, tgt.clamp(min=0).unsqueeze(1)).squeeze(1)
+    lse = _logsumexp_(logits)
+    return lse, torch.where(tgt != ignore_index, lse - picked, 0.0).sum()
 
 
 def backward_chunks(n: int, chunk: int, *, cast: bool) -> list[slice]:
@@ -149,6 +180,7 @@ def chunked_linear_cross_entropy(
     chunk_tokens: int,
     ignore_index: int = -100,
     grad_into_weight: bool = False,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Sum of the fp32 cross-entropy of every token whose target is not
     ``ignore_index``: ``hidden`` (N, d) or (..., d), ``weight`` (V, d), ``targets``
@@ -158,13 +190,15 @@ def chunked_linear_cross_entropy(
     leaf) instead of returning it to autograd. The memory is what autograd does with
     plain tensors, whose input buffer adds a tied embedding's gradient into this one in
     place; fake tensors (the traced planner) are tensor subclasses, which autograd
-    always sums out of place, one V*d buffer more than a real run holds."""
+    always sums out of place, one V*d buffer more than a real run holds. ``compiled``:
+    each chunk's kernels run compiled ([Note: compiling the chunk])."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
     flat = hidden.reshape(-1, hidden.shape[-1])
     if flat.dtype != weight.dtype:  # what the head's matmul needs (autograd casts back)
         flat = flat.to(weight.dtype)
     out = _ChunkedLinearCE.apply(
-        flat, weight, bias, targets.reshape(-1), chunk_tokens, ignore_index, grad_into_weight
-    )
+        flat, weight, bias, targets.reshape(-1), chunk_tokens, ignore_index, grad_into_weight,
+        compiled,
+    )  # fmt: skip
     return out  # type: ignore[no-any-return]

@@ -99,19 +99,28 @@ class LossChoice:
 
 
 def choose_loss(
-    model: nn.Module, *, mode: str, chunk_tokens: int, default: LossFn, custom_loss: bool
+    model: nn.Module,
+    *,
+    mode: str,
+    chunk_tokens: int,
+    default: LossFn,
+    custom_loss: bool,
+    compiled: bool = False,
 ) -> LossChoice:
     """``train.chunked_loss`` resolved for ``model``: ``default`` is the full-logits
     loss the run would use (the factory's own when ``custom_loss``). ``auto`` is on
     wherever the head is a plain linear layer: then the chunked loss always lowers the
     peak (no N x V logits, fp32 copy or gradient; only one chunk's, and never more
     than full logits at any point: [Note: chunked cross-entropy peak]), so there is
-    nothing to plan. ConfigError for ``on`` where unsupported."""
+    nothing to plan. ``compiled``: compile each chunk's kernels (``train.compile`` in
+    low precision: [Note: compiling the chunk]). ConfigError for ``on`` where
+    unsupported."""
     if mode == "off":
         return LossChoice(loss_fn=default, chunked=False)
     why = unsupported_reason(model, custom_loss=custom_loss)
     if why is None:
-        return LossChoice(loss_fn=ChunkedLoss(chunk_tokens=chunk_tokens), chunked=True)
+        chunked = ChunkedLoss(chunk_tokens=chunk_tokens, compiled=compiled)
+        return LossChoice(loss_fn=chunked, chunked=True)
     if mode == "on":
         raise ConfigError(
             f"train.chunked_loss = on, but {why}. Set train.chunked_loss = auto (falls "
@@ -131,6 +140,8 @@ class ChunkedLoss:
     chunk_tokens: int = 1024
     grad_into_weight: bool = False
     """The traced planner's setting (fsdpkit.models.chunked_ce.chunked_linear_cross_entropy)."""
+    compiled: bool = False
+    """Each chunk's kernels compiled ([Note: compiling the chunk] in fsdpkit.models.chunked_ce)."""
 
     def __call__(self, model: nn.Module, batch: SFTBatch | torch.Tensor) -> torch.Tensor:
         if isinstance(batch, SFTBatch):
@@ -149,6 +160,7 @@ class ChunkedLoss:
             total = chunked_linear_cross_entropy(
                 hidden, weight, bias, targets, chunk_tokens=self.chunk_tokens,
                 ignore_index=IGNORE_INDEX, grad_into_weight=self.grad_into_weight,
+                compiled=self.compiled,
             )  # fmt: skip
             if normalizer is not None:
                 return total / normalizer

@@ -200,6 +200,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         chunk_tokens=cfg.train.loss_chunk_tokens,
         default=default_loss(sft=sft, built=built.loss_fn),
         custom_loss=built.loss_fn is not next_token_loss,
+        compiled=cfg.train.compile and precision.low_precision,  # where it helps
     )
     if is_meta(model):  # never train on buffers that to_empty leaves as garbage
         require_buffer_source(model)
