@@ -120,6 +120,7 @@ AC, EVERY = "activations.mode=full", "activations.mode=every"
 BF16 = "precision.mode=bf16"
 HYBRID = ("parallel.strategy=hybrid", "parallel.shard_degree=2")
 SYNC_EVERY = "parallel.accum_sync=every"
+NO_EDGES = "parallel.edge_units=false"
 EVERY_KEEP = (SYNC_EVERY, "parallel.accum_keep_unsharded=true")
 PREFETCH_2_2 = ("parallel.forward_prefetch=2", "parallel.backward_prefetch=2")
 PREFETCH_2_3 = ("parallel.forward_prefetch=2", "parallel.backward_prefetch=3")
@@ -212,6 +213,13 @@ CASES = [
         "T",
         (FULL, BF16, "train.chunked_loss=on", "train.loss_chunk_tokens=48"),
     ),
+    # untied embedding, norm and head in the root unit (parallel.edge_units=false); the
+    # V1/V3/W untied rows above have them as units of their own (the default)
+    Case("V1 bf16 full +AC root edges", 3, "V1", (FULL, BF16, AC, NO_EDGES)),
+    Case("V3 full root edges", 3, "V3", (FULL, NO_EDGES)),
+    Case("W chunked untied root edges", 2, "W", (FULL, "model.tie_embeddings=false", NO_EDGES)),
+    Case("V1 grad_op +AC", 2, "V1", (GRAD_OP, AC)),
+    Case("V3 full accum=2 every", 3, "V3", (FULL, "train.grad_accum=2", SYNC_EVERY)),
 ]
 QUICK = [c for c in CASES if c.world == 2 and c.name in ("S full +AC", "S grad_op", "T bf16 full")]
 """The subset tests/distributed/test_planner_accuracy.py checks."""
