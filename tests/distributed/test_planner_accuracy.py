@@ -85,7 +85,8 @@ def test_planner_matches_the_measured_peak(
 ) -> None:
     true = measured[name]
     traced = plan(_config(name, hf_root), world_size=2, trace=True)
-    assert abs(traced.memory.peak.bytes - true) / true <= 0.05, (name, traced.memory.peak, true)
+    # 3% for HF models too since [Note: HF masks under fake tensors] (was +0.75 MiB)
+    assert abs(traced.memory.peak.bytes - true) / true <= 0.03, (name, traced.memory.peak, true)
     if name in HF and HF[name][0] != "llama":
         assert traced.other is None  # no analytic model of GPT-2 blocks: traced only
         return

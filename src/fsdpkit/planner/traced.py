@@ -254,6 +254,40 @@ def _real_submeshes() -> Iterator[None]:
         _fully_shard_module._get_post_forward_mesh_info = original
 
 
+@contextlib.contextmanager
+def _unpacked_hf_batches() -> Iterator[None]:
+    """[Note: HF masks under fake tensors]
+    transformers decides whether a batch is packed (``position_ids`` restarting) by
+    evaluating a tensor (``masking_utils.find_packed_sequence_indices``); on fake
+    tensors it cannot, assumes packed and builds an explicit attention mask. That
+    sends SDPA down the masked path: per layer a float mask and K/V repeated to every
+    head are saved for backward (+0.75 MiB on each HF row of bench/plan_accuracy.py
+    without checkpointing), where the real run, given the same plain token batches,
+    finds them unpacked and calls the causal GQA kernel without a mask. The traced
+    step only feeds plain batches (no ``position_ids``), so on fake tensors the answer
+    is "not packed", as in the real run."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:  # another transformers version: nothing to correct here
+        yield
+        return
+
+    def unpacked_when_fake(*args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(a, FakeTensor) for a in (*args, *kwargs.values())):
+            return None
+        return original(*args, **kwargs)
+
+    masking_utils.find_packed_sequence_indices = unpacked_when_fake
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
 def _prepare(model: torch.nn.Module, cfg: RunConfig, *, precision: str, fake: Any) -> None:
     """``fsdpkit.finetune.prepare`` (LoRA, model.freeze) on the fake model. peft cannot
     move modules of fake tensors (``_apply`` must swap them), so the adapters are made
@@ -326,7 +360,7 @@ def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
         tracker = _UnitTracker(model, opt)
         tracker.track_inputs(tuple(batches))
         recorder = _PhaseRecorder(tracker)
-        with tracker:
+        with tracker, _unpacked_hf_batches():
             train_step(
                 model,
                 opt,
