@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -237,25 +237,32 @@ def _run_config(cfg: RunConfig, sc: Scenario) -> RunConfig:
 
 
 @contextlib.contextmanager
-def _real_submeshes() -> Iterator[None]:
-    """An int ``reshard_after_forward`` makes ``fully_shard`` build a sub-mesh from the
-    mesh's rank tensor, which must not become a fake tensor: run that one helper
-    with fake mode paused."""
-    original = _fully_shard_module._get_post_forward_mesh_info
-
-    def real(*args: Any, **kwargs: Any) -> Any:
-        with unset_fake_temporarily():
-            return original(*args, **kwargs)
-
-    _fully_shard_module._get_post_forward_mesh_info = real
+def _wrapped(owner: Any, name: str, wrap: Callable[[Any], Any]) -> Iterator[None]:
+    """``owner.name`` replaced by ``wrap(original)`` inside; restored on exit."""
+    original = getattr(owner, name)
+    setattr(owner, name, wrap(original))
     try:
         yield
     finally:
-        _fully_shard_module._get_post_forward_mesh_info = original
+        setattr(owner, name, original)
 
 
-@contextlib.contextmanager
-def _unpacked_hf_batches() -> Iterator[None]:
+def _real_submeshes() -> contextlib.AbstractContextManager[None]:
+    """An int ``reshard_after_forward`` makes ``fully_shard`` build a sub-mesh from the
+    mesh's rank tensor, which must not become a fake tensor: run that one helper
+    with fake mode paused."""
+
+    def wrap(original: Any) -> Any:
+        def real(*args: Any, **kwargs: Any) -> Any:
+            with unset_fake_temporarily():
+                return original(*args, **kwargs)
+
+        return real
+
+    return _wrapped(_fully_shard_module, "_get_post_forward_mesh_info", wrap)
+
+
+def _unpacked_hf_batches() -> contextlib.AbstractContextManager[None]:
     """[Note: HF masks under fake tensors]
     transformers decides whether a batch is packed (``position_ids`` restarting) by
     evaluating a tensor (``masking_utils.find_packed_sequence_indices``); on fake
@@ -269,23 +276,19 @@ def _unpacked_hf_batches() -> Iterator[None]:
     try:
         from transformers import masking_utils
     except ImportError:
-        yield
-        return
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is None:  # another transformers version: nothing to correct here
-        yield
-        return
+        return contextlib.nullcontext()
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        return contextlib.nullcontext()  # another transformers version: nothing to correct
 
-    def unpacked_when_fake(*args: Any, **kwargs: Any) -> Any:
-        if any(isinstance(a, FakeTensor) for a in (*args, *kwargs.values())):
-            return None
-        return original(*args, **kwargs)
+    def wrap(original: Any) -> Any:
+        def unpacked_when_fake(*args: Any, **kwargs: Any) -> Any:
+            if any(isinstance(a, FakeTensor) for a in (*args, *kwargs.values())):
+                return None
+            return original(*args, **kwargs)
 
-    masking_utils.find_packed_sequence_indices = unpacked_when_fake
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
+        return unpacked_when_fake
+
+    return _wrapped(masking_utils, "find_packed_sequence_indices", wrap)
 
 
 def _prepare(model: torch.nn.Module, cfg: RunConfig, *, precision: str, fake: Any) -> None:
