@@ -29,8 +29,8 @@ for the head's reduce-scatter at that point instead of one block later.
 
 A tied pair (one weight for both) stays in the root: the weight is needed at both
 ends of forward and backward, so a unit of its own would save nothing. So does a
-module inside a block, or one without parameters. The root keeps the rest (the
-final norm, buffers).
+module inside a block, or one without parameters. The root keeps the rest (buffers,
+and the final norm when there is no head unit).
 """
 
 from __future__ import annotations
