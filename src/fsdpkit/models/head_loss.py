@@ -39,6 +39,7 @@ from torch import nn
 
 from fsdpkit.data.batch import SFTBatch
 from fsdpkit.errors import ConfigError
+from fsdpkit.models.accessors import output_embeddings
 from fsdpkit.models.chunked_ce import chunked_linear_cross_entropy
 from fsdpkit.models.errors import ModelError
 from fsdpkit.models.factory import IGNORE_INDEX, LossFn, ModelOutputError, logits_of
@@ -65,8 +66,7 @@ class HeadLossError(ModelError):
 def output_head(model: nn.Module) -> nn.Linear | None:
     """The model's output projection when it is a plain ``nn.Linear`` (HF's
     ``get_output_embeddings()``, else an ``lm_head`` attribute), otherwise None."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else getattr(model, "lm_head", None)
+    head = output_embeddings(model)
     if isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward:
         return head
     return None

@@ -412,7 +412,7 @@ class _Step:
         its quotient for one parameter at a time, fused nothing."""
         impl = self.sc.optimizer_impl
         self.led.at("optimizer step", f"AdamW step ({impl})")
-        every = list(self.sc.all_units)
+        every = self.sc.all_units
         temp = 0
         if impl == "foreach":
             temp = 4 * sum(u.grads_matrix_sharded for u in every)
@@ -449,7 +449,7 @@ def model_states(sc: Scenario) -> dict[str, int]:
     (padded) local parameter element — ZeRO's 16 bytes per parameter / shard degree.
     Frozen parameters (fine-tuning) keep only their stored bytes: no gradient, no
     optimizer state (fsdpkit.planner.finetune)."""
-    units = list(sc.all_units)
+    units = sc.all_units
     trainable = sum(u.grads_sharded for u in units)
     return {
         "sharded_params": sum(u.sharded_param_bytes for u in units),
@@ -495,5 +495,5 @@ def late_free_spread(sc: Scenario) -> int:
     gloo): peak + spread bounds the worst step (bench/plan_accuracy.py checks it)."""
     if sc.shard <= 1:
         return 0
-    gloo = 2 if sc.device.kind != "gpu" else 1
-    return gloo * max(u.gathered for u in sc.all_units) * sc.param_bytes
+    copies = 2 if sc.device.kind != "gpu" else 1  # gloo: output and temporary
+    return copies * max(u.gathered for u in sc.all_units) * sc.param_bytes

@@ -153,12 +153,16 @@ def _plan_model(cfg: RunConfig, *, vocab: int | None, precision: str) -> BuiltPl
 def input_vocab(model: Any, *, default: int) -> int:
     """Token ids the model embeds: its input embedding's rows (HF's
     ``get_input_embeddings``, else the first ``nn.Embedding``), else ``default``."""
+    import torch
     from torch import nn
 
-    embed = getattr(model, "get_input_embeddings", lambda: None)()
+    from fsdpkit.models.accessors import input_embeddings
+
+    embed = input_embeddings(model)
     if embed is None:
         embed = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    return int(embed.weight.shape[0]) if embed is not None else default
+    weight = getattr(embed, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) else default
 
 
 def _analytic_shape(

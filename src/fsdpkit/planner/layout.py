@@ -23,10 +23,12 @@ import torch
 from torch import nn
 
 from fsdpkit.config import ActivationsConfig, ParallelConfig
+from fsdpkit.models.accessors import input_embeddings, output_embeddings
 from fsdpkit.models.head_loss import output_head
 from fsdpkit.models.llama import DecoderLayer, Llama, LlamaConfig
 from fsdpkit.sharding import choose_blocks, unit_specs
 from fsdpkit.sharding.edges import edge_modules
+from fsdpkit.sharding.units import block_specs
 
 Shape = tuple[int, int]
 """(rows, cols) of a parameter as FSDP2 shards it: dim 0, and the rest flattened."""
@@ -177,8 +179,7 @@ def _norms_frozen(blocks: Sequence[nn.Module]) -> bool:
 def _frozen_roles(model: nn.Module) -> tuple[str, ...]:
     """ "embedding" / "head" when that root parameter is frozen (no weight gradient)."""
     roles = []
-    embed = getattr(model, "get_input_embeddings", lambda: None)()
-    head = getattr(model, "get_output_embeddings", lambda: None)()
+    embed, head = input_embeddings(model), output_embeddings(model)
     for role, module in (("embedding", embed), ("head", head)):
         weight = getattr(module, "weight", None)
         if weight is not None and not weight.requires_grad:
@@ -243,7 +244,7 @@ def units(
         len(layout.blocks), parallel=parallel, activations=activations, edges=tuple(edges)
     )
     out = []
-    for spec in [s for s in specs if s.role == "block"]:
+    for spec in block_specs(specs):
         first, last = spec.blocks[0], spec.blocks[-1]
         label = f"layers.{first}" if first == last else f"layers.{first}-{last}"
         shapes = [s for b in spec.blocks for s in layout.blocks[b]]

@@ -39,17 +39,10 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from fsdpkit.models.accessors import input_embeddings, output_embeddings
+
 EDGE_ROLES = ("embedding", "norm", "head")
 """Edge units in forward order."""
-
-
-def _accessor(model: nn.Module, name: str) -> nn.Module | None:
-    get = getattr(model, name, None)
-    try:
-        found = get() if callable(get) else None
-    except NotImplementedError:  # HF's default for models without that module
-        return None
-    return found if isinstance(found, nn.Module) else None
 
 
 def edge_modules(
@@ -62,11 +55,8 @@ def edge_modules(
     units]); none unless ``enabled`` (``parallel.edge_units``)."""
     if not enabled:
         return {}
-    head = _accessor(model, "get_output_embeddings")
-    if head is None and isinstance(getattr(model, "lm_head", None), nn.Module):
-        head = getattr(model, "lm_head")  # noqa: B009 (typed as a Module)
-    embedding = _accessor(model, "get_input_embeddings")
-    found = {r: m for r, m in (("embedding", embedding), ("head", head)) if m not in (None, model)}
+    pairs = (("embedding", input_embeddings(model)), ("head", output_embeddings(model)))
+    found = {r: m for r, m in pairs if m is not None and m is not model}
     params = {role: {id(p) for p in m.parameters()} for role, m in found.items()}
     if len(params) == 2 and params["embedding"] & params["head"]:
         return {}  # tied
