@@ -33,16 +33,16 @@ import torch
 import torch.distributed as dist
 
 from fsdpkit.config import RunConfig, batch_split, load
-from fsdpkit.mesh import build_mesh
-from fsdpkit.models.factory import next_token_loss
+from fsdpkit.cpumem import enable_process_wide_accounting, live_bytes, peak_bytes
+from fsdpkit.loss.contract import next_token_loss
 from fsdpkit.models.llama import Llama
-from fsdpkit.planner.measure import enable_process_wide_accounting, live_bytes, peak_bytes
 from fsdpkit.planner.scenario import model_shape
 from fsdpkit.sharding import shard
 from fsdpkit.sharding.compile import compile_seconds
+from fsdpkit.sharding.mesh import build_mesh
 from fsdpkit.testing import run_ranks
-from fsdpkit.train.optim import build_optimizer
-from fsdpkit.train.step import train_step
+from fsdpkit.trainable.optim import build_optimizer
+from fsdpkit.trainable.step import train_step
 
 WIDE = [
     "model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",

@@ -49,12 +49,13 @@ def _measure(
 
     from fsdpkit import build_mesh, shard
     from fsdpkit.config import load
+    from fsdpkit.cpumem import enable_process_wide_accounting, live_bytes, peak_bytes
     from fsdpkit.finetune import prepare
-    from fsdpkit.models.factory import build_model, next_token_loss
-    from fsdpkit.planner.measure import enable_process_wide_accounting, live_bytes, peak_bytes
+    from fsdpkit.loss.contract import next_token_loss
+    from fsdpkit.models.factory import build_model
     from fsdpkit.precision import PRESETS
-    from fsdpkit.train.optim import build_optimizer
-    from fsdpkit.train.step import train_step
+    from fsdpkit.trainable.optim import build_optimizer
+    from fsdpkit.trainable.step import train_step
 
     enable_process_wide_accounting()
     base = live_bytes()

@@ -6,7 +6,7 @@
 World size 1: ``fsdpkit.shard`` on a 1-rank mesh (FSDP2 still keeps fp32 sharded
 params and casts an unsharded bf16 copy, so every term of the plan is exercised but
 the communication). Each row trains two steps with the trainer's step and optimizer
-(fsdpkit.train.step, fsdpkit.train.optim), resets the CUDA peak before the second
+(fsdpkit.trainable.step, fsdpkit.trainable.optim), resets the CUDA peak before the second
 one and compares the steady-state peak of allocated tensor memory with the analytic
 plan (the traced plan models the device as the CPU, so it is printed for reference).
 Exit 1 when an analytic prediction is off by more than 10%. Never run in CI.
@@ -26,15 +26,15 @@ import torch
 import torch.distributed as dist
 
 from fsdpkit.config import RunConfig, load
-from fsdpkit.mesh import build_mesh
-from fsdpkit.models.factory import next_token_loss
-from fsdpkit.models.head_loss import choose_loss
+from fsdpkit.loss.contract import next_token_loss
+from fsdpkit.loss.head import choose_loss
 from fsdpkit.models.llama import Llama
 from fsdpkit.planner import Device, plan
 from fsdpkit.planner.scenario import model_shape
 from fsdpkit.sharding import shard
-from fsdpkit.train.optim import build_optimizer
-from fsdpkit.train.step import train_step
+from fsdpkit.sharding.mesh import build_mesh
+from fsdpkit.trainable.optim import build_optimizer
+from fsdpkit.trainable.step import train_step
 
 GiB = 1024**3
 

@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 from clirun import FAST, cli_env  # noqa: E402
 
-from fsdpkit.hangs import HangProbe  # noqa: E402
-from fsdpkit.hangs.record import Record  # noqa: E402
+from fsdpkit.runtime.hangs import HangProbe  # noqa: E402
+from fsdpkit.runtime.hangs.record import Record  # noqa: E402
 
 COLLECTIVE = """
 import sys, time, torch, torch.distributed as dist

@@ -96,7 +96,7 @@ def _load_full_copy(model_dir: str) -> None:
 
 
 def _measure(rank: int, world: int, model_dir: str, how: str) -> dict[str, Any]:
-    from fsdpkit.planner.measure import enable_process_wide_accounting, live_bytes, peak_bytes
+    from fsdpkit.cpumem import enable_process_wide_accounting, live_bytes, peak_bytes
 
     enable_process_wide_accounting()
     fn = {"model.hf": _load_fsdpkit, "full copy": _load_full_copy}[how]

@@ -100,8 +100,8 @@ def run_one(
     """Build a session as ``fsdpkit train`` does, time ``steps`` steps after
     ``warmup``, then measure one step's peak with ``peak``."""
     from fsdpkit.config import load
-    from fsdpkit.hangs import HangProbe
-    from fsdpkit.launch import joined_env
+    from fsdpkit.runtime.hangs import HangProbe
+    from fsdpkit.runtime.distenv import joined_env
     from fsdpkit.train.loop import _step
     from fsdpkit.train.session import build_session
 
@@ -132,14 +132,14 @@ class PeakFn:
     def __init__(self, device_type: str) -> None:
         self.cuda = device_type == "cuda"
         if not self.cuda:
-            from fsdpkit.planner.measure import enable_process_wide_accounting
+            from fsdpkit.cpumem import enable_process_wide_accounting
 
             enable_process_wide_accounting()
 
     def live(self) -> int:
         if self.cuda:
             return torch.cuda.memory_allocated()
-        from fsdpkit.planner.measure import live_bytes
+        from fsdpkit.cpumem import live_bytes
 
         return live_bytes()
 
@@ -153,7 +153,7 @@ class PeakFn:
             fn()
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated()
-        from fsdpkit.planner.measure import peak_bytes
+        from fsdpkit.cpumem import peak_bytes
 
         return peak_bytes(fn)
 

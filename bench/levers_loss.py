@@ -6,8 +6,8 @@
 Each row is one model (the built-in tiny Llama widened to d=256 with a 32768-token
 vocabulary, and the same shape as an HF ``LlamaForCausalLM`` loaded through
 ``model.hf``), on 2 gloo ranks, fp32, 2 x 1024 tokens per rank, trained by fsdpkit's
-own step (fsdpkit.train.step) with the full-logits loss ("off") or the chunked one
-("on", fsdpkit.models.head_loss.ChunkedLoss). The two losses drive the same sharded
+own step (fsdpkit.trainable.step) with the full-logits loss ("off") or the chunked one
+("on", fsdpkit.loss.head.ChunkedLoss). The two losses drive the same sharded
 model and optimizer, alternating step by step, ``--reps`` times each, with a third
 "off (again)" same-vs-same control that must read ~1.00. Reported per mode:
 
@@ -50,11 +50,11 @@ def _row(rank: int, row: str, model_dir: str, *, reps: int, chunk: int) -> dict[
 
     from fsdpkit import build_mesh, shard
     from fsdpkit.config import RunConfig, TrainConfig
-    from fsdpkit.models.factory import next_token_loss
-    from fsdpkit.models.head_loss import ChunkedLoss
-    from fsdpkit.planner.measure import live_bytes, peak_bytes
-    from fsdpkit.train.optim import build_optimizer
-    from fsdpkit.train.step import train_step
+    from fsdpkit.cpumem import live_bytes, peak_bytes
+    from fsdpkit.loss.contract import next_token_loss
+    from fsdpkit.loss.head import ChunkedLoss
+    from fsdpkit.trainable.optim import build_optimizer
+    from fsdpkit.trainable.step import train_step
 
     base = live_bytes()
     built = _model(row, model_dir)
@@ -83,7 +83,7 @@ def _row(rank: int, row: str, model_dir: str, *, reps: int, chunk: int) -> dict[
 
 
 def _all(rank: int, world: int, model_dir: str, reps: int, chunk: int) -> dict[str, Any]:
-    from fsdpkit.planner.measure import enable_process_wide_accounting
+    from fsdpkit.cpumem import enable_process_wide_accounting
 
     enable_process_wide_accounting()
     return {row: _row(rank, row, model_dir, reps=reps, chunk=chunk) for row in ROWS}

@@ -4,7 +4,7 @@
     python bench/loss_compile.py --reps 20 --vocab 128256 --dim 1024
 
 Times one chunk's forward and backward of the chunked linear cross-entropy
-(fsdpkit.models.chunked_ce: logits, log-sum-exp in place; recomputed logits, softmax
+(fsdpkit.loss.chunked_ce: logits, log-sum-exp in place; recomputed logits, softmax
 minus one-hot, the two gradient matmuls) as a plain function, eager and compiled with
 inductor (``torch.compile(fullgraph=True)``), alternating eager / compiled / eager
 again (the control) per repetition. Prints per dtype the median time of each and the
@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from fsdpkit.models.chunked_ce import _chunk_grad, _logits, _logsumexp_
-from fsdpkit.models.factory import IGNORE_INDEX
+from fsdpkit.data.batch import IGNORE_INDEX
+from fsdpkit.loss.chunked_ce import _chunk_grad, _logits, _logsumexp_
 
 
 def chunk_step(h: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:

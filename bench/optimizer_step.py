@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from fsdpkit.config import TrainConfig
-from fsdpkit.train.optim import build_optimizer
+from fsdpkit.trainable.optim import build_optimizer
 
 IMPLS = ("for-loop", "foreach", "fused")
 

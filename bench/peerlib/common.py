@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fsdpkit.planner.measure import enable_process_wide_accounting, live_bytes, peak_bytes
+from fsdpkit.cpumem import enable_process_wide_accounting, live_bytes, peak_bytes
 
 SPEC_VAR = "PEERS_SPEC"
 

@@ -37,13 +37,13 @@ def worker(rank: int, world: int, seq_len: int, micro_batch: int) -> dict[str, d
     """run_ranks body: {strategy: {"model_state": bytes, "peak": bytes}} of this rank."""
     from fsdpkit import config as configuration
     from fsdpkit.config import mesh_shape
-    from fsdpkit.mesh import build_mesh
-    from fsdpkit.models.factory import next_token_loss
+    from fsdpkit.cpumem import enable_process_wide_accounting, live_bytes, peak_bytes
+    from fsdpkit.loss.contract import next_token_loss
     from fsdpkit.models.llama import Llama, preset
-    from fsdpkit.planner.measure import enable_process_wide_accounting, live_bytes, peak_bytes
     from fsdpkit.sharding import shard
-    from fsdpkit.train.optim import build_optimizer
-    from fsdpkit.train.step import train_step
+    from fsdpkit.sharding.mesh import build_mesh
+    from fsdpkit.trainable.optim import build_optimizer
+    from fsdpkit.trainable.step import train_step
 
     enable_process_wide_accounting()
     out = {}

@@ -2,7 +2,6 @@
 
 from fsdpkit.config import ConfigError, RunConfig
 from fsdpkit.init import init_weights
-from fsdpkit.mesh import MeshError, build_mesh
 from fsdpkit.models.buffers import meta_params
 from fsdpkit.sharding import (
     BlockDetectionError,
@@ -14,6 +13,7 @@ from fsdpkit.sharding import (
     resolve_precision,
     shard,
 )
+from fsdpkit.sharding.mesh import MeshError, build_mesh
 
 __version__ = "0.1.0"
 

@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 Initializer = Callable[[nn.Module], None]
 """Fills every parameter of a materialized (possibly sharded) model, replacing fsdpkit's
@@ -69,3 +71,22 @@ def init_weights(model: nn.Module, *, seed: int) -> None:
             value = initial_value(model, name=name, shape=p.shape, seed=seed, dtype=p.dtype)
             p.copy_(value.to(p.device))
         init_buffers(model)
+
+
+def _local_slice(full: torch.Tensor, param: DTensor) -> torch.Tensor:
+    shape, offset = compute_local_shape_and_global_offset(
+        full.shape, param.device_mesh, param.placements
+    )
+    index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+    return full[index]
+
+
+def copy_full_value(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Set a (possibly sharded) parameter from its full, unsharded value: a DTensor
+    keeps only this rank's slice."""
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            local = param.to_local()
+            local.copy_(_local_slice(full, param).to(local.device))
+        else:
+            param.copy_(full.to(param.device))

@@ -2,7 +2,7 @@
 sockets and their processes, the loopback interface, the interface of an address.
 
 Used to bind listeners where they must be ([Note: listeners] in
-fsdpkit.rendezvous), to name who holds a busy port, and by the tests to check what a
+fsdpkit.runtime.rendezvous), to name who holds a busy port, and by the tests to check what a
 run's processes listen on. Everything degrades to "unknown" (None / empty) where
 /proc or /sys are not there or not readable.
 """
@@ -15,7 +15,7 @@ import os
 import socket
 import struct
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,3 +160,26 @@ def local_address_for(host: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((target, 9))
         return str(s.getsockname()[0])
+
+
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+"""The variables gloo and NCCL read for the interface their sockets bind to."""
+
+
+def collective_interface(*, peer: str | None) -> str | None:
+    """The interface the collectives' sockets use ([Note: listeners] in
+    fsdpkit.runtime.rendezvous): loopback when every rank is on this machine (no
+    ``peer``, or a loopback one), else the interface of this machine's address on the
+    route to ``peer`` (the rendezvous endpoint, MASTER_ADDR). The one rule for the
+    launcher, its workers and the doctor's bandwidth test."""
+    if peer is None:
+        return loopback_interface()
+    return interface_of(local_address_for(peer))
+
+
+def socket_ifname_env(iface: str | None, *, current: Mapping[str, str]) -> dict[str, str]:
+    """``GLOO/NCCL_SOCKET_IFNAME = iface`` for every one the user has not set in
+    ``current`` (a user's own choice wins); empty without an interface."""
+    if not iface:
+        return {}
+    return {key: iface for key in SOCKET_IFNAME_VARS if key not in current}

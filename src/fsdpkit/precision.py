@@ -73,7 +73,7 @@ def preset_name(mode: str, *, bf16_device: bool) -> str:
     return "bf16" if bf16_device else "fp32"
 
 
-def resolve(mode: str, *, bf16_device: bool, grad_scaler: bool | None = None) -> Precision:
+def preset_for(mode: str, *, bf16_device: bool, grad_scaler: bool | None = None) -> Precision:
     """The preset for ``mode`` (``auto`` resolved), with the config's scaler choice."""
     preset = PRESETS[preset_name(mode, bf16_device=bf16_device)]
     if grad_scaler is None or grad_scaler == preset.scaler:

@@ -20,10 +20,11 @@ import torch.distributed as dist
 
 from fsdpkit import build_mesh, shard
 from fsdpkit.config import ModelConfig, ParallelConfig, RunConfig
-from fsdpkit.models.factory import build_model, next_token_loss
-from fsdpkit.models.head_loss import choose_loss
+from fsdpkit.loss.contract import next_token_loss
+from fsdpkit.loss.head import choose_loss
+from fsdpkit.models.factory import build_model
 from fsdpkit.testing import run_ranks
-from fsdpkit.train.step import train_step
+from fsdpkit.trainable.step import train_step
 from support import SEQ, build, count_collectives, full_state, global_batches, local, untied
 
 pytestmark = pytest.mark.distributed

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdpkit.hangs.flight import BUFFER_ENTRIES
+from fsdpkit.runtime.hangs.flight import BUFFER_ENTRIES
 from fsdpkit.testing import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -29,7 +29,7 @@ def _ranks(rank: int, world_size: int, run_dir: str) -> str:
     import torch
     import torch.distributed as dist
 
-    from fsdpkit.hangs import HangProbe
+    from fsdpkit.runtime.hangs import HangProbe
 
     probe = HangProbe.start(
         rank=rank, run_dir=Path(run_dir), control=None, timeout_s=60, hang_timeout_s=STALL_S

@@ -3,7 +3,7 @@
 One spawn runs every architecture (process start-up dominates): build on meta from a
 saved directory, shard, read each rank's slices; logits against ``from_pretrained``;
 10 training steps against the unsharded ``from_pretrained`` model on the same global
-batch; a DCP checkpoint exported with ``fsdpkit.checkpoint.export`` and loaded back
+batch; a DCP checkpoint exported with ``fsdpkit.export.offline`` and loaded back
 with ``from_pretrained``. A bare config.json (GPT-2: Conv1D, tied, scaled residual init)
 initializes identically sharded and unsharded, with the model's own init.
 """
@@ -20,7 +20,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdpkit import build_mesh, shard
 from fsdpkit.config import CheckpointConfig, ModelConfig, RunConfig
-from fsdpkit.models.factory import build_model, logits_of, next_token_loss
+from fsdpkit.loss.contract import logits_of, next_token_loss
+from fsdpkit.models.factory import build_model
 from fsdpkit.testing import run_ranks
 from support import full_state, global_batches, train
 
@@ -105,7 +106,7 @@ def _reference(model_dir: str) -> tuple[torch.Tensor, list[float]]:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_hf_model_loads_trains_and_exports(hf_runs: dict[str, Any], arch: str) -> None:
-    from fsdpkit.checkpoint import export
+    from fsdpkit.export import export
 
     loaded, losses = _reference(hf_runs["dirs"][arch])
     for rank in hf_runs["ranks"]:

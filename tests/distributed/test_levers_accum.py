@@ -20,11 +20,11 @@ import torch
 
 from fsdpkit import build_mesh, make_grad_scaler, resolve_precision, shard
 from fsdpkit.config import RunConfig, load, mesh_shape
-from fsdpkit.models.factory import next_token_loss
+from fsdpkit.loss.contract import next_token_loss
 from fsdpkit.sharding.grads import sync_mode
 from fsdpkit.testing import run_ranks
-from fsdpkit.train.optim import impl_kwargs, resolve_impl
-from fsdpkit.train.step import train_step
+from fsdpkit.trainable.optim import impl_kwargs, resolve_impl
+from fsdpkit.trainable.step import train_step
 from support import TINY, build, count_collectives, full_state, global_batches, local
 
 pytestmark = pytest.mark.distributed

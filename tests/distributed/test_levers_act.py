@@ -20,7 +20,7 @@ from torch import nn
 from fsdpkit import build_mesh, shard
 from fsdpkit.config import ActivationsConfig, RunConfig, TrainConfig
 from fsdpkit.init import init_weights
-from fsdpkit.models.factory import next_token_loss
+from fsdpkit.loss.contract import next_token_loss
 from fsdpkit.testing import run_ranks
 from support import MLPNet, build, full_state, global_batches, train
 

@@ -1,6 +1,6 @@
 """Chunked linear cross-entropy (``train.chunked_loss``) against full logits, 2 gloo ranks.
 
-One spawn trains every model twice with the trainer's own step (fsdpkit.train.step),
+One spawn trains every model twice with the trainer's own step (fsdpkit.trainable.step),
 chunked on and off, fp32, 10 steps: the built-in Llama tied, untied (two micro-batches
 per step: the head's grad accumulates without sync), tied with the root resharded after
 forward (``reshard_after_forward=2`` at world size 2), an HF
@@ -23,11 +23,12 @@ import torch.distributed as dist
 
 from fsdpkit import build_mesh, shard
 from fsdpkit.config import ModelConfig, ParallelConfig, RunConfig
-from fsdpkit.data.batch import SFTBatch
-from fsdpkit.models.factory import IGNORE_INDEX, build_model, next_token_loss
-from fsdpkit.models.head_loss import choose_loss, default_loss
+from fsdpkit.data.batch import IGNORE_INDEX, SFTBatch
+from fsdpkit.loss.contract import next_token_loss
+from fsdpkit.loss.head import choose_loss, default_loss
+from fsdpkit.models.factory import build_model
 from fsdpkit.testing import run_ranks
-from fsdpkit.train.step import train_step
+from fsdpkit.trainable.step import train_step
 from support import (
     SEQ,
     TINY,
@@ -79,7 +80,7 @@ def _train(
         model,
         mode=mode,
         chunk_tokens=CHUNK,
-        default=default_loss(sft=sft, built=next_token_loss),
+        default=default_loss(sft=sft, own=None),
         custom_loss=False,
     )
     shard(model, cfg, mesh=build_mesh(), init=init)

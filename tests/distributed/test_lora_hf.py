@@ -26,12 +26,13 @@ from torch.distributed.tensor import DTensor
 from fsdpkit import build_mesh, shard
 from fsdpkit.config import RunConfig, load
 from fsdpkit.finetune import prepare
-from fsdpkit.models.factory import build_model, logits_of, next_token_loss
+from fsdpkit.loss.contract import logits_of, next_token_loss
+from fsdpkit.models.factory import build_model
 from fsdpkit.precision import PRESETS
 from fsdpkit.sharding.materialize import materialize
 from fsdpkit.testing import run_ranks
-from fsdpkit.train.optim import build_optimizer
-from fsdpkit.train.step import train_step
+from fsdpkit.trainable.optim import build_optimizer
+from fsdpkit.trainable.step import train_step
 from support import full_state, global_batches, local
 
 pytestmark = pytest.mark.distributed
@@ -230,7 +231,7 @@ def test_lora_trains_only_adapters_and_matches_one_process(
 def test_peft_and_merged_exports_give_the_trained_logits(
     lora_runs: dict[str, Any], arch: str
 ) -> None:
-    from fsdpkit.checkpoint import export
+    from fsdpkit.export import export
 
     ckpt = Path(lora_runs["runs"][arch]) / "checkpoints" / "step-00000010"
     model_dir = lora_runs["dirs"][arch]
@@ -254,7 +255,7 @@ def test_adapters_only_checkpoint_of_a_frozen_run_exports_over_its_base(
 ) -> None:
     """No LoRA: the checkpoint holds the trainable parameters only, and the HF export
     lays them over the base read from the model directory."""
-    from fsdpkit.checkpoint import export
+    from fsdpkit.export import export
 
     got = lora_runs["ranks"][0]["llama-freeze"]
     ckpt = Path(lora_runs["runs"]["llama-freeze"]) / "checkpoints" / "step-00000010"

@@ -38,7 +38,7 @@ def gpt2_nan_on_rank1() -> tuple[nn.Module, Any]:
     rank 1 only, at the third training step."""
     from transformers import GPT2LMHeadModel
 
-    from fsdpkit.models.factory import next_token_loss
+    from fsdpkit.loss.contract import next_token_loss
     from fsdpkit.testing.hf import tiny_config
 
     calls = 0

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from clirun import FAST
 
-from fsdpkit.checkpoint.signals import StopFlag
 from fsdpkit.config import load
-from fsdpkit.launch import joined_env
-from fsdpkit.rundir import read_jsonl
+from fsdpkit.runtime.distenv import joined_env
+from fsdpkit.runtime.rundir import read_jsonl
+from fsdpkit.runtime.signals import StopFlag
 from fsdpkit.testing import run_ranks
 from fsdpkit.train.loop import run
 from fsdpkit.train.session import Session, build_session

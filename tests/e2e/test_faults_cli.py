@@ -26,7 +26,7 @@ from clirun import FAST, children, fsdpkit, start, wait_for_step
 from clirun import processes_in as _processes_in
 
 from fsdpkit import netinfo
-from fsdpkit.rundir import read_jsonl
+from fsdpkit.runtime.rundir import read_jsonl
 
 pytestmark = pytest.mark.e2e
 
@@ -224,7 +224,7 @@ def test_7_a_write_cut_short_leaves_no_torn_line(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     code = (
         "import resource, signal, sys\n"
-        "from fsdpkit.rundir import append_line\n"
+        "from fsdpkit.runtime.rundir import append_line\n"
         "from pathlib import Path\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "p = Path(sys.argv[1])\n"

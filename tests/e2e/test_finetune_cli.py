@@ -96,7 +96,7 @@ def test_resume_at_another_world_size_continues_exactly(runs: dict[str, Any]) ->
 
 
 def test_peft_and_merged_exports_agree(runs: dict[str, Any]) -> None:
-    from fsdpkit.checkpoint import export
+    from fsdpkit.export import export
 
     tmp = runs["tmp"]
     ckpt = tmp / "a" / "checkpoints" / "step-00000006"
@@ -148,7 +148,7 @@ def test_bad_input_is_one_paragraph_and_exit_2(runs: dict[str, Any]) -> None:
     two of them through the CLI (the launcher prints the worker's paragraph once)."""
     from fsdpkit.config import load
     from fsdpkit.errors import UserError
-    from fsdpkit.launch import DistEnv
+    from fsdpkit.runtime.distenv import DistEnv
     from fsdpkit.train.session import build_session
 
     tmp, model_dir = runs["tmp"], runs["model"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from clirun import fsdpkit, losses
 
-from fsdpkit.checkpoint import export
+from fsdpkit.export import export
 
 pytestmark = pytest.mark.e2e
 transformers = pytest.importorskip("transformers")

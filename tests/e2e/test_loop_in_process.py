@@ -9,7 +9,7 @@ import pytest
 from clirun import FAST, fsdpkit, losses
 
 from fsdpkit.config import load
-from fsdpkit.launch import joined_env
+from fsdpkit.runtime.distenv import joined_env
 from fsdpkit.testing import run_ranks
 from fsdpkit.train.loop import run
 from fsdpkit.train.session import build_session

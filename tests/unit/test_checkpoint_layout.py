@@ -15,12 +15,11 @@ from fsdpkit.checkpoint import (
     Checkpointer,
     CheckpointError,
     ModelOptimizerState,
-    hf_config,
-    install_sigterm_flag,
     list_entries,
-    llama_config,
     verify,
 )
+from fsdpkit.runtime.signals import install_sigterm_flag
+from fsdpkit.export import hf_config, llama_config
 from fsdpkit.checkpoint.layout import META_FILE, crc32_file
 from fsdpkit.config import CheckpointConfig, RunConfig
 from fsdpkit.models.llama import Llama, LlamaConfig, preset

@@ -19,7 +19,8 @@ from fsdpkit.devices import DEVICES, _from_name, device_from
 from fsdpkit.models.flops import flops_per_token
 from fsdpkit.models.llama import preset
 from fsdpkit.precision import AUTO, PRESETS
-from fsdpkit.precision import resolve as resolve_preset
+from fsdpkit.precision import preset_for as resolve_preset
+from fsdpkit.run.resolve import resolve
 from fsdpkit.strategies import STRATEGIES
 
 
@@ -83,9 +84,9 @@ def test_configs_are_frozen_and_changed_with_validation() -> None:
 
 
 def test_resolve_applies_parallel_auto_once_and_checks_the_world() -> None:
-    off = c.resolve(None, ["train.steps=3"], world_size=2, local_world_size=2)
+    off = resolve(None, ["train.steps=3"], world_size=2, local_world_size=2)
     assert off.auto_changes is None and off.config.train.steps == 3
-    auto = c.resolve(
+    auto = resolve(
         None,
         ["parallel.auto=true", "parallel.device_mem=cpu:64GiB", "model.n_layers=2"],
         world_size=2,
@@ -94,7 +95,7 @@ def test_resolve_applies_parallel_auto_once_and_checks_the_world() -> None:
     assert auto.auto_changes is not None and auto.config.parallel.auto is False
     assert c.with_changes(auto.config, {}) == auto.config
     with pytest.raises(ConfigError, match="must divide the shard group size"):
-        c.resolve(None, ["parallel.reshard_after_forward=3"], world_size=4, local_world_size=4)
+        resolve(None, ["parallel.reshard_after_forward=3"], world_size=4, local_world_size=4)
 
 
 def test_one_flops_formula() -> None:

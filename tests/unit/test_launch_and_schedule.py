@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from fsdpkit.config import TrainConfig
-from fsdpkit.failures import root_cause
-from fsdpkit.train.optim import lr_factor
+from fsdpkit.runtime.failures import root_cause
+from fsdpkit.trainable.optim import lr_factor
 
 
 def _record(directory: Path, *, rank: int, attempt: int, time: float, message: str) -> None:

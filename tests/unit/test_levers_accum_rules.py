@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from fsdpkit.config import load, resolve
+from fsdpkit.config import load
 from fsdpkit.errors import ConfigError
 from fsdpkit.planner import parse_device, plan
 from fsdpkit.planner.api import decide_accum_sync
 from fsdpkit.planner.auto import accum_sync_choice
 from fsdpkit.planner.recommend import recommend
 from fsdpkit.planner.scenario import scenario
+from fsdpkit.run.resolve import resolve
 from fsdpkit.sharding.grads import sync_mode
-from fsdpkit.train.optim import impl_kwargs, resolve_impl
+from fsdpkit.trainable.optim import impl_kwargs, resolve_impl
 
 GiB = 2**30
 LLAMA_1B = [

@@ -17,15 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdpkit.config import load
-from fsdpkit.data.batch import SFTBatch
+from fsdpkit.data.batch import IGNORE_INDEX, SFTBatch
 from fsdpkit.devices import parse_device
 from fsdpkit.errors import ConfigError
-from fsdpkit.models.chunked_ce import chunked_linear_cross_entropy
-from fsdpkit.models.factory import IGNORE_INDEX, next_token_loss
-from fsdpkit.models.head_loss import ChunkedLoss, HeadLossError, choose_loss, output_head
-from fsdpkit.models.sft_loss import sft_loss
+from fsdpkit.loss.chunked_ce import chunked_linear_cross_entropy
+from fsdpkit.loss.contract import next_token_loss
+from fsdpkit.loss.head import ChunkedLoss, HeadLossError, choose_loss, output_head
+from fsdpkit.loss.sft import sft_loss
 from fsdpkit.planner import plan
-from fsdpkit.planner.scenario import PlanError, scenario
+from fsdpkit.planner.errors import PlanError
+from fsdpkit.planner.scenario import scenario
 from support import TINY, build, build_mlp
 
 GiB = 1024**3

@@ -11,15 +11,11 @@ import torch
 from torch import nn
 
 from fsdpkit.config import ConfigError, ModelConfig, from_dict
+from fsdpkit.data.batch import IGNORE_INDEX
+from fsdpkit.loss.contract import ModelOutputError, logits_of, next_token_loss
 from fsdpkit.models.buffers import UninitializedBufferError, meta_params, require_buffer_source
 from fsdpkit.models.errors import ModelError
-from fsdpkit.models.factory import (
-    IGNORE_INDEX,
-    ModelOutputError,
-    build_model,
-    logits_of,
-    next_token_loss,
-)
+from fsdpkit.models.factory import build_model
 from fsdpkit.sharding.materialize import materialize
 from fsdpkit.train.guards import NonFiniteLossError, check_finite
 from meta_models import PositionalMLP, positional_mlp_cpu

@@ -13,7 +13,7 @@ from fsdpkit import config as configuration
 from fsdpkit.config import ConfigError
 from fsdpkit.observe import report as report_module
 from fsdpkit.observe.breakdown import CATEGORIES, comm_kind, step_breakdown
-from fsdpkit.observe.runlog import RunDirError, load_run
+from fsdpkit.observe.runlog import RunLogError, load_run
 from fsdpkit.observe.sinks import scalars
 from fsdpkit.train.progress import Progress
 
@@ -94,7 +94,7 @@ def test_run_log_series_summary_and_torn_lines(tmp_path: Path) -> None:
     assert s["tokens_per_s_median"] == 40.0  # first step left out
     assert s["peak_mem_mib_per_rank"] == [120.0, 99.0]
     assert s["checkpoints"] == 1 and s["checkpoint_blocking_s_total"] == 0.25
-    with pytest.raises(RunDirError, match=r"no metrics\.jsonl"):
+    with pytest.raises(RunLogError, match=r"no metrics\.jsonl"):
         load_run(tmp_path / "nope")
 
 
@@ -140,5 +140,5 @@ def test_report_without_matplotlib_says_how_to_install(
     )
     with pytest.raises(report_module.ReportUnavailable, match=r"fsdpkit\[report\]"):
         report_module.write_report([tmp_path])
-    with pytest.raises(RunDirError, match="-o DIR"):
+    with pytest.raises(RunLogError, match="-o DIR"):
         report_module.write_report([tmp_path, tmp_path])

@@ -17,16 +17,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fsdpkit import failures, netinfo, slurm
-from fsdpkit.capacity import MIB, Capacity, CapacityError
+from fsdpkit import netinfo
 from fsdpkit.config import ConfigError, TrainConfig, batch_split, load
 from fsdpkit.data import PackedLoader
 from fsdpkit.planner.recommend import _micro_changes
 from fsdpkit.planner.scenario import scenario
-from fsdpkit.rundir import RunDirError, append_line, check_run_dir, read_jsonl
-from fsdpkit.runlock import LOCK_FILE, RunDirLocked, acquire
+from fsdpkit.runtime import failures, slurm
+from fsdpkit.runtime.capacity import MIB, Capacity, CapacityError
+from fsdpkit.runtime.rundir import RunDirError, append_line, check_run_dir, read_jsonl
+from fsdpkit.runtime.runlock import LOCK_FILE, RunDirLocked, acquire
 from fsdpkit.train.loop import reapply_schedule
-from fsdpkit.train.optim import build_scheduler, lr_factor
+from fsdpkit.trainable.optim import build_scheduler, lr_factor
 
 # --------------------------------------------------------------------- batch split
 
@@ -256,7 +257,7 @@ def test_stop_flag_records_the_first_signal_and_a_second_exits_at_once() -> None
     result = _python(
         """
         import os, signal
-        from fsdpkit.checkpoint.signals import install_stop_flag, agreed_signal
+        from fsdpkit.runtime.signals import install_stop_flag, agreed_signal
         flag = install_stop_flag()
         os.kill(os.getpid(), signal.SIGHUP)
         print(flag.name, agreed_signal(flag.signum), flush=True)
@@ -272,7 +273,7 @@ def test_launcher_signals_forward_once_then_kill_the_workers() -> None:
         """
         import os, signal, subprocess, sys, time
         from torch.distributed.elastic.multiprocessing.api import SignalException
-        from fsdpkit.interrupts import ImmediateStop, LauncherSignals
+        from fsdpkit.runtime.interrupts import ImmediateStop, LauncherSignals
         worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                                   start_new_session=True)
         with LauncherSignals():
@@ -296,7 +297,7 @@ def test_a_worker_dies_with_its_parent_even_without_prctl() -> None:
         import os, subprocess, sys, time
         child = '''
         import os, sys, time
-        from fsdpkit import lifetime
+        from fsdpkit.runtime import lifetime
         lifetime.set_parent_death_signal = lambda sig=9: False   # the fallback only
         lifetime.bind_to_parent(int(sys.argv[1]), interval=0.1)
         print(os.getpid(), flush=True)

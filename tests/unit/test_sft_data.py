@@ -16,12 +16,12 @@ import torch
 
 from fsdpkit.config import DataConfig
 from fsdpkit.data import ByteTokenizer, DataError
+from fsdpkit.data.batch import IGNORE_INDEX
 from fsdpkit.data.packing import pack
 from fsdpkit.data.sft import Example, is_sft, load_examples
 from fsdpkit.data.sft_loader import SFTLoader, load_sft
 from fsdpkit.data.tokenizer import load_hf_tokenizer
-from fsdpkit.models.factory import IGNORE_INDEX
-from fsdpkit.models.sft_loss import sft_loss, token_losses
+from fsdpkit.loss.sft import sft_loss, token_losses
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,5 +1,5 @@
 """Sharded checkpoints that never lose work: atomic, async, verified, resumable at any
-world size, convertible to and from Hugging Face safetensors.
+world size, loading Hugging Face safetensors into a sharded model.
 
 Modules, each owning one thing:
     layout        directory layout, completion marker, verify
@@ -13,17 +13,19 @@ Modules, each owning one thing:
     state         Stateful adapters: model+optimizer, rank-local state, RNG streams
     checkpointer  Checkpointer: save (sync/async), retention, resume
     resume        choose the checkpoint to resume from, precheck, load it
-    signals       stop-signal flag (SIGTERM, SIGINT, SIGHUP) and cross-rank agreement
-    hf / export   HF config, load_hf_weights, offline export (hf | torch)
+    hf_weights    load_hf_weights: HF safetensors into an already-sharded model
+    fsdp1         FSDP1 checkpoints into an already-sharded model (``model.init_from``)
     summary       inspect / list data for the CLI
+
+Exports to files others load (HF, peft, merged, torch) are ``fsdpkit.export``; stop
+signals are ``fsdpkit.runtime.signals``.
 
 Security: nothing read from a checkpoint runs code ([Note: untrusted checkpoints]).
 """
 
 from fsdpkit.checkpoint.checkpointer import Checkpointer
 from fsdpkit.checkpoint.errors import CheckpointError
-from fsdpkit.checkpoint.export import export
-from fsdpkit.checkpoint.hf import hf_config, llama_config, load_hf_weights
+from fsdpkit.checkpoint.hf_weights import load_hf_weights
 from fsdpkit.checkpoint.layout import (
     Entry,
     VerifyReport,
@@ -34,7 +36,6 @@ from fsdpkit.checkpoint.layout import (
     verify,
 )
 from fsdpkit.checkpoint.retention import steps_to_delete
-from fsdpkit.checkpoint.signals import any_rank, install_sigterm_flag, install_stop_flag
 from fsdpkit.checkpoint.staging import async_staging_bytes
 from fsdpkit.checkpoint.state import ModelOptimizerState, RankLocal, RNGState
 from fsdpkit.checkpoint.summary import inspect_checkpoint, list_run
@@ -49,17 +50,11 @@ __all__ = [
     "RankLocal",
     "UnsafeCheckpointError",
     "VerifyReport",
-    "any_rank",
     "async_staging_bytes",
     "complete_entries",
-    "export",
-    "hf_config",
     "inspect_checkpoint",
-    "install_sigterm_flag",
-    "install_stop_flag",
     "list_entries",
     "list_run",
-    "llama_config",
     "load_hf_weights",
     "read_meta",
     "step_dir_name",

@@ -57,7 +57,7 @@ class ChecksumMismatch(Exception):
 
 
 @dataclass
-class ReadStats:
+class LoadStats:
     """What one load read and where its time went (this rank)."""
 
     bytes: int = 0
@@ -72,7 +72,7 @@ class ReadStats:
 class _File:
     """One open checkpoint file; ``owned``: crc32 every byte front to back."""
 
-    def __init__(self, path: Path, *, owned: bool, stats: ReadStats) -> None:
+    def __init__(self, path: Path, *, owned: bool, stats: LoadStats) -> None:
         self.name = path.name
         self.fd = os.open(path, os.O_RDONLY)
         self.owned, self.stats = owned, stats
@@ -160,7 +160,7 @@ class VerifyingReader(FileSystemReader):
         self._records = records
         self._owned = set(owned)
         self._scratch = bytearray(0)
-        self.stats = ReadStats()
+        self.stats = LoadStats()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:

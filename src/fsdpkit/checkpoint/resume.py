@@ -35,7 +35,7 @@ from fsdpkit.checkpoint.layout import (
     read_meta,
     verify,
 )
-from fsdpkit.checkpoint.reader import ChecksumMismatch, ReadStats, VerifyingReader
+from fsdpkit.checkpoint.reader import ChecksumMismatch, LoadStats, VerifyingReader
 from fsdpkit.checkpoint.state import RankLocal, state_info
 from fsdpkit.checkpoint.untrusted import SafeLoadPlanner, UnsafeCheckpointError, read_metadata
 
@@ -176,7 +176,7 @@ def load(
     group: dist.ProcessGroup | None,
     rank: int,
     world_size: int,
-) -> tuple[list[str], ReadStats]:
+) -> tuple[list[str], LoadStats]:
     """DCP-load ``choice`` into ``state`` in place (reshards to this world size),
     verifying this rank's share of the files while reading. Returns the files that did
     not verify (nothing was applied to ``state`` then, except tensors written in place)

@@ -31,6 +31,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from fsdpkit.checkpoint.errors import CheckpointError
+
 MODEL_KEY = "model"
 OPTIM_KEY = "optim"
 
@@ -180,3 +182,22 @@ class RNGState(Stateful):
         torch.set_rng_state(state_dict["torch"])
         if "cuda" in state_dict and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(list(state_dict["cuda"].unbind(0)))
+
+
+EMBED_KEY = "model.embed_tokens.weight"
+"""The input embedding's name in HF-named models: finds the model's weights in
+checkpoints that predate the recorded ``model_prefix``."""
+
+
+def model_prefix(meta: dict[str, Any], keys: list[str]) -> str:
+    """Prefix of the model's weights among the checkpoint keys (e.g. ``app.model.``)."""
+    prefix = meta.get("state", {}).get("model_prefix")
+    if prefix:
+        return str(prefix)
+    for key in keys:
+        if key.endswith(EMBED_KEY):
+            return key[: -len(EMBED_KEY)]
+    raise CheckpointError(
+        "cannot find the model's weights in this checkpoint (no ModelOptimizerState "
+        "recorded and no *.model.embed_tokens.weight key)."
+    )

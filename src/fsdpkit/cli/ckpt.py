@@ -16,14 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fsdpkit.checkpoint import (
-    CheckpointError,
-    export,
-    inspect_checkpoint,
-    list_run,
-    read_meta,
-    verify,
-)
+from fsdpkit.checkpoint import CheckpointError, inspect_checkpoint, list_run, read_meta, verify
+from fsdpkit.export import export
 
 
 def _mb(n: int) -> str:

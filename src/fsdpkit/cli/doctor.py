@@ -65,8 +65,8 @@ def _network(args: argparse.Namespace) -> NetworkOptions | None:
 
 def run(args: argparse.Namespace) -> int:
     from fsdpkit.doctor import failed, format_report, report_dict, run_doctor
-    from fsdpkit.launch import default_nproc
     from fsdpkit.planner.auto import auto_device
+    from fsdpkit.runtime.distenv import default_nproc
 
     path, overrides = split_items(args.items)
     cfg = configuration.load(path, overrides)

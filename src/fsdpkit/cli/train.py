@@ -22,8 +22,10 @@ from fsdpkit import config as configuration
 from fsdpkit.cli.configargs import add_config_items, split_items
 from fsdpkit.config.toml import toml_value
 from fsdpkit.errors import UserError
-from fsdpkit.hangs import hang_timeout
-from fsdpkit.launch import SpawnOptions, bind_worker_lifetime, default_nproc, joined_env, spawn
+from fsdpkit.run.resolve import resolve
+from fsdpkit.runtime.distenv import bind_worker_lifetime, default_nproc, joined_env
+from fsdpkit.runtime.hangs import hang_timeout
+from fsdpkit.runtime.launch import SpawnOptions, spawn
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -95,12 +97,12 @@ def run(args: argparse.Namespace) -> int:
     env = joined_env() if not args.slurm_script else None
     if env is not None:
         bind_worker_lifetime(env)  # first: a worker must never outlive its launcher
-        from fsdpkit.train.worker import main
+        from fsdpkit.run.worker import main
 
         main(path, overrides, env)  # never returns
     nproc = default_nproc() if args.nproc is None else args.nproc
     _check_topology(args, nproc)
-    resolved = configuration.resolve(
+    resolved = resolve(
         path, overrides, world_size=nproc * args.nnodes, local_world_size=nproc
     )
     if args.slurm_script:
@@ -110,8 +112,8 @@ def run(args: argparse.Namespace) -> int:
     _check_capacity(resolved.config, nproc=nproc, nnodes=args.nnodes)
     _check_compile(resolved.config)
     run_dir = Path(resolved.config.logging.run_dir)
-    from fsdpkit.rundir import check_run_dir
-    from fsdpkit.runlock import acquire
+    from fsdpkit.runtime.rundir import check_run_dir
+    from fsdpkit.runtime.runlock import acquire
 
     check_run_dir(run_dir)
     opts = SpawnOptions(
@@ -135,8 +137,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_capacity(cfg: configuration.RunConfig, *, nproc: int, nnodes: int) -> None:
-    from fsdpkit.capacity import capacity
     from fsdpkit.devices import device_type, local_gpus
+    from fsdpkit.runtime.capacity import capacity
 
     room = capacity(cfg, nproc=nproc, nnodes=nnodes, device=device_type(), gpus=local_gpus())
     warning = room.warning()
@@ -164,7 +166,7 @@ def _check_compile(cfg: configuration.RunConfig) -> None:
 
 def _print_slurm_script(args: argparse.Namespace, nproc: int) -> int:
     from fsdpkit.devices import local_gpus
-    from fsdpkit.slurm import sbatch_script
+    from fsdpkit.runtime.slurm import sbatch_script
 
     print(
         sbatch_script(

@@ -1,4 +1,5 @@
-"""The run configuration: typed, documented, validated, frozen data (no environment reads).
+"""The run configuration: typed, documented, validated, frozen data (no environment reads,
+no planner calls: ``parallel.auto`` is decided above, in fsdpkit.run.resolve).
 
 Modules, each owning one job:
     schema    the frozen section dataclasses, one docstring per field
@@ -7,7 +8,6 @@ Modules, each owning one job:
     io        TOML files, dotted overrides, ``with_changes``, ``to_toml``
     toml      the one TOML writer
     docs      ``--help-config`` text
-    resolve   ``resolve``: load + ``parallel.auto`` + world checks, for launcher and workers
     batch     ``batch_split``: a step's sequences over ranks and micro-batches
 """
 
@@ -23,7 +23,6 @@ from fsdpkit.config.io import (
     to_toml,
     with_changes,
 )
-from fsdpkit.config.resolve import Resolved, resolve
 from fsdpkit.config.schema import (
     SECTIONS,
     ActivationsConfig,
@@ -54,7 +53,6 @@ __all__ = [
     "OffloadConfig",
     "ParallelConfig",
     "PrecisionConfig",
-    "Resolved",
     "RunConfig",
     "TrainConfig",
     "apply_dotted",
@@ -66,7 +64,6 @@ __all__ = [
     "mesh_shape",
     "parse_override",
     "read_toml",
-    "resolve",
     "suggest",
     "to_toml",
     "validate",

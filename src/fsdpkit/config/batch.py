@@ -44,12 +44,13 @@ class BatchSplit:
         return self.micro_batch * self.grad_accum
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """Every positive divisor of ``n``, ascending (batch splits, mesh degrees)."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _indivisible(global_batch: int, dp_world: int) -> ConfigError:
-    fits = ", ".join(str(d) for d in _divisors(global_batch) if d <= 64)
+    fits = ", ".join(str(d) for d in divisors(global_batch) if d <= 64)
     near = ", ".join(str(dp_world * k) for k in range(max(global_batch // dp_world, 1), 99)[:3])
     return ConfigError(
         f"train.global_batch_size = {global_batch} does not split evenly over {dp_world} "
@@ -78,5 +79,5 @@ def batch_split(train: TrainConfig, *, dp_world: int) -> BatchSplit:
     if global_batch % dp_world:
         raise _indivisible(global_batch, dp_world)
     per_rank = global_batch // dp_world
-    accum = next(a for a in _divisors(per_rank) if per_rank // a <= cap)
+    accum = next(a for a in divisors(per_rank) if per_rank // a <= cap)
     return BatchSplit(global_batch, per_rank // accum, accum)

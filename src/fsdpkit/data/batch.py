@@ -18,7 +18,7 @@ every token. SFT needs more than ids, so its loader hands out an ``SFTBatch``:
 
 It has ``.to(device)`` and ``.device`` like a tensor, so the training step and the
 loop move and use it as they do token ids. The default loss for SFT data is
-``fsdpkit.models.sft_loss.sft_loss``; a factory's own ``loss_fn(module, batch)``
+``fsdpkit.loss.sft.sft_loss``; a factory's own ``loss_fn(module, batch)``
 receives the ``SFTBatch`` itself.
 """
 
@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdpkit.models.factory import IGNORE_INDEX
+IGNORE_INDEX = -100
+"""Label value that losses skip (as PyTorch's and Hugging Face's ``ignore_index``)."""
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fsdpkit.data.batch import SFTBatch
+from fsdpkit.data.batch import IGNORE_INDEX, SFTBatch
 from fsdpkit.data.sft import Example
-from fsdpkit.models.factory import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ bandwidth = bytes / time, bus bandwidth = algbw x 2(n-1)/n (what each link carri
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -14,12 +13,13 @@ import queue
 import sys
 import time
 import traceback
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from fsdpkit import netinfo
 from fsdpkit.doctor.check import Check, fail, ok, warn
 from fsdpkit.doctor.network import PREFIX, Rendezvous
+from fsdpkit.runtime.launch import scoped_environ
 
 MiB = 1024**2
 CPU_SIZES = (1 * MiB, 16 * MiB)
@@ -125,31 +125,10 @@ def _worker(
 
 
 def _worker_env(rdzv: Rendezvous) -> dict[str, str]:
-    """On a loopback endpoint the ranks' sockets bind to loopback too."""
-    if not rdzv.endpoint.loopback:
-        return {}
-    import socket
-
-    names = [name for _, name in socket.if_nameindex()]
-    lo = next((n for n in names if n == "lo" or n.startswith("lo")), None)
-    if lo is None:
-        return {}
-    return {k: lo for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if k not in os.environ}
-
-
-@contextlib.contextmanager
-def _environ(updates: dict[str, str]) -> Iterator[None]:
-    """Set variables for ranks created inside (gloo and NCCL read them at start-up)."""
-    saved = {k: os.environ.get(k) for k in updates}
-    os.environ.update(updates)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    """The ranks' sockets on the interface a training run would use
+    (``netinfo.collective_interface``: loopback for a loopback endpoint)."""
+    peer = None if rdzv.endpoint.loopback else rdzv.endpoint.host
+    return netinfo.socket_ifname_env(netinfo.collective_interface(peer=peer), current=os.environ)
 
 
 def run_workers(rdzv: Rendezvous, *, nproc: int, timeout_s: float) -> list[tuple[int, str, str]]:
@@ -161,7 +140,7 @@ def run_workers(rdzv: Rendezvous, *, nproc: int, timeout_s: float) -> list[tuple
     first = rdzv.node_rank * nproc
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    with _environ(_worker_env(rdzv)):
+    with scoped_environ(_worker_env(rdzv)):
         procs = [
             ctx.Process(
                 target=_worker,

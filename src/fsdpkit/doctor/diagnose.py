@@ -17,16 +17,15 @@ from fsdpkit.doctor.buffers import check_meta_buffers
 from fsdpkit.doctor.check import Check, fail, ok, skip
 from fsdpkit.doctor.model import plan_units, structure_checks
 from fsdpkit.errors import UserError
+from fsdpkit.models.hf import tokenizer_vocab_size
 
 REFERENCE_LIMIT_BYTES = 2 * 1024**3
 """Largest model the buffer check also builds on the CPU as a reference."""
 
 
 def _vocab(cfg: RunConfig) -> int:
-    from fsdpkit.data import build_tokenizer
-    from fsdpkit.models.hf import with_model_tokenizer
-
-    return cfg.model.vocab_size or build_tokenizer(with_model_tokenizer(cfg).data).vocab_size
+    """The vocabulary the run's model embeds (as fsdpkit.models.factory.llama_shape)."""
+    return cfg.model.vocab_size or tokenizer_vocab_size(cfg)
 
 
 def _build(cfg: RunConfig, *, vocab: int, meta: bool) -> nn.Module:

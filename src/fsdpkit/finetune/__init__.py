@@ -6,7 +6,7 @@ Modules:
     prepare   the order in which a run applies them (trainer and planner)
 
 SFT data lives in ``fsdpkit.data.sft``; adapter checkpoints and exports in
-``fsdpkit.checkpoint.adapters``. See docs/finetune.md.
+``fsdpkit.export.adapters``. See docs/finetune.md.
 """
 
 from fsdpkit.finetune.errors import FinetuneError

@@ -33,8 +33,7 @@ from torch import nn
 from fsdpkit.config import LoraConfig
 from fsdpkit.finetune.errors import FinetuneError
 from fsdpkit.finetune.freeze import select
-from fsdpkit.init import param_seed
-from fsdpkit.sharding.materialize import copy_full_value
+from fsdpkit.init import copy_full_value, param_seed
 
 ADAPTER = "default"
 """peft's adapter name (it appears in parameter names, never in exported files)."""
@@ -103,7 +102,7 @@ def peft_config(cfg: LoraConfig, *, targets: list[str]) -> Any:
     """The ``peft.LoraConfig`` the adapters are injected with. Fully trained modules
     (``lora.trainable``) are not peft's ``modules_to_save`` here: that would wrap a copy
     of them (and untie a tied embedding); they simply keep ``requires_grad``, and only an
-    export names them ``modules_to_save`` (fsdpkit.checkpoint.adapters)."""
+    export names them ``modules_to_save`` (fsdpkit.export.adapters)."""
     peft = peft_module()
     return peft.LoraConfig(
         r=cfg.rank,

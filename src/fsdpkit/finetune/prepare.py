@@ -47,7 +47,7 @@ class Finetune:
         return self.counts.trainable < self.counts.total
 
     def record(self, model: nn.Module) -> dict[str, object] | None:
-        """What checkpoints record for exports (fsdpkit.checkpoint.adapters): the LoRA
+        """What checkpoints record for exports (fsdpkit.export.adapters): the LoRA
         layers (and which are transformers Conv1D, stored transposed), the fully trained
         modules; None without LoRA."""
         if not self.targets:
@@ -92,7 +92,7 @@ def cast_frozen(model: nn.Module, dtype: torch.dtype, *, keep_norms: bool) -> No
     """Store every frozen floating-point parameter in ``dtype`` (ties kept: a shared
     parameter is replaced once, everywhere). With ``keep_norms`` (precision.norms_fp32)
     norm layers keep their fp32 weights."""
-    from fsdpkit.sharding.apply import is_norm
+    from fsdpkit.models.accessors import is_norm
 
     done: dict[int, nn.Parameter] = {}
     for module in model.modules():

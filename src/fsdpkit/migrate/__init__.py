@@ -9,8 +9,8 @@ Modules, each owning one thing:
     fsdp1_checkpoint  FSDP1 SHARDED_STATE_DICT / FULL_STATE_DICT -> a sharded model (init_from)
 """
 
+from fsdpkit.checkpoint.fsdp1 import detect, load_fsdp1_checkpoint
 from fsdpkit.migrate.accelerate import convert_accelerate
-from fsdpkit.migrate.fsdp1_checkpoint import detect, load_fsdp1_checkpoint
 from fsdpkit.migrate.render import render, validate
 from fsdpkit.migrate.result import Dropped, MigrateError, Migration, Setting
 from fsdpkit.migrate.spec import convert_fsdp1, parse_spec

@@ -3,25 +3,11 @@ by loading it back with ``fsdpkit.config``."""
 
 from __future__ import annotations
 
-import json
 import tomllib
-from typing import Any
 
 from fsdpkit import config as configuration
+from fsdpkit.config.toml import toml_value
 from fsdpkit.migrate.result import MigrateError, Migration
-
-
-def toml_value(value: Any) -> str:
-    """TOML for the values migrations produce (bool, int, float, str, list of those)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    raise TypeError(f"no TOML form for {value!r}")
 
 
 def _header(m: Migration) -> list[str]:

@@ -1,10 +1,12 @@
-"""Where a model keeps its input embedding and its output head: Hugging Face's accessor
-names (``get_input_embeddings`` / ``get_output_embeddings``, which fsdpkit's Llama
-has too), else an ``lm_head`` attribute for the head. One lookup for edge units, the
-chunked loss, the planner's layout and its vocabulary."""
+"""Where a model keeps its input embedding, its output head and its norms: Hugging
+Face's accessor names (``get_input_embeddings`` / ``get_output_embeddings``, which
+fsdpkit's Llama has too), else an ``lm_head`` attribute for the head; a norm is any
+LayerNorm / *Norm with parameters. One lookup for edge units, the chunked loss,
+norms_fp32, the frozen base, the planner's layout and its vocabulary."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -29,3 +31,20 @@ def output_embeddings(model: nn.Module) -> nn.Module | None:
     if head is None and isinstance(lm_head, nn.Module):
         return lm_head
     return head
+
+
+def is_norm(module: nn.Module) -> bool:
+    """A norm layer with its own parameters (LayerNorm, *Norm): own fp32 units under
+    precision.norms_fp32; kept fp32 beside a bf16 frozen base (fsdpkit.finetune)."""
+    is_norm_class = isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("Norm")
+    return is_norm_class and any(True for _ in module.parameters(recurse=False))
+
+
+def input_vocab(model: nn.Module, *, default: int) -> int:
+    """Token ids the model embeds: its input embedding's rows (HF's
+    ``get_input_embeddings``, else the first ``nn.Embedding``), else ``default``."""
+    embed = input_embeddings(model)
+    if embed is None:
+        embed = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    weight = getattr(embed, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) else default

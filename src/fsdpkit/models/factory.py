@@ -13,9 +13,11 @@ A factory is ``"package.module:function"``, called with no arguments (after
   ``"logits"`` key, or a tuple/list whose first element is the logits.
 - ``loss_fn(module, tokens) -> scalar tensor`` receives the whole (batch, seq + 1)
   sequence; it must call ``module(...)`` itself (the FSDP root, so its hooks gather the
-  parameters). The default is ``next_token_loss``: logits of ``tokens[:, :-1]`` against
-  ``tokens[:, 1:]`` (shifted once), mean over tokens, ``IGNORE_INDEX`` labels skipped.
-- Chunked loss (``train.chunked_loss``, fsdpkit.models.head_loss): with the default
+  parameters). The default is ``fsdpkit.loss.next_token_loss``: logits of
+  ``tokens[:, :-1]`` against ``tokens[:, 1:]`` (shifted once), mean over tokens,
+  ``IGNORE_INDEX`` labels skipped. How logits are found in an output:
+  ``fsdpkit.loss.logits_of``.
+- Chunked loss (``train.chunked_loss``, fsdpkit.loss.head): with the default
   loss, a module whose output head is a plain ``nn.Linear`` returned unchanged as the
   logits, exposed as ``get_output_embeddings()`` or ``lm_head``, trains without full
   logits; others fall back to them (``auto``) with a notice.
@@ -35,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fsdpkit.config import ModelConfig
@@ -44,51 +45,8 @@ from fsdpkit.models.buffers import meta_buffers
 from fsdpkit.models.errors import ModelError
 from fsdpkit.models.llama import Llama, LlamaConfig, preset
 
-LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
-
-IGNORE_INDEX = -100
-"""Label value that the default loss skips (as PyTorch's and Hugging Face's)."""
-
-
-class ModelOutputError(ModelError):
-    """The model's forward returned something that holds no logits."""
-
-
-def logits_of(output: Any, *, tokens: torch.Tensor) -> torch.Tensor:
-    """The logits in a model's output (see [Note: factory contract]); a clear error
-    naming what came back otherwise."""
-    found = output
-    if not isinstance(found, torch.Tensor):
-        if isinstance(found, dict) and "logits" in found:
-            found = found["logits"]
-        elif getattr(found, "logits", None) is not None:
-            found = found.logits
-        elif isinstance(found, tuple | list) and found:
-            found = found[0]
-    if isinstance(found, torch.Tensor) and found.dim() == 3 and found.shape[:2] == tokens.shape:
-        return found
-    got = type(output).__name__ + (
-        f" with shape {tuple(found.shape)}" if isinstance(found, torch.Tensor) else ""
-    )
-    raise ModelOutputError(
-        f"the model returned {got} for input ids of shape {tuple(tokens.shape)}; fsdpkit needs "
-        f"logits of shape (batch, seq, vocab) = ({tokens.shape[0]}, {tokens.shape[1]}, vocab): "
-        "return them as a tensor, or as .logits / ['logits'] / the first element of a tuple, "
-        "or return (module, loss_fn) from the factory with loss_fn(module, tokens) computing "
-        "the loss itself. See docs/models.md."
-    )
-
-
-def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1] (fp32 logits);
-    labels equal to ``IGNORE_INDEX`` are skipped."""
-    inputs = tokens[:, :-1]
-    logits = logits_of(model(inputs), tokens=inputs)
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]),
-        tokens[:, 1:].reshape(-1),
-        ignore_index=IGNORE_INDEX,
-    )
+OwnLoss = Callable[[nn.Module, Any], torch.Tensor]
+"""A factory's own ``loss_fn(module, batch)`` (the contract: fsdpkit.loss.contract)."""
 
 
 @dataclass
@@ -96,8 +54,9 @@ class BuiltModel:
     module: nn.Module
     """The model; its parameters on the meta device when it will be materialized after
     sharding (buffers may be real: [Note: buffers of meta models])."""
-    loss_fn: LossFn
-    """Loss of one micro-batch."""
+    loss_fn: OwnLoss | None
+    """The factory's own loss of one micro-batch; None: the run's default loss
+    (fsdpkit.loss.head.default_loss)."""
     llama: LlamaConfig | None
     """Shape of a built-in model (None for a user factory or an HF model)."""
     init: Initializer | None = None
@@ -139,12 +98,12 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int, seed: int) -
     shape = llama_shape(cfg, vocab_size=vocab_size, seq_len=seq_len)
     if cfg.meta_init:
         with torch.device("meta"):
-            return BuiltModel(module=Llama(shape), loss_fn=next_token_loss, llama=shape)
+            return BuiltModel(module=Llama(shape), loss_fn=None, llama=shape)
     from fsdpkit.init import init_weights
 
     model = Llama(shape)
     init_weights(model, seed=seed)
-    return BuiltModel(module=model, loss_fn=next_token_loss, llama=shape)
+    return BuiltModel(module=model, loss_fn=None, llama=shape)
 
 
 def _from_hf(path: str, *, vocab_size: int, seq_len: int, seed: int) -> BuiltModel:
@@ -155,7 +114,7 @@ def _from_hf(path: str, *, vocab_size: int, seq_len: int, seed: int) -> BuiltMod
     module = hf.construct(source.config)
     return BuiltModel(
         module=module,
-        loss_fn=next_token_loss,
+        loss_fn=None,
         llama=None,
         init=hf.HFWeights(source, seed=seed),
         hf=source,
@@ -184,7 +143,7 @@ def load_factory(spec: str) -> Callable[[], object]:
 def _from_factory(spec: str, *, seed: int) -> BuiltModel:
     torch.manual_seed(seed)  # same weights on every rank
     made = load_factory(spec)()
-    module, loss_fn = made if isinstance(made, tuple) else (made, next_token_loss)
+    module, loss_fn = made if isinstance(made, tuple) else (made, None)
     if not isinstance(module, nn.Module):
         raise ModelError(
             f"model.factory = {spec!r} returned {type(module).__name__}, not an nn.Module "

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from fsdpkit.config import RunConfig
+from fsdpkit.data.tokenizer import build_tokenizer
 from fsdpkit.models.buffers import meta_params
 from fsdpkit.models.errors import ModelError
 from fsdpkit.models.hf_init import init_like_hf
@@ -149,6 +150,13 @@ def with_model_tokenizer(cfg: RunConfig) -> RunConfig:
     return replace(cfg, data=replace(cfg.data, tokenizer=str(found))) if found else cfg
 
 
+def tokenizer_vocab_size(cfg: RunConfig) -> int:
+    """The vocabulary of the tokenizer ``fsdpkit train`` would use for ``cfg``: the
+    model.hf directory's own when data.tokenizer is empty, else data.tokenizer's, else
+    byte-level (256). The one rule for the run, the doctor and the planner."""
+    return build_tokenizer(with_model_tokenizer(cfg).data).vocab_size
+
+
 def construct(config: Any) -> nn.Module:
     """The causal-LM of ``config`` with parameters on meta and the constructor's
     buffers, fp32, without a KV cache (training never reuses one)."""
@@ -199,7 +207,7 @@ class HFWeights:
         self.seed = seed
 
     def __call__(self, model: nn.Module) -> None:
-        from fsdpkit.checkpoint.hf import load_hf_weights
+        from fsdpkit.checkpoint.hf_weights import load_hf_weights
 
         names = [n for n, _ in model.named_parameters()]
         if self.source.has_weights:

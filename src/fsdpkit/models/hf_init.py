@@ -31,9 +31,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from fsdpkit.init import param_seed
+from fsdpkit.init import copy_full_value, param_seed
 from fsdpkit.models.buffers import stamp, unchanged
-from fsdpkit.sharding.materialize import copy_full_value
 
 
 def is_hf_model(module: nn.Module) -> bool:

@@ -8,6 +8,6 @@ One concept per module: ``runlog`` reads and summarizes a run directory, ``plots
 """
 
 from fsdpkit.observe.report import ReportUnavailable, write_report
-from fsdpkit.observe.runlog import RunDirError, RunLog, load_run
+from fsdpkit.observe.runlog import RunLog, RunLogError, load_run
 
-__all__ = ["ReportUnavailable", "RunDirError", "RunLog", "load_run", "write_report"]
+__all__ = ["ReportUnavailable", "RunLogError", "RunLog", "load_run", "write_report"]

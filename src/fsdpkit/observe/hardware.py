@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from fsdpkit.launch import DistEnv
 from fsdpkit.observe.runlog import HARDWARE_FILE
+from fsdpkit.runtime.distenv import DistEnv
 
 
 def _cpu_model() -> str:

@@ -20,10 +20,10 @@ from typing import Any
 
 from fsdpkit.config import RunConfig
 from fsdpkit.errors import UserError
-from fsdpkit.launch import DistEnv
 from fsdpkit.observe import hardware
 from fsdpkit.observe.profiling import StepProfiler
 from fsdpkit.observe.sinks import Sink, check_installed, scalars
+from fsdpkit.runtime.distenv import DistEnv
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class Observer:
             first, last = cfg.logging.profile_steps
             memory = cpu_memory and env.device_type == "cpu"
             if memory:
-                from fsdpkit.planner.measure import enable_process_wide_accounting
+                from fsdpkit.cpumem import enable_process_wide_accounting
 
                 enable_process_wide_accounting()
             self.profiler = StepProfiler(

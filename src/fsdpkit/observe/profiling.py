@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from fsdpkit.cpumem import allocation_events, quiet_stderr
 from fsdpkit.observe.breakdown import CATEGORIES, STEP_PREFIX, per_step_mean, step_breakdown
-from fsdpkit.planner.measure import allocation_events, quiet_stderr
 
 PROFILE_DIR = "profile"
 

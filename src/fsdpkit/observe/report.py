@@ -15,7 +15,7 @@ import importlib.util
 from pathlib import Path
 
 from fsdpkit.errors import UserError
-from fsdpkit.observe.runlog import RunDirError, load_runs
+from fsdpkit.observe.runlog import RunLogError, load_runs
 
 INSTALL_HINT = "pip install 'fsdpkit[report]'"
 
@@ -36,10 +36,10 @@ def write_report(run_dirs: list[Path], *, out_dir: Path | None = None) -> Path:
     """Write PNG plots and ``report.html``; returns the page's path. One run defaults to
     its own directory; several runs need ``out_dir``."""
     if not run_dirs:
-        raise RunDirError("give at least one run directory.")
+        raise RunLogError("give at least one run directory.")
     if out_dir is None:
         if len(run_dirs) > 1:
-            raise RunDirError(
+            raise RunLogError(
                 f"{len(run_dirs)} runs are compared in one report: say where it goes with "
                 "-o DIR (e.g. fsdpkit report runs/a runs/b -o runs/compare)."
             )

@@ -23,7 +23,7 @@ HARDWARE_FILE = "hardware.json"
 BREAKDOWN_FILE = "profile/breakdown.json"
 
 
-class RunDirError(UserError):
+class RunLogError(UserError):
     """A directory given to ``fsdpkit report`` is not a run directory."""
 
 
@@ -114,10 +114,10 @@ def _json_file(path: Path) -> Any:
 
 
 def load_run(run_dir: Path, *, name: str | None = None) -> RunLog:
-    """Read one run directory; raises RunDirError when it holds no metrics."""
+    """Read one run directory; raises RunLogError when it holds no metrics."""
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
-        raise RunDirError(
+        raise RunLogError(
             f"{str(run_dir)!r} is not a run directory: it has no metrics.jsonl. Pass the "
             "directory `fsdpkit train` wrote (logging.run_dir, default runs/default)."
         )

@@ -56,10 +56,11 @@ from fsdpkit.planner.blockmem import (
     loss_forward,
     selective_backward_end,
 )
+from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.layout import Unit
 from fsdpkit.planner.ledger import EventSummary, Ledger, summarize
 from fsdpkit.planner.result import MemoryPlan
-from fsdpkit.planner.scenario import PlanError, Scenario
+from fsdpkit.planner.scenario import Scenario
 from fsdpkit.sharding.policy import effective_reshard
 
 COLL, UNSH = "collective_buffers", "unsharded_params"
@@ -448,7 +449,7 @@ def model_states(sc: Scenario) -> dict[str, int]:
     """Sharded parameters, gradients and AdamW states per rank: 4 + 4 + 8 bytes per
     (padded) local parameter element — ZeRO's 16 bytes per parameter / shard degree.
     Frozen parameters (fine-tuning) keep only their stored bytes: no gradient, no
-    optimizer state (fsdpkit.planner.finetune)."""
+    optimizer state (fsdpkit.planner.finetune_layout)."""
     units = sc.all_units
     trainable = sum(u.grads_sharded for u in units)
     return {

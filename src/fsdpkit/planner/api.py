@@ -11,8 +11,9 @@ from fsdpkit.devices import Device
 from fsdpkit.planner.analytic import analytic_memory, sizes
 from fsdpkit.planner.blockmem import loss_buffer_peak
 from fsdpkit.planner.comm import comm_volume
+from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.result import LossBuffers, MemoryPlan, Plan
-from fsdpkit.planner.scenario import PlanError, Scenario, scenario
+from fsdpkit.planner.scenario import Scenario, scenario
 
 DEFAULT_MARGIN = 0.10
 """Share of device memory kept free: allocator fragmentation and what no model sees

@@ -1,6 +1,6 @@
 """``parallel.auto``: the planner picks the parallel settings of a run before launch.
 
-``fsdpkit.config.resolve`` calls ``auto_plan`` once per process (launcher and every
+``fsdpkit.run.resolve`` calls ``auto_plan`` once per process (launcher and every
 worker); the recommendation is deterministic, so all agree. The device is
 ``parallel.device_mem`` when set, else the local GPU, else this machine's memory shared
 by the local ranks. A model the planner cannot plan (its code fails under fake
@@ -18,8 +18,9 @@ from fsdpkit.config import RunConfig
 from fsdpkit.devices import Device, cpu_device, detected_device, parse_device
 from fsdpkit.errors import UserError
 from fsdpkit.planner.api import DEFAULT_MARGIN, decide_accum_sync, usable_bytes
+from fsdpkit.planner.errors import TraceError
 from fsdpkit.planner.recommend import recommend
-from fsdpkit.planner.scenario import TraceError, scenario
+from fsdpkit.planner.scenario import scenario
 
 log = logging.getLogger(__name__)
 

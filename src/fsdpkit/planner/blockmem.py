@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdpkit.models.chunked_ce import backward_chunks
+from fsdpkit.loss.chunked_ce import backward_chunks
 
 ACT, TEMP, GRAD, LOGITS = "activations", "temporaries", "unsharded_grads", "logits_loss"
 Event = tuple[str, int]
@@ -58,7 +58,7 @@ class Sizes:
     e: int
     """Bytes per element of the compute dtype."""
     norm_grads: bool = True
-    """Whether the norms' weights train; frozen (LoRA, fsdpkit.planner.finetune), a norm
+    """Whether the norms' weights train; frozen (LoRA, fsdpkit.planner.finetune_layout), a norm
     keeps no normalized copy for a weight gradient."""
 
     @property
@@ -330,7 +330,7 @@ def chunked_head_forward(s: Sizes) -> list[Event]:
 
 
 def chunked_loss_forward(s: Sizes, *, chunk: int) -> list[Event]:
-    """[Note: chunked cross-entropy] in fsdpkit.models.chunked_ce, forward: the
+    """[Note: chunked cross-entropy] in fsdpkit.loss.chunked_ce, forward: the
     flattened targets (a copy of the shifted ids) and the per-token log-sum-exp stay for
     backward; per chunk of c tokens the logits (c*V*e) and their fp32 copy (c*V*4, in
     which the log-sum-exp is computed in place) exist at once, then die."""

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from fsdpkit.config import ActivationsConfig, ParallelConfig
+from fsdpkit.loss.head import output_head
 from fsdpkit.models.accessors import input_embeddings, output_embeddings
-from fsdpkit.models.head_loss import output_head
 from fsdpkit.models.llama import DecoderLayer, Llama, LlamaConfig
 from fsdpkit.sharding import choose_blocks, unit_specs
 from fsdpkit.sharding.edges import edge_modules
@@ -60,7 +60,7 @@ class ModelLayout:
     analytic model ([Note: block event model]) knows op by op."""
     frozen: tuple[tuple[bool, ...], ...] = ()
     """Per block, per parameter (as ``blocks``): frozen (no gradient, no optimizer
-    state; fine-tuning runs, fsdpkit.planner.finetune). Empty: everything trains."""
+    state; fine-tuning runs, fsdpkit.planner.finetune_layout). Empty: everything trains."""
     root_frozen: tuple[bool, ...] = ()
     """The same for ``root``."""
     frozen_bytes: int = 4
@@ -72,7 +72,7 @@ class ModelLayout:
     """Every norm weight of the blocks is frozen (LoRA): norms save less for backward."""
     plain_head: bool = True
     """The output head is a plain ``nn.Linear`` (not LoRA-wrapped): the chunked loss
-    applies (fsdpkit.models.head_loss)."""
+    applies (fsdpkit.loss.head)."""
     edges: tuple[EdgeLayout, ...] = ()
     """The edge units in forward order (embedding, head), where ``shard()`` makes them."""
 
@@ -170,7 +170,7 @@ def layout_of(model: nn.Module, *, class_names: Sequence[str] | None = None) -> 
 
 
 def _norms_frozen(blocks: Sequence[nn.Module]) -> bool:
-    from fsdpkit.sharding.apply import is_norm
+    from fsdpkit.models.accessors import is_norm
 
     norms = [p for b in blocks for m in b.modules() if is_norm(m) for p in m.parameters(False)]
     return bool(norms) and not any(p.requires_grad for p in norms)

@@ -32,14 +32,16 @@ import itertools
 from dataclasses import dataclass
 
 from fsdpkit.config import RunConfig, batch_split, with_changes
+from fsdpkit.config.batch import divisors
 from fsdpkit.devices import Device
 from fsdpkit.errors import UserError
 from fsdpkit.planner.analytic import model_states
 from fsdpkit.planner.api import DEFAULT_MARGIN, plan_scenario
 from fsdpkit.planner.blockmem import block_matmuls
 from fsdpkit.planner.comm import comm_volume
+from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.result import Plan
-from fsdpkit.planner.scenario import PlanError, Scenario, run_vocab_size, scenario
+from fsdpkit.planner.scenario import Scenario, run_vocab_size, scenario
 from fsdpkit.sharding.activations import matmul_saved
 from fsdpkit.strategies import STRATEGIES
 
@@ -102,15 +104,11 @@ class Recommendation:
     model was planned cheapest first)."""
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _hybrid_degrees(world: int, per_node: int) -> list[int]:
     """Shard degrees worth trying for HSDP: powers of two up to a node, node multiples."""
     return [
         d
-        for d in _divisors(world)
+        for d in divisors(world)
         if 1 < d < world and ((d <= per_node and d & (d - 1) == 0) or d % per_node == 0)
     ]
 
@@ -137,7 +135,7 @@ def _micro_changes(cfg: RunConfig, *, world: int) -> list[dict[str, object]]:
     train.global_batch_size set only the per-rank cap changes, else the product
     micro x accumulation per rank stays."""
     total = batch_split(cfg.train, dp_world=world).per_rank
-    micros = _divisors(total)[-4:]
+    micros = divisors(total)[-4:]
     if cfg.train.global_batch_size is not None:
         return [{"train.micro_batch_size": m} for m in micros]
     return [{"train.micro_batch_size": m, "train.grad_accum": total // m} for m in micros]

@@ -15,13 +15,15 @@ from fsdpkit.config import RunConfig, batch_split, mesh_shape, validate, validat
 from fsdpkit.devices import Device
 from fsdpkit.errors import UserError
 from fsdpkit.models.factory import llama_shape
+from fsdpkit.models.hf import tokenizer_vocab_size, with_model_tokenizer
 from fsdpkit.models.llama import PRESETS, LlamaConfig
-from fsdpkit.planner.built import BuiltPlanModel, planned_model
-from fsdpkit.planner.finetune import finetune_layout, finetuned
+from fsdpkit.planner.errors import PlanError
+from fsdpkit.planner.finetune_layout import finetune_layout, finetuned
 from fsdpkit.planner.layout import ModelLayout, Unit, llama_layout, units
+from fsdpkit.planner.user_models import BuiltPlanModel, planned_model
 from fsdpkit.sharding.grads import SyncMode, sync_mode
 from fsdpkit.sharding.policy import reshard_after_forward
-from fsdpkit.train.optim import resolve_impl
+from fsdpkit.trainable.optim import resolve_impl
 
 _VOCAB_NOTE = (
     "model.vocab_size: planned with the preset's {} (train takes the tokenizer's: set "
@@ -31,14 +33,6 @@ _VOCAB_NOTE = (
 
 BYTE_VOCAB = 256
 """The byte-level tokenizer's vocabulary: what a run without data.tokenizer trains on."""
-
-
-class PlanError(UserError, ValueError):
-    """The planner cannot plan this input; the message names the field."""
-
-
-class TraceError(PlanError):
-    """The model's own code failed while the traced planner ran one fake step."""
 
 
 @dataclass(frozen=True)
@@ -150,7 +144,7 @@ class Scenario:
 
 def model_shape(cfg: RunConfig, *, vocab_size: int | None = None) -> LlamaConfig:
     """The Llama shape ``fsdpkit train`` builds for the built-in model of ``cfg``
-    (fsdpkit.models.factory; model.hf / model.factory: fsdpkit.planner.built).
+    (fsdpkit.models.factory; model.hf / model.factory: fsdpkit.planner.user_models).
 
     Train takes the vocabulary from model.vocab_size, else from the tokenizer; pass the
     tokenizer's size as ``vocab_size``. Without either, the preset's vocabulary is
@@ -189,21 +183,16 @@ def planned_precision(mode: str, device: Device | None) -> tuple[str, str | None
 def run_vocab_size(cfg: RunConfig) -> int | None:
     """The vocabulary ``fsdpkit train`` takes when model.vocab_size is empty: the
     tokenizer's (None: no tokenizer is configured, the preset's own is planned)."""
-    from fsdpkit.models.hf import with_model_tokenizer
-
-    cfg = with_model_tokenizer(cfg)  # model.hf: the directory's tokenizer
-    if cfg.model.vocab_size is not None or cfg.data.tokenizer is None:
-        return None
-    from fsdpkit.data.tokenizer import build_tokenizer
-
-    return build_tokenizer(cfg.data).vocab_size
+    if cfg.model.vocab_size is not None or with_model_tokenizer(cfg).data.tokenizer is None:
+        return None  # model.hf: the directory's tokenizer counts as configured
+    return tokenizer_vocab_size(cfg)
 
 
 def loss_chunk(
     cfg: RunConfig, layout: ModelLayout, *, why_not: str | None = None
 ) -> tuple[int | None, str | None]:
     """The chunk of the run's chunked loss (None: full logits), and a note when
-    ``auto`` falls back — the rule of fsdpkit.models.head_loss.choose_loss: the
+    ``auto`` falls back — the rule of fsdpkit.loss.head.choose_loss: the
     built-in Llama's head is plain unless LoRA wraps it; for a model.hf / factory
     model ``why_not`` is that function's reason (None: supported)."""
     mode = cfg.train.chunked_loss
@@ -319,7 +308,7 @@ def _planned_model(cfg: RunConfig, *, vocab: int | None, precision: str) -> Buil
     if cfg.model.hf or cfg.model.factory:
         return planned_model(cfg, vocab=vocab or BYTE_VOCAB, precision=precision)
     shape = model_shape(cfg, vocab_size=vocab)
-    if finetuned(cfg):  # frozen parameters and adapters (fsdpkit.planner.finetune)
+    if finetuned(cfg):  # frozen parameters and adapters (fsdpkit.planner.finetune_layout)
         layout = finetune_layout(cfg, shape, precision=precision)
     else:
         layout = llama_layout(shape, tuple(cfg.parallel.block_classes))

@@ -4,7 +4,7 @@
 The model is built under ``FakeTensorMode`` (tensors with shapes, no storage),
 sharded by ``fsdpkit.shard`` on a mesh of the "fake" process group (every collective
 returns at once, at any world size, in this one process), and one steady-state
-training step (``fsdpkit.train.step.train_step``, the trainer's own) runs under torch's
+training step (``fsdpkit.trainable.step.train_step``, the trainer's own) runs under torch's
 ``FSDPMemTracker``, which
 counts every tensor storage as it is created and freed. What it measures is rank 0 of
 that world. Limits, all measured on torch 2.13:
@@ -60,19 +60,16 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdpkit.config import RunConfig, with_changes
 from fsdpkit.errors import UserError
-from fsdpkit.finetune import prepare
-from fsdpkit.mesh import build_mesh
-from fsdpkit.models.factory import LossFn, next_token_loss
-from fsdpkit.models.head_loss import ChunkedLoss
-from fsdpkit.models.llama import Llama
+from fsdpkit.loss.head import ChunkedLoss
 from fsdpkit.planner.analytic import late_free_spread, model_states
-from fsdpkit.planner.built import build_for_plan, planned_loss
+from fsdpkit.planner.errors import PlanError, TraceError
 from fsdpkit.planner.result import CATEGORIES, MemoryPlan, PeakPoint
-from fsdpkit.planner.scenario import PlanError, Scenario, TraceError
-from fsdpkit.precision import PRESETS
-from fsdpkit.sharding import resolve_precision, shard
-from fsdpkit.train.optim import build_optimizer
-from fsdpkit.train.step import train_step
+from fsdpkit.planner.scenario import Scenario
+from fsdpkit.sharding.mesh import build_mesh
+from fsdpkit.trainable.build import build_unsharded, shard_trainable
+from fsdpkit.trainable.step import step_options, synthetic_batches, train_step
+
+CPU = torch.device("cpu")
 
 _CATEGORY = {
     "Sharded Param": "sharded_params",
@@ -233,7 +230,8 @@ def _run_config(cfg: RunConfig, sc: Scenario) -> RunConfig:
     would trace the compiler, and the plan of eager blocks bounds compiled ones
     (inductor frees fused temporaries sooner; torchtitan's 8B run peaks 5.4 GiB lower
     compiled)."""
-    return with_changes(cfg, {"precision.mode": sc.precision, "train.compile": False})
+    changes = {"precision.mode": sc.precision, "train.compile": False}
+    return with_changes(cfg, {**changes, "parallel.accum_sync": sc.accum_sync})
 
 
 @contextlib.contextmanager
@@ -291,91 +289,52 @@ def _unpacked_hf_batches() -> contextlib.AbstractContextManager[None]:
     return _wrapped(masking_utils, "find_packed_sequence_indices", wrap)
 
 
-def _prepare(model: torch.nn.Module, cfg: RunConfig, *, precision: str, fake: Any) -> None:
-    """``fsdpkit.finetune.prepare`` (LoRA, model.freeze) on the fake model. peft cannot
-    move modules of fake tensors (``_apply`` must swap them), so the adapters are made
-    as real (small) CPU tensors outside fake mode, then turned into fake ones."""
-    if not (cfg.lora.rank or cfg.model.freeze):
-        return
-    with unset_fake_temporarily():
-        prepare(model, cfg, precision=PRESETS[precision], init=None)
-    for module in model.modules():
-        for key, p in module._parameters.items():
-            if p is not None and not isinstance(p, FakeTensor):
-                module._parameters[key] = torch.nn.Parameter(
-                    fake.from_tensor(p), requires_grad=p.requires_grad
-                )
-
-
-def _model(cfg: RunConfig, sc: Scenario, *, fake: FakeTensorMode) -> tuple[nn.Module, LossFn]:
-    """The run's model (prepared for fine-tuning) with fake parameters, and its loss."""
-    if sc.model is not None and not (cfg.model.hf or cfg.model.factory):
-        model = Llama(sc.model)
-        _prepare(model, cfg, precision=sc.precision, fake=fake)
-        return model, next_token_loss
-    with unset_fake_temporarily():  # the trainer's builder, parameters on meta
-        built = build_for_plan(cfg, vocab=sc.vocab_size, precision=sc.precision)
-    _fake_tensors(built.module, fake=fake)
-    return built.module, built.loss_fn
-
-
-def _fake_tensors(model: nn.Module, *, fake: FakeTensorMode) -> None:
-    """Give a model built outside fake mode fake CPU parameters and buffers (tied
-    parameters stay tied; real buffers keep their values' metadata)."""
-    made: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for key, p in module._parameters.items():
-            if p is not None and not isinstance(p, FakeTensor):
-                if id(p) not in made:
-                    data = torch.empty(p.shape, dtype=p.dtype)  # fake: no storage
-                    made[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
-                module._parameters[key] = made[id(p)]  # type: ignore[assignment]
-        for key, b in module._buffers.items():
-            if b is not None and not isinstance(b, FakeTensor):
-                module._buffers[key] = (
-                    torch.empty(b.shape, dtype=b.dtype) if b.is_meta else fake.from_tensor(b)
-                )
-
-
 def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
+    """One steady-state step of the run's own build ([Note: one builder]) under fake
+    tensors, with the trainer's step function, recorded phase by phase."""
     mesh = build_mesh(
         replicate=sc.replicate, shard=sc.shard, device_type="cpu", world_size=sc.world_size
     )
     run_cfg = _run_config(cfg, sc)
+    shape = None if cfg.model.hf or cfg.model.factory else sc.model
+    unsharded = build_unsharded(run_cfg, vocab_size=sc.vocab_size, device_type="cpu", shape=shape)
     with FakeTensorMode() as fake:
-        model, loss_fn = _model(run_cfg, sc, fake=fake)
         with _real_submeshes():
-            shard(model, run_cfg, mesh=mesh)
+            run = shard_trainable(unsharded, run_cfg, mesh=mesh, device=CPU, fake=fake)
         if sc.device.kind == "cpu" and sc.shard > 1:
-            _model_gloo_buffers(model)
-        loss_fn = planned_loss(model, cfg, loss_fn=loss_fn)
+            _model_gloo_buffers(run.model)
+        loss_fn = run.loss_fn
         if isinstance(loss_fn, ChunkedLoss):  # a tied head's grad summed in place, as real
             loss_fn = dataclasses.replace(loss_fn, grad_into_weight=True)
-        scaler = resolve_precision(run_cfg.precision, device_type="cpu").scaler
-        opt = build_optimizer(model, cfg.train, grad_scaler=scaler)  # the trainer's AdamW
-        for p in model.parameters():  # steady state: AdamW states exist already
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        shape = (sc.micro_batch, sc.seq_len + 1)
-        batches = [torch.randint(0, sc.vocab_size, shape) for _ in range(min(sc.grad_accum, 2))]
-        tracker = _UnitTracker(model, opt)
+        _steady_state(run.model, run.optimizer)
+        # two micro-batches hold what any later one holds (the second shows what a
+        # no-sync accumulation keeps); more would only make the trace slower
+        batches = synthetic_batches(
+            run_cfg, dp_world=sc.world_size, vocab_size=sc.vocab_size, at_most=2
+        )
+        tracker = _UnitTracker(run.model, run.optimizer)
         tracker.track_inputs(tuple(batches))
         recorder = _PhaseRecorder(tracker)
         with tracker, _unpacked_hf_batches():
             train_step(
-                model,
-                opt,
+                run.model,
+                run.optimizer,
                 batches,
                 loss_fn=loss_fn,
-                max_norm=cfg.train.grad_clip,
-                keep_unsharded=sc.keep_unsharded,
-                accum_sync=sc.accum_sync,
+                **step_options(run_cfg),
                 foreach=False,
                 mark=recorder,
             )
     return recorder
+
+
+def _steady_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """AdamW's states exist already, as in every step after the first."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def traced_memory(cfg: RunConfig, sc: Scenario) -> MemoryPlan:

@@ -35,6 +35,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from fsdpkit.config import ParallelConfig, RunConfig
 from fsdpkit.init import Initializer
+from fsdpkit.models.accessors import is_norm
 from fsdpkit.sharding.activations import checkpoint_forward
 from fsdpkit.sharding.blocks import choose_blocks
 from fsdpkit.sharding.compile import compile_blocks
@@ -100,13 +101,6 @@ class ShardPlan:
 
 def _m(n: int) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"
-
-
-def is_norm(module: nn.Module) -> bool:
-    """A norm layer with its own parameters (LayerNorm, *Norm): own fp32 units under
-    precision.norms_fp32; kept fp32 beside a bf16 frozen base (fsdpkit.finetune)."""
-    is_norm_class = isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("Norm")
-    return is_norm_class and any(True for _ in module.parameters(recurse=False))
 
 
 def _checkpoint(blocks: list[nn.Module], specs: tuple[UnitSpec, ...], cfg: RunConfig) -> int:

@@ -16,7 +16,7 @@ torchtitan shards them):
   loss's backward, before any block's. It is never resharded after forward: backward
   needs it at once, and the chunked loss reads its gathered weight after the head's
   forward returned ([Note: the loss inside the root's forward] in
-  fsdpkit.models.head_loss).
+  fsdpkit.loss.head).
 
 The final norm (the one norm with parameters outside the blocks) becomes a third, tiny
 unit when the head has its own: FSDP2 keeps a unit's reduce-scatter input (the
@@ -70,7 +70,7 @@ def edge_modules(
 
 def _final_norm(model: nn.Module, *, inside: Sequence[nn.Module]) -> nn.Module | None:
     """The one norm layer with parameters outside ``inside`` (None if none or several)."""
-    from fsdpkit.sharding.apply import is_norm
+    from fsdpkit.models.accessors import is_norm
 
     covered = {id(m) for unit in inside for m in unit.modules()}
     norms = [m for m in model.modules() if id(m) not in covered and is_norm(m)]

@@ -11,34 +11,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from fsdpkit.init import Initializer, init_buffers, initial_value
+from fsdpkit.init import Initializer, copy_full_value, init_buffers, initial_value
 from fsdpkit.models.buffers import fresh_versions, kept_buffers, require_written, restore_buffers
 
 
 def is_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-
-
-def _local_slice(full: torch.Tensor, param: DTensor) -> torch.Tensor:
-    shape, offset = compute_local_shape_and_global_offset(
-        full.shape, param.device_mesh, param.placements
-    )
-    index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-    return full[index]
-
-
-def copy_full_value(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Set a (possibly sharded) parameter from its full, unsharded value: a DTensor
-    keeps only this rank's slice."""
-    with torch.no_grad():
-        if isinstance(param, DTensor):
-            local = param.to_local()
-            local.copy_(_local_slice(full, param).to(local.device))
-        else:
-            param.copy_(full.to(param.device))
 
 
 def default_init(model: nn.Module, *, seed: int) -> None:

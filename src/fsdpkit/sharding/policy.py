@@ -23,7 +23,7 @@ def bf16_device(device_type: str) -> bool:
 
 def resolve_precision(cfg: PrecisionConfig, *, device_type: str) -> Precision:
     """The preset a run uses; ``auto`` is bf16 on a GPU that supports it, else fp32."""
-    return presets.resolve(
+    return presets.preset_for(
         cfg.mode, bf16_device=bf16_device(device_type), grad_scaler=cfg.grad_scaler
     )
 

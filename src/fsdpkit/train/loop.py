@@ -1,7 +1,7 @@
 """The training loop of one rank: steps, evaluation, metrics, checkpoints, summary.
 
 ``run(session)`` drives a built ``Session`` (fsdpkit.train.session) to
-``train.steps``; each step is ``fsdpkit.train.step.train_step`` (the function the
+``train.steps``; each step is ``fsdpkit.trainable.step.train_step`` (the function the
 planner traces). The logged loss is the mean over all data-parallel ranks. Rank 0
 claims the run directory (checks, lock, ``config.toml``), writes metrics and shows
 progress. SIGTERM, SIGINT and SIGHUP stop the run at a step boundary with a
@@ -20,23 +20,23 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from fsdpkit.checkpoint import step_dir_name
-from fsdpkit.checkpoint.signals import StopFlag, agreed_signal, describe_stop, install_stop_flag
 from fsdpkit.errors import UserError
-from fsdpkit.failures import newest_checkpoint_note
-from fsdpkit.hangs import HangProbe
 from fsdpkit.observe.breakdown import DATA_NAME
 from fsdpkit.observe.observer import Observer
-from fsdpkit.rundir import RunDirError, check_run_dir
-from fsdpkit.runlock import RunLock, acquire
+from fsdpkit.runtime.failures import newest_checkpoint_note
+from fsdpkit.runtime.hangs import HangProbe
+from fsdpkit.runtime.rundir import RunDirError, check_run_dir
+from fsdpkit.runtime.runlock import RunLock, acquire
+from fsdpkit.runtime.signals import StopFlag, agreed_signal, describe_stop, install_stop_flag
 from fsdpkit.sharding.compile import compile_seconds
 from fsdpkit.sharding.grads import sync_mode
 from fsdpkit.train.generate import sample
 from fsdpkit.train.guards import check_finite
 from fsdpkit.train.progress import Progress
 from fsdpkit.train.session import Session, write_run_dir
-from fsdpkit.train.step import train_step
 from fsdpkit.train.summary import RunSummary
 from fsdpkit.train.telemetry import device_peak_flops, peak_memory_kind, peak_memory_mib
+from fsdpkit.trainable.step import train_step
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +309,7 @@ def run(
     tensor memory for the profiler (fsdpkit.observe.observer); made here otherwise.
     ``stop``: a stop-signal flag installed earlier (the worker installs one before
     building the session); installed here otherwise. ``probe``: the rank's hang-triage
-    probe (fsdpkit.hangs; the worker starts one); none here otherwise."""
+    probe (fsdpkit.runtime.hangs; the worker starts one); none here otherwise."""
     stop = stop if stop is not None else install_stop_flag()
     probe = probe or HangProbe.off()
     lock = claim_run_dir(s)

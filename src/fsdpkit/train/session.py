@@ -1,9 +1,9 @@
 """Everything one rank needs to train, built in the order FSDP2 requires.
 
-tokenizer and data (plain text, or SFT rows) -> model (meta) -> LoRA / model.freeze
-(fsdpkit.finetune.prepare) -> process group -> mesh -> shard -> weights (init or
-``init_from``) -> optimizer (trainable parameters) -> scheduler -> scaler ->
-checkpointer.
+tokenizer and data (plain text, or SFT rows) -> model, fine-tuning, loss, blocks
+(fsdpkit.trainable.build_unsharded) -> process group -> mesh -> shard, weights,
+optimizer (fsdpkit.trainable.shard_trainable; [Note: one builder]) -> scheduler ->
+scaler -> checkpointer.
 """
 
 from __future__ import annotations
@@ -29,21 +29,19 @@ from fsdpkit.data import (
     validation_batches,
 )
 from fsdpkit.data.sft import is_sft
-from fsdpkit.finetune import Finetune, base_view, prepare
-from fsdpkit.launch import DistEnv, pin_collectives, rendezvous_store
-from fsdpkit.mesh import build_mesh
-from fsdpkit.models.buffers import require_buffer_source
-from fsdpkit.models.factory import LossFn, build_model, next_token_loss
-from fsdpkit.models.head_loss import choose_loss, default_loss
+from fsdpkit.finetune import Finetune
+from fsdpkit.loss.contract import LossFn
 from fsdpkit.models.hf import with_model_tokenizer
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.precision import Precision
-from fsdpkit.rundir import RunDirError, describe_os_error, write_text_atomically
-from fsdpkit.sharding import ShardPlan, detect_blocks, make_grad_scaler, resolve_precision, shard
-from fsdpkit.sharding.materialize import is_meta
-from fsdpkit.train.optim import build_optimizer, build_scheduler
+from fsdpkit.runtime.distenv import DistEnv, pin_collectives, rendezvous_store
+from fsdpkit.runtime.rundir import RunDirError, describe_os_error, write_text_atomically
+from fsdpkit.sharding import ShardPlan, make_grad_scaler
+from fsdpkit.sharding.mesh import build_mesh
 from fsdpkit.train.state import TrainerState
 from fsdpkit.train.telemetry import MetricsWriter
+from fsdpkit.trainable.build import build_unsharded, shard_trainable
+from fsdpkit.trainable.optim import build_scheduler
 
 
 @dataclass
@@ -183,40 +181,21 @@ def _data(
 def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     """Set up this rank; collective (every rank must call it). Data, model and block
     choice are checked before the process group starts, so bad input fails every rank
-    alike without any collective."""
+    alike without any collective ([Note: one builder])."""
     cfg = with_model_tokenizer(cfg)
     split = batch_split(cfg.train, dp_world=env.world_size)
     sft = is_sft(cfg.data)
     tokenizer, loader, val, data_note = _data(cfg, env, split, sft=sft)
-    built = build_model(
-        cfg.model, vocab_size=tokenizer.vocab_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed
+    unsharded = build_unsharded(
+        cfg, vocab_size=tokenizer.vocab_size, device_type=env.device_type, sft=sft
     )
-    model = built.module
-    precision = resolve_precision(cfg.precision, device_type=env.device_type)
-    finetune = prepare(model, cfg, precision=precision, init=built.init)
-    loss = choose_loss(
-        model,
-        mode=cfg.train.chunked_loss,
-        chunk_tokens=cfg.train.loss_chunk_tokens,
-        default=default_loss(sft=sft, built=built.loss_fn),
-        custom_loss=built.loss_fn is not next_token_loss,
-        compiled=cfg.train.compile and precision.low_precision,  # where it helps
-    )
-    if is_meta(model):  # never train on buffers that to_empty leaves as garbage
-        require_buffer_source(model)
-    detect_blocks(model, class_names=cfg.parallel.block_classes or None)
     device = init_process_group(cfg, env)
     replicate, shard_deg = mesh_shape(
         cfg, world_size=env.world_size, local_world_size=env.local_world_size
     )
     mesh = build_mesh(replicate=replicate, shard=shard_deg, device_type=env.device_type)
-    if not is_meta(model):  # fully_shard moves the shards; this only puts buffers in place
-        model.to(device)
-    plan = shard(model, cfg, mesh=mesh, init=finetune.init)
-    if cfg.model.init_from:
-        _init_from(model, Path(cfg.model.init_from))
-    optimizer = build_optimizer(model, cfg.train, grad_scaler=precision.scaler)
-    scaler = make_grad_scaler(precision, device_type=env.device_type)
+    run = shard_trainable(unsharded, cfg, mesh=mesh, device=device)
+    scaler = make_grad_scaler(run.precision, device_type=env.device_type)
     run_dir = Path(cfg.logging.run_dir)
     return Session(
         cfg=cfg,
@@ -228,13 +207,13 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         tokenizer=tokenizer,
         loader=loader,
         val=val,
-        model=model,
-        loss_fn=loss.loss_fn,
-        llama=built.llama,
-        plan=plan,
-        precision=precision,
-        optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, cfg.train),
+        model=run.model,
+        loss_fn=run.loss_fn,
+        llama=run.llama,
+        plan=run.plan,
+        precision=run.precision,
+        optimizer=run.optimizer,
+        scheduler=build_scheduler(run.optimizer, cfg.train),
         scaler=scaler,
         state=TrainerState(loader=loader, scaler=scaler),
         checkpointer=_checkpointer(
@@ -242,24 +221,14 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
             env,
             run_dir=run_dir,
             mesh=(replicate, shard_deg),
-            llama=built.llama,
-            finetune=finetune.record(model),
+            llama=run.llama,
+            finetune=run.finetune.record(run.model),
         ),
         metrics=MetricsWriter(run_dir / "metrics.jsonl", enabled=env.rank == 0),
-        finetune=finetune,
+        finetune=run.finetune,
         data_note=data_note,
-        loss_note=loss.note,
+        loss_note=run.loss_note,
     )
-
-
-def _init_from(model: nn.Module, path: Path) -> None:
-    """``model.init_from``: HF safetensors or an FSDP1 checkpoint, read into the base
-    model's names ([Note: LoRA with FSDP2])."""
-    from fsdpkit.checkpoint import load_hf_weights
-    from fsdpkit.migrate.fsdp1_checkpoint import detect, load_fsdp1_checkpoint
-
-    with base_view(model):
-        (load_fsdp1_checkpoint if detect(path) else load_hf_weights)(model, path)
 
 
 def _checkpointer(

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from fsdpkit.devices import detected_device
-from fsdpkit.rundir import append_line, read_jsonl, write_text_atomically
+from fsdpkit.runtime.rundir import append_line, read_jsonl, write_text_atomically
 
 
 def device_peak_flops(*, device_type: str, low_precision: bool) -> float | None:
@@ -48,7 +48,7 @@ def peak_memory_kind(device_type: str) -> str:
 
 class MetricsWriter:
     """Appends one JSON object per logged step to ``metrics.jsonl`` (rank 0 only),
-    whole lines only ([Note: run-dir faults] in fsdpkit.rundir)."""
+    whole lines only ([Note: run-dir faults] in fsdpkit.runtime.rundir)."""
 
     def __init__(self, path: Path, *, enabled: bool) -> None:
         self.path = path

@@ -44,7 +44,7 @@ The planner plans the eager kernels (an upper bound, as for compiled blocks).
 Numerics match the full path: logits in the compute dtype, softmax and loss in fp32.
 Ignored targets contribute no loss and no gradient. The head's weight is used as
 given: under FSDP2 the caller runs this while the root unit's parameters are
-unsharded (fsdpkit.models.head_loss), so the head is all-gathered once per micro-batch.
+unsharded (fsdpkit.loss.head), so the head is all-gathered once per micro-batch.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Fine-tuning runs in the planner: frozen parameters, LoRA adapters, the base's dtype.
+"""The layout of a fine-tuned built-in Llama: frozen parameters, LoRA adapters, the base's
+dtype.
 
 ``finetune_layout`` builds the run's model on meta and applies what the trainer applies
 before sharding (``fsdpkit.finetune.prepare``: peft adapters in their blocks,
@@ -20,12 +21,10 @@ bound. The traced planner runs ``prepare`` on the traced model too and sees all 
 
 from __future__ import annotations
 
-import torch
-
 from fsdpkit.config import RunConfig
-from fsdpkit.models.llama import Llama, LlamaConfig
+from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.planner.layout import ModelLayout, layout_of
-from fsdpkit.precision import PRESETS
+from fsdpkit.planner.user_models import built_for_plan
 
 
 def finetuned(cfg: RunConfig) -> bool:
@@ -36,8 +35,6 @@ def finetuned(cfg: RunConfig) -> bool:
 def finetune_layout(cfg: RunConfig, shape: LlamaConfig, *, precision: str) -> ModelLayout:
     """The layout of the built-in Llama of ``shape`` as the run prepares it (cached on
     what ``prepare`` reads: the recommendation search plans many variants)."""
-    from fsdpkit.finetune import prepare
-
     key = (
         repr(cfg.lora),
         repr(cfg.model.freeze),
@@ -46,10 +43,8 @@ def finetune_layout(cfg: RunConfig, shape: LlamaConfig, *, precision: str) -> Mo
     )
     found = _CACHE.get((key, shape, precision))
     if found is None:
-        with torch.device("meta"):
-            model = Llama(shape)
-        prepare(model, cfg, precision=PRESETS[precision], init=None)
-        found = layout_of(model, class_names=cfg.parallel.block_classes or None)
+        model = built_for_plan(cfg, vocab=shape.vocab_size, precision=precision, shape=shape)
+        found = layout_of(model.module, class_names=cfg.parallel.block_classes or None)
         if len(_CACHE) > 64:
             _CACHE.clear()
         _CACHE[(key, shape, precision)] = found

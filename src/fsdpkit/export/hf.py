@@ -16,14 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint import HuggingFaceStorageReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from fsdpkit.checkpoint.errors import CheckpointError, dcp_errors_as
-from fsdpkit.checkpoint.state import tied_aliases
+from fsdpkit.checkpoint.errors import CheckpointError
 from fsdpkit.models.hf import HF_FILES, HF_RUN_DIR
 from fsdpkit.models.llama import LlamaConfig, preset
 
@@ -111,75 +105,6 @@ def hf_config(cfg: LlamaConfig, *, dtype: torch.dtype) -> dict[str, Any]:
         "pretraining_tp": 1,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-
-
-def _check_hf(
-    sd: dict[str, Any],
-    available: dict[str, Any],
-    path: Path,
-    *,
-    aliases: dict[str, str],
-    allow_missing: bool,
-) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The entries of ``sd`` to read from ``path`` and the ones it lacks; shapes must match."""
-    wanted = {k: v for k, v in sd.items() if k not in aliases}
-    missing = [k for k in wanted if k not in available]
-    if missing and (not allow_missing or len(missing) == len(wanted)):
-        raise CheckpointError(
-            f"{path} lacks {len(missing)} of the {len(wanted)} weight(s) the model needs "
-            f"(e.g. {missing[:3]}); it was saved from a different architecture or is "
-            "incomplete. Point the model at a directory whose weights match its config.json."
-        )
-    for key, value in wanted.items():
-        md = available.get(key)
-        if isinstance(md, TensorStorageMetadata) and tuple(md.size) != tuple(value.shape):
-            raise CheckpointError(
-                f"{path}: {key} has shape {tuple(md.size)} but the model expects "
-                f"{tuple(value.shape)}; the model config does not match these weights."
-            )
-    return {k: v for k, v in wanted.items() if k not in missing}, missing
-
-
-def load_hf_weights(
-    model: nn.Module, path: str | Path, *, allow_missing: bool = False
-) -> list[str]:
-    """Fill an already-sharded (or plain) model from an HF safetensors directory.
-
-    Collective when distributed: every rank reads only the slices of its own shards
-    (HuggingFaceStorageReader + DCP), so no rank ever holds the full model. Weights are
-    cast to the parameters' dtype. Tied heads may be absent from the files. With
-    ``allow_missing``, weights absent from the files are left as they are and their
-    names returned (the caller initializes them); otherwise they are an error."""
-    path = Path(path)
-    if not path.is_dir() or not any(path.glob("*.safetensors")):
-        raise CheckpointError(
-            f"{str(path)!r} is not a directory of .safetensors files. Point model.init_from "
-            "(or model.hf) at an HF model directory (e.g. the output of `fsdpkit ckpt export`)."
-        )
-    sd = get_model_state_dict(model)
-    aliases = tied_aliases(model)  # [Note: tied weights]: read once, share
-    available = HuggingFaceStorageReader(str(path)).read_metadata().state_dict_metadata
-    wanted, missing = _check_hf(sd, available, path, aliases=aliases, allow_missing=allow_missing)
-    unused = sorted(set(available) - set(sd))
-    if unused:
-        log.warning(
-            "%s holds %d tensor(s) the model has no parameter or buffer for (e.g. %s); "
-            "they are not loaded.",
-            path,
-            len(unused),
-            unused[:3],
-        )
-    with dcp_errors_as(
-        lambda cause: (
-            f"reading HF weights from {path} failed: {cause}. Check that the "
-            "files are complete (re-download or re-export them)."
-        )
-    ):
-        dcp.load(wanted, storage_reader=HuggingFaceStorageReader(str(path)))
-    for alias, name in aliases.items():
-        sd[alias] = sd[name]
-    set_model_state_dict(model, sd)
-    return missing
 
 
 def hf_model_files(ckpt: Path, run: dict[str, Any]) -> dict[str, Path]:

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from fsdpkit.models.factory import LossFn
-from fsdpkit.sharding.grads import SyncMode, clip_grad_norm_, micro_batch
+from fsdpkit.config import RunConfig, batch_split
+from fsdpkit.loss.contract import LossFn
+from fsdpkit.sharding.grads import SyncMode, clip_grad_norm_, micro_batch, sync_mode
 
 PHASES = ("forward", "backward", "optimizer step")
 """What ``mark`` is called with, in order, for each micro-batch (the last one only at
@@ -77,3 +79,31 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     note("optimizer step")
     return StepResult(loss=total, grad_norm=norm)
+
+
+def step_options(cfg: RunConfig) -> dict[str, Any]:
+    """The ``train_step`` settings a config asks for: clipping, accumulation mode and
+    whether parameters stay unsharded between micro-batches. The loop, the planner's
+    trace and its measurement all read them here."""
+    return {
+        "max_norm": cfg.train.grad_clip,
+        "keep_unsharded": cfg.parallel.accum_keep_unsharded,
+        "accum_sync": sync_mode(cfg.parallel.accum_sync),
+    }
+
+
+def synthetic_batches(
+    cfg: RunConfig,
+    *,
+    dp_world: int,
+    vocab_size: int,
+    at_most: int | None = None,
+    generator: torch.Generator | None = None,
+) -> list[torch.Tensor]:
+    """One step's micro-batches of random token ids in the run's shape (micro-batch x
+    seq_len + 1, ``batch_split`` at ``dp_world``): what the planner traces and measures.
+    ``at_most`` caps the count (the trace: later micro-batches hold what the second does)."""
+    split = batch_split(cfg.train, dp_world=dp_world)
+    count = split.grad_accum if at_most is None else min(split.grad_accum, at_most)
+    size = (split.micro_batch, cfg.data.seq_len + 1)
+    return [torch.randint(0, vocab_size, size, generator=generator) for _ in range(count)]

@@ -37,14 +37,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdpkit.data.batch import SFTBatch
+from fsdpkit.data.batch import IGNORE_INDEX, SFTBatch
 from fsdpkit.errors import ConfigError
+from fsdpkit.loss.chunked_ce import chunked_linear_cross_entropy
+from fsdpkit.loss.contract import LossFn, ModelOutputError, logits_of, next_token_loss
+from fsdpkit.loss.sft import model_kwargs, sft_loss
 from fsdpkit.models.accessors import output_embeddings
-from fsdpkit.models.chunked_ce import chunked_linear_cross_entropy
 from fsdpkit.models.errors import ModelError
-from fsdpkit.models.factory import IGNORE_INDEX, LossFn, ModelOutputError, logits_of
 from fsdpkit.models.hf_init import is_hf_model
-from fsdpkit.models.sft_loss import model_kwargs, sft_loss
 
 _LOGIT_POSTPROCESSING = (
     "final_logit_softcapping",
@@ -139,9 +139,9 @@ class ChunkedLoss:
 
     chunk_tokens: int = 1024
     grad_into_weight: bool = False
-    """The traced planner's setting (fsdpkit.models.chunked_ce.chunked_linear_cross_entropy)."""
+    """The traced planner's setting (fsdpkit.loss.chunked_ce.chunked_linear_cross_entropy)."""
     compiled: bool = False
-    """Each chunk's kernels compiled ([Note: compiling the chunk] in fsdpkit.models.chunked_ce)."""
+    """Each chunk's kernels compiled ([Note: compiling the chunk] in fsdpkit.loss.chunked_ce)."""
 
     def __call__(self, model: nn.Module, batch: SFTBatch | torch.Tensor) -> torch.Tensor:
         if isinstance(batch, SFTBatch):
@@ -217,9 +217,9 @@ def _returned_logits(output: Any, inputs: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def default_loss(*, sft: bool, built: LossFn) -> LossFn:
-    """The full-logits loss of a run: ``sft_loss`` for SFT data unless the factory
-    gave its own."""
-    from fsdpkit.models.factory import next_token_loss
-
-    return sft_loss if sft and built is next_token_loss else built
+def default_loss(*, sft: bool, own: LossFn | None) -> LossFn:
+    """The full-logits loss of a run: the factory's own loss when it gave one, else
+    ``sft_loss`` for SFT data and ``next_token_loss`` for token ids."""
+    if own is not None:
+        return own
+    return sft_loss if sft else next_token_loss

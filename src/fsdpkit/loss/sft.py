@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdpkit.data.batch import SFTBatch
-from fsdpkit.models.factory import IGNORE_INDEX, logits_of, next_token_loss
+from fsdpkit.data.batch import IGNORE_INDEX, SFTBatch
+from fsdpkit.loss.contract import logits_of, next_token_loss
 from fsdpkit.models.hf_init import is_hf_model
 
 

@@ -2,7 +2,7 @@
 
 ``srun python -m fsdpkit train run.toml`` starts one task per rank; each task joins
 ([Note: SLURM join]). ``fsdpkit train --slurm-script ...`` prints an sbatch file for
-the same command. Pure functions of an environment mapping: fsdpkit.launch reads the
+the same command. Pure functions of an environment mapping: fsdpkit.runtime.launch reads the
 real environment and applies the result.
 
 [Note: SLURM join]

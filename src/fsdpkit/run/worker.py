@@ -3,11 +3,11 @@
 ``fsdpkit train`` runs this in every process the launcher spawns, and in every
 process torchrun or SLURM starts (they join). It installs the stop-signal flag first
 (a Ctrl-C during setup then stops cleanly too), resolves the config exactly as the
-launcher did (``fsdpkit.config.resolve``), builds the session, runs the loop, prints
+launcher did (``fsdpkit.run.resolve``), builds the session, runs the loop, prints
 the summary on rank 0 and leaves with ``os._exit`` (gloo can abort during interpreter
 shutdown otherwise; see ../shared/cpu-fsdp-facts.md). Errors are recorded for the
-launcher's root-cause report (``fsdpkit.launch.write_error``), and rank 0 reports
-how the run ended and what a stop signal saved (``fsdpkit.launch.report_outcome``).
+launcher's root-cause report (``fsdpkit.runtime.distenv.write_error``), and rank 0 reports
+how the run ended and what a stop signal saved (``fsdpkit.runtime.distenv.report_outcome``).
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from fsdpkit.checkpoint.signals import StopFlag, install_stop_flag
-from fsdpkit.config import resolve
 from fsdpkit.errors import UserError
-from fsdpkit.launch import DistEnv, report_outcome, set_env_defaults, write_error
+from fsdpkit.run.resolve import resolve
+from fsdpkit.runtime.distenv import DistEnv, report_outcome, set_env_defaults, write_error
+from fsdpkit.runtime.signals import StopFlag, install_stop_flag
 
 if TYPE_CHECKING:
     from fsdpkit.config import RunConfig
-    from fsdpkit.hangs import HangProbe
+    from fsdpkit.runtime.hangs import HangProbe
 
 
 def train_worker(
@@ -68,9 +68,9 @@ def train_worker(
 def start_probe(cfg: RunConfig, env: DistEnv) -> HangProbe:
     """Hang triage for this rank ([Note: hang triage, worker side]), with torch's flight
     recorder turned on unless the user set its variables ([Note: flight recorder])."""
-    from fsdpkit.hangs import HangProbe
-    from fsdpkit.hangs.flight import prepare
-    from fsdpkit.hangs.probe import HANG_DIR
+    from fsdpkit.runtime.hangs import HangProbe
+    from fsdpkit.runtime.hangs.flight import prepare
+    from fsdpkit.runtime.hangs.probe import HANG_DIR
 
     run_dir = Path(cfg.logging.run_dir)
     set_env_defaults(prepare(hang_dir=run_dir / HANG_DIR, device_type=env.device_type))

@@ -5,207 +5,42 @@ Two ways in:
   ``torch.distributed.launcher`` (the elastic agent torchrun uses); each worker runs
   ``python -m fsdpkit train ...`` again and joins.
 - join: under torchrun (RANK/WORLD_SIZE set) or SLURM (SLURM_PROCID/SLURM_NTASKS, see
-  fsdpkit.slurm) the process is a worker.
+  fsdpkit.runtime.slurm) the process is a worker (fsdpkit.runtime.distenv).
 
-This is the only module that reads the environment. Workers write their error, if
-any, to ``$FSDPKIT_ERROR_DIR/rank-N-attempt-A.json`` and rank 0 how the run ended
-(``outcome.json``); the spawning launcher prints what happened once
-([Note: root cause] in fsdpkit.failures, [Note: stopping a spawned run] in
-fsdpkit.interrupts). Workers die with their launcher ([Note: worker lifetime] in
-fsdpkit.lifetime); every listener binds to loopback on one node ([Note: listeners]
-in fsdpkit.rendezvous).
+Workers write their error, if any, to ``$FSDPKIT_ERROR_DIR/rank-N-attempt-A.json`` and
+rank 0 how the run ended (``outcome.json``); the spawning launcher prints what happened
+once ([Note: root cause] in fsdpkit.runtime.failures, [Note: stopping a spawned run] in
+fsdpkit.runtime.interrupts). Workers die with their launcher ([Note: worker lifetime] in
+fsdpkit.runtime.lifetime); every listener binds to loopback on one node ([Note:
+listeners] in fsdpkit.runtime.rendezvous).
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import logging
 import os
 import signal
 import sys
 import tempfile
-import time
-import traceback
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fsdpkit import failures, netinfo, slurm
-from fsdpkit.devices import device_type, local_gpus
+from fsdpkit import netinfo
+from fsdpkit.runtime import failures
+from fsdpkit.runtime.distenv import (
+    ERROR_DIR_VAR,
+    LAUNCHER_PID_VAR,
+    LOCKED_VAR,
+    OUTCOME_FILE,
+)
 
 if TYPE_CHECKING:
-    from fsdpkit.hangs import HangWatch
-
-ERROR_DIR_VAR = "FSDPKIT_ERROR_DIR"
-LAUNCHER_PID_VAR = "FSDPKIT_LAUNCHER_PID"
-"""Set by the spawning launcher: the pid workers bind their lifetime to."""
-LOCKED_VAR = "FSDPKIT_RUN_DIR_LOCKED"
-"""Set by a launcher that holds the run-dir lock itself (rank 0 then does not take it)."""
-OUTCOME_FILE = "outcome.json"
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    """Who this worker is; read once from the environment."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    device_type: str
-    launcher_pid: int | None = None
-    """The fsdpkit launcher that spawned this worker (None: torchrun, SLURM, a test)."""
-    run_dir_locked: bool = False
-    """Whether that launcher already holds the run-dir lock ([Note: run-dir lock])."""
-    control_dir: Path | None = None
-    """The spawning launcher's control directory (errors, hang triage); None when joined."""
-
-    @property
-    def single_node(self) -> bool:
-        return self.local_world_size == self.world_size
-
-
-def joined_env() -> DistEnv | None:
-    """The worker's identity when launched by torchrun/SLURM/our launcher, else None."""
-    env = os.environ
-    env.update(slurm.torch_env(env))
-    if "RANK" not in env or "WORLD_SIZE" not in env:
-        return None
-    world = int(env["WORLD_SIZE"])
-    launcher = env.get(LAUNCHER_PID_VAR)
-    return DistEnv(
-        rank=int(env["RANK"]),
-        world_size=world,
-        local_rank=int(env.get("LOCAL_RANK", "0")),
-        local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
-        device_type=device_type(),
-        launcher_pid=int(launcher) if launcher else None,
-        run_dir_locked=env.get(LOCKED_VAR) == "1",
-        control_dir=_control_dir(),
-    )
-
-
-def set_env_defaults(values: dict[str, str]) -> None:
-    """Set variables the user has not set (their own choice wins), e.g. the flight
-    recorder's before the process group exists ([Note: flight recorder])."""
-    for key, value in values.items():
-        os.environ.setdefault(key, value)
-
-
-def bind_worker_lifetime(env: DistEnv) -> None:
-    """Make this worker die with the process that started it ([Note: worker
-    lifetime]): our launcher, or torchrun's agent. SLURM tasks are left to slurmstepd."""
-    from fsdpkit.lifetime import bind_to_parent
-
-    if env.launcher_pid is not None:
-        bind_to_parent(env.launcher_pid)
-    elif "TORCHELASTIC_RUN_ID" in os.environ and os.getppid() != 1:
-        bind_to_parent(os.getppid())
-
-
-def pin_collectives(env: DistEnv) -> None:
-    """Point gloo's and NCCL's sockets at one interface unless the user chose
-    ([Note: listeners]): loopback on one node, else the interface of the address the
-    other nodes reach this one at."""
-    if env.single_node:
-        name = netinfo.loopback_interface()
-    else:
-        master = os.environ.get("MASTER_ADDR")
-        name = netinfo.interface_of(netinfo.local_address_for(master)) if master else None
-    if name:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
-
-
-def rendezvous_store(env: DistEnv, *, timeout: datetime.timedelta) -> Any:
-    """The c10d store for ``init_process_group``, namespaced by restart attempt.
-
-    Under an elastic agent (ours or torchrun's) the agent hosts the store and every
-    rank is a client. Otherwise (SLURM, a hand-set environment) rank 0 hosts it: on
-    loopback when all ranks share this node, else on MASTER_ADDR's address only
-    ([Note: listeners]).
-
-    [Note: restart attempts]
-    After the elastic agent restarts workers (``--max-restarts``), the store it serves
-    still holds the previous attempt's peer addresses; gloo would dial dead ports
-    ("Connection refused"). Prefixing every key with the attempt number gives each
-    attempt a clean namespace on the same store.
-    """
-    from torch.distributed import PrefixStore
-
-    from fsdpkit.rendezvous import ANSWER_S, connect_store, serve_store
-
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    if not agent and env.single_node:
-        host = "127.0.0.1"
-    if not agent and env.rank == 0:
-        try:
-            store = serve_store(host, port, timeout=timeout)
-        except OSError as exc:
-            from fsdpkit.rendezvous import RendezvousError
-
-            raise RendezvousError(
-                f"rank 0 cannot listen on {host}:{port} (MASTER_ADDR:MASTER_PORT): "
-                f"{exc.strerror or exc}; held by {netinfo.port_holder(port) or 'unknown'}. "
-                "Export another MASTER_PORT (under SLURM it defaults to 10000 + job id "
-                "mod 10000)."
-            ) from None
-    else:
-        store = connect_store(host, port, timeout=timeout, answer_s=None if agent else ANSWER_S)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return PrefixStore(f"fsdpkit/attempt-{attempt}", store)
-
-
-def default_nproc() -> int:
-    """Number of GPUs, or 2 CPU ranks on a machine without GPUs."""
-    return local_gpus() or 2
-
-
-def _control_dir() -> Path | None:
-    directory = os.environ.get(ERROR_DIR_VAR)
-    return Path(directory) if directory else None
-
-
-def write_error(exc: BaseException, *, rank: int, user: bool) -> None:
-    """Record this rank's failure for the launcher (or print it when joined)."""
-    message = str(exc) if user else _describe_crash(exc)
-    directory = _control_dir()
-    if directory:
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        record = {
-            "rank": rank,
-            "attempt": attempt,
-            "time": time.time(),
-            "user": user,
-            "message": message,
-        }
-        (directory / f"rank-{rank}-attempt-{attempt}.json").write_text(json.dumps(record))
-    elif rank == 0 or not user:
-        print(f"fsdpkit train: rank {rank}: error: {message}", file=sys.stderr, flush=True)
-
-
-def report_outcome(*, signum: int | None, note: str) -> None:
-    """Rank 0, at the end: tell the launcher how the run ended (``signum``: the stop
-    signal, None: all steps done) and what was saved (``note``); printed when joined."""
-    directory = _control_dir()
-    if directory:
-        (directory / OUTCOME_FILE).write_text(json.dumps({"signal": signum or 0, "note": note}))
-    elif signum:
-        print(f"fsdpkit train: {note}", file=sys.stderr, flush=True)
-
-
-def _describe_crash(exc: BaseException) -> str:
-    """The error in one line, then the traceback of its innermost cause."""
-    cause = exc
-    while cause.__cause__ is not None:
-        cause = cause.__cause__
-    trace = "".join(traceback.format_exception(cause)).rstrip()
-    return f"{exc}\n\n{trace}"
+    from fsdpkit.runtime.hangs import HangWatch
 
 
 @dataclass(frozen=True)
@@ -226,7 +61,7 @@ class SpawnOptions:
     timeout_s: float = 600.0
     """parallel.timeout_s, for the hang watch ([Note: hang triage, launcher side])."""
     hang_timeout_s: float = 0.0
-    """parallel.hang_timeout_s resolved (fsdpkit.hangs.hang_timeout); 0: no stall watch."""
+    """parallel.hang_timeout_s resolved (fsdpkit.runtime.hangs.hang_timeout); 0: no stall watch."""
 
 
 def _default_run_id(opts: SpawnOptions) -> str:
@@ -239,7 +74,7 @@ def _default_run_id(opts: SpawnOptions) -> str:
 def _launch_config(opts: SpawnOptions) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
 
-    from fsdpkit.rendezvous import register
+    from fsdpkit.runtime.rendezvous import register
 
     endpoint = opts.rdzv_endpoint or "127.0.0.1:0"
     local = opts.local_addr
@@ -259,7 +94,7 @@ def _launch_config(opts: SpawnOptions) -> Any:
         monitor_interval=0.2,
         start_method="spawn",
         local_addr=local,
-        signals_to_handle="",  # fsdpkit.interrupts handles them ([Note: stopping a spawned run])
+        signals_to_handle="",  # fsdpkit.runtime.interrupts handles them ([Note: stopping a spawned run])
     )
 
 
@@ -269,14 +104,12 @@ def _worker_env(opts: SpawnOptions, control: str, local_addr: str) -> dict[str, 
     if opts.lock_held:
         env[LOCKED_VAR] = "1"
     iface = netinfo.interface_of(local_addr) if local_addr else None
-    if iface:  # [Note: listeners]; a user's own choice wins
-        for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            env[key] = os.environ.get(key, iface)
+    env.update(netinfo.socket_ifname_env(iface, current=os.environ))  # [Note: listeners]
     return env
 
 
 @contextlib.contextmanager
-def _environ(changes: dict[str, str]) -> Iterator[None]:
+def scoped_environ(changes: dict[str, str]) -> Iterator[None]:
     """``os.environ`` with ``changes`` (the workers inherit it), restored after."""
     saved = {k: os.environ.get(k) for k in changes}
     os.environ.update(changes)
@@ -306,7 +139,7 @@ def spawn(argv: list[str], opts: SpawnOptions) -> int:
     config = _launch_config(opts)
     with (
         tempfile.TemporaryDirectory(prefix="fsdpkit-control-") as control,
-        _environ(_worker_env(opts, control, config.local_addr)),
+        scoped_environ(_worker_env(opts, control, config.local_addr)),
     ):
         return _launch(config, argv, control=Path(control), opts=opts)
 
@@ -317,7 +150,7 @@ def _launch(config: Any, argv: list[str], *, control: Path, opts: SpawnOptions) 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from fsdpkit.interrupts import ImmediateStop, LauncherSignals
+    from fsdpkit.runtime.interrupts import ImmediateStop, LauncherSignals
 
     oom_before = failures.OomCounters.read()
     with LauncherSignals() as signals, _hang_watch(control, opts) as watch:
@@ -342,7 +175,7 @@ def _launch(config: Any, argv: list[str], *, control: Path, opts: SpawnOptions) 
 
 
 def _hang_watch(control: Path, opts: SpawnOptions) -> HangWatch:
-    from fsdpkit.hangs import HangWatch
+    from fsdpkit.runtime.hangs import HangWatch
 
     return HangWatch(
         control=control,
@@ -360,7 +193,7 @@ def _say(text: str) -> None:
 
 
 def _report_stop(control: Path, signum: int, *, opts: SpawnOptions) -> int:
-    from fsdpkit.checkpoint.signals import describe_stop
+    from fsdpkit.runtime.signals import describe_stop
 
     what = describe_stop(signum)
     try:

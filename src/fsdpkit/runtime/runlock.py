@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from fsdpkit.errors import UserError
-from fsdpkit.rundir import describe_os_error
+from fsdpkit.runtime.rundir import describe_os_error
 
 LOCK_FILE = "fsdpkit.lock"
 STALE_AFTER_S = 24 * 3600.0

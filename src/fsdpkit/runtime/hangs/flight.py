@@ -57,7 +57,7 @@ _DTYPE_BYTES = {
 
 def prepare(*, hang_dir: Path, device_type: str) -> dict[str, str]:
     """Variables that turn the recorder on ([Note: flight recorder]), to apply where
-    the user has not set them (fsdpkit.launch.set_env_defaults). On GPUs also the
+    the user has not set them (fsdpkit.runtime.distenv.set_env_defaults). On GPUs also the
     directory NCCL's dump-on-timeout writes to: torch opens ``PREFIX<rank>`` without
     creating directories (an empty ``RUN_DIR/hang/flight-recorder`` in every GPU run)."""
     prefix = str(hang_dir / FLIGHT_DIR / DUMP_PREFIX)

@@ -21,20 +21,20 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from fsdpkit.checkpoint import adapters
-from fsdpkit.checkpoint.adapters import ReadDCP
 from fsdpkit.checkpoint.errors import CheckpointError
-from fsdpkit.checkpoint.hf import (
-    EMBED,
+from fsdpkit.checkpoint.layout import quiet_single_process, read_meta, verify
+from fsdpkit.checkpoint.reader import VerifyingReader
+from fsdpkit.checkpoint.state import model_prefix
+from fsdpkit.checkpoint.untrusted import SafeLoadPlanner, read_metadata
+from fsdpkit.export import adapters
+from fsdpkit.export.adapters import ReadDCP
+from fsdpkit.export.hf import (
     HEAD,
     copy_hf_model_files,
     hf_config,
     hf_model_files,
     llama_config,
 )
-from fsdpkit.checkpoint.layout import quiet_single_process, read_meta, verify
-from fsdpkit.checkpoint.reader import VerifyingReader
-from fsdpkit.checkpoint.untrusted import SafeLoadPlanner, read_metadata
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 INDEX = "model.safetensors.index.json"
@@ -45,20 +45,6 @@ def dcp_tensors(ckpt: Path) -> dict[str, TensorStorageMetadata]:
     crc32 and read with the restricted unpickler: fsdpkit.checkpoint.untrusted)."""
     md = read_metadata(Path(ckpt), read_meta(ckpt))
     return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-
-
-def model_prefix(meta: dict[str, Any], keys: list[str]) -> str:
-    """Prefix of the model's weights among the checkpoint keys (e.g. ``app.model.``)."""
-    prefix = meta.get("state", {}).get("model_prefix")
-    if prefix:
-        return str(prefix)
-    for key in keys:
-        if key.endswith(EMBED):
-            return key[: -len(EMBED)]
-    raise CheckpointError(
-        "cannot find the model's weights in this checkpoint (no ModelOptimizerState "
-        "recorded and no *.model.embed_tokens.weight key)."
-    )
 
 
 def model_tensors(ckpt: Path) -> dict[str, tuple[str, TensorStorageMetadata]]:
@@ -204,7 +190,7 @@ def export(
     ``model.safetensors.index.json``, ``config.json``; of a LoRA run only with
     ``merge``: adapters folded into the base), one torch file (``fmt="torch"``: a state
     dict loadable with ``torch.load(..., weights_only=True)``) or a peft adapter
-    directory (``fmt="peft"``, fsdpkit.checkpoint.adapters). ``dtype``: bf16, fp16, fp32
+    directory (``fmt="peft"``, fsdpkit.export.adapters). ``dtype``: bf16, fp16, fp32
     or None (as saved). Returns the path written."""
     ckpt = Path(ckpt_path)
     report = verify(ckpt, metadata=True)

@@ -33,10 +33,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdpkit.hangs.flight import DUMP_PREFIX, FLIGHT_DIR, groups_of, load, read_summary, summarize
-from fsdpkit.hangs.probe import HANG_DIR, STACK_SIGNAL
-from fsdpkit.hangs.record import Record, Snapshot, error_path, flight_path, stacks_path
-from fsdpkit.hangs.report import RankView, judge, paragraph, write_report
+from fsdpkit.runtime.hangs.flight import (
+    DUMP_PREFIX,
+    FLIGHT_DIR,
+    groups_of,
+    load,
+    read_summary,
+    summarize,
+)
+from fsdpkit.runtime.hangs.probe import HANG_DIR, STACK_SIGNAL
+from fsdpkit.runtime.hangs.record import Record, Snapshot, error_path, flight_path, stacks_path
+from fsdpkit.runtime.hangs.report import RankView, judge, paragraph, write_report
 
 POLL_S = 0.25
 COLLECT_S = 3.0
@@ -147,7 +154,7 @@ class HangWatch:
         self.report = self._finish(views, trigger)
         for snap in snaps:
             self._records[snap.rank].set_flag("triaged", 1)
-        from fsdpkit.interrupts import kill_workers
+        from fsdpkit.runtime.interrupts import kill_workers
 
         kill_workers()
 

@@ -4,7 +4,7 @@
 When one rank fails, its peers fail too, a moment later, with connection errors
 ("Connection reset by peer", "connection closed"): those are consequences. Each
 worker that raises writes a record (``rank-R-attempt-A.json``, see
-``fsdpkit.launch.write_error``); the launcher picks, of the last restart attempt:
+``fsdpkit.runtime.distenv.write_error``); the launcher picks, of the last restart attempt:
 
 1. the earliest record that is not a lost-peer message (a real error);
 2. else a rank that died by a signal without writing anything (SIGKILL, SIGSEGV...):

@@ -10,7 +10,7 @@ handler instead (before the agent runs):
 - first SIGINT / SIGHUP / SIGTERM: raise the agent's own ``SignalException``, so the
   agent forwards that signal to every worker and waits (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``,
   30 s by default) for them to stop at the step boundary and checkpoint
-  ([Note: agreeing to stop] in fsdpkit.checkpoint.signals);
+  ([Note: agreeing to stop] in fsdpkit.runtime.signals);
 - a second one (an impatient Ctrl-C), or SIGQUIT: SIGKILL every worker's process
   group at once and raise ``ImmediateStop``: no save, and the launcher says so. A
   save cut short is an ignored ``.tmp`` directory; the newest complete checkpoint is
@@ -29,7 +29,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from fsdpkit.checkpoint.signals import silence_terminal
+from fsdpkit.runtime.signals import silence_terminal
 
 GRACEFUL = (signal.SIGINT, signal.SIGHUP, signal.SIGTERM)
 HANDLED = (*GRACEFUL, signal.SIGQUIT)

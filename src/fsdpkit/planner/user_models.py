@@ -26,11 +26,15 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from fsdpkit.config import RunConfig
+from fsdpkit.config import RunConfig, with_changes
 from fsdpkit.errors import UserError
+from fsdpkit.loss.head import unsupported_reason
+from fsdpkit.models.accessors import input_vocab
+from fsdpkit.models.factory import BuiltModel
 from fsdpkit.models.llama import LlamaConfig
+from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.layout import ModelLayout, layout_of
-from fsdpkit.precision import PRESETS
+from fsdpkit.trainable.build import build_unsharded
 
 ANALYTIC_HF_BLOCKS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer"}
 """HF model types whose decoder layer runs the ops of the analytic block model, and the
@@ -54,7 +58,7 @@ class BuiltPlanModel:
     """How the model is named in reports, e.g. "model.hf GPT2LMHeadModel"."""
     chunked_why_not: str | None = None
     """Why the chunked loss cannot replace this model's loss (None: it can; the
-    trainer's own rule, fsdpkit.models.head_loss.unsupported_reason)."""
+    trainer's own rule, fsdpkit.loss.head.unsupported_reason)."""
 
 
 def build_key(cfg: RunConfig, *, vocab: int | None, precision: str) -> tuple[object, ...]:
@@ -71,34 +75,14 @@ def build_key(cfg: RunConfig, *, vocab: int | None, precision: str) -> tuple[obj
     )
 
 
-def planned_loss(model: Any, cfg: RunConfig, *, loss_fn: Any) -> Any:
-    """The loss the trainer would run for ``model`` (``train.chunked_loss`` over the
-    model's own ``loss_fn``): the one the traced planner traces and the accuracy
-    measurement runs (fsdpkit.models.head_loss.choose_loss, after sharding)."""
-    from fsdpkit.models.factory import next_token_loss
-    from fsdpkit.models.head_loss import choose_loss
-
-    return choose_loss(
-        model,
-        mode=cfg.train.chunked_loss,
-        chunk_tokens=cfg.train.loss_chunk_tokens,
-        default=loss_fn,
-        custom_loss=loss_fn is not next_token_loss,
-    ).loss_fn
-
-
-def build_for_plan(cfg: RunConfig, *, vocab: int | None, precision: str) -> Any:
-    """The trainer's model of ``cfg`` (``BuiltModel``), prepared for fine-tuning as the
-    trainer prepares it, parameters on meta where the builder puts them."""
-    from fsdpkit.finetune import prepare
-    from fsdpkit.models.factory import build_model
-
-    built = build_model(
-        cfg.model, vocab_size=vocab or 1, seq_len=cfg.data.seq_len, seed=cfg.train.seed
-    )
-    if cfg.lora.rank or cfg.model.freeze:
-        prepare(built.module, cfg, precision=PRESETS[precision], init=None)
-    return built
+def built_for_plan(
+    cfg: RunConfig, *, vocab: int | None, precision: str, shape: LlamaConfig | None = None
+) -> BuiltModel:
+    """The run's model as the trainer builds and prepares it ([Note: one builder], step
+    1), on meta, in the planned precision. Its layout does not depend on the loss (the
+    scenario plans train.chunked_loss), so the build keeps full logits."""
+    planned = with_changes(cfg, {"precision.mode": precision, "train.chunked_loss": "off"})
+    return build_unsharded(planned, vocab_size=vocab or 1, device_type="cpu", shape=shape).built
 
 
 def planned_model(cfg: RunConfig, *, vocab: int | None, precision: str) -> BuiltPlanModel:
@@ -118,12 +102,8 @@ _CACHE: dict[tuple[object, ...], BuiltPlanModel] = {}
 
 
 def _plan_model(cfg: RunConfig, *, vocab: int | None, precision: str) -> BuiltPlanModel:
-    from fsdpkit.models.factory import next_token_loss
-    from fsdpkit.models.head_loss import unsupported_reason
-    from fsdpkit.planner.scenario import PlanError
-
     try:
-        built = build_for_plan(cfg, vocab=vocab, precision=precision)
+        built = built_for_plan(cfg, vocab=vocab, precision=precision)
     except UserError as exc:
         raise PlanError(str(exc)) from None
     model = built.module
@@ -138,7 +118,7 @@ def _plan_model(cfg: RunConfig, *, vocab: int | None, precision: str) -> BuiltPl
         flops = shape.flops_per_token(cfg.data.seq_len)
     else:  # 6 per parameter (fsdpkit.models.flops); its attention term needs the shape
         flops = 6.0 * sum(p.numel() for p in model.parameters())
-    custom = built.loss_fn is not next_token_loss
+    custom = built.loss_fn is not None
     return BuiltPlanModel(
         layout=layout,
         shape=shape,
@@ -148,21 +128,6 @@ def _plan_model(cfg: RunConfig, *, vocab: int | None, precision: str) -> BuiltPl
         what=what,
         chunked_why_not=unsupported_reason(model, custom_loss=custom),
     )
-
-
-def input_vocab(model: Any, *, default: int) -> int:
-    """Token ids the model embeds: its input embedding's rows (HF's
-    ``get_input_embeddings``, else the first ``nn.Embedding``), else ``default``."""
-    import torch
-    from torch import nn
-
-    from fsdpkit.models.accessors import input_embeddings
-
-    embed = input_embeddings(model)
-    if embed is None:
-        embed = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    weight = getattr(embed, "weight", None)
-    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) else default
 
 
 def _analytic_shape(

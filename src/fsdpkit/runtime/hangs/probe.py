@@ -34,8 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from fsdpkit.hangs import flight
-from fsdpkit.hangs.record import (
+from fsdpkit.runtime.hangs import flight
+from fsdpkit.runtime.hangs.record import (
     Record,
     Snapshot,
     error_path,
@@ -219,7 +219,7 @@ class HangProbe:
 
     def _self_report(self, *, why: str) -> None:
         """Without a launcher: this rank's own report (joined runs)."""
-        from fsdpkit.hangs.report import write_rank_report
+        from fsdpkit.runtime.hangs.report import write_rank_report
 
         if self.run_dir is None:
             return

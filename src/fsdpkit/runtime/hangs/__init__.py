@@ -15,7 +15,7 @@ Modules, one job each:
 docs/runtime.md ("Hangs") says what a report contains and how to read it.
 """
 
-from fsdpkit.hangs.probe import HangProbe, hang_timeout
-from fsdpkit.hangs.watch import HangReport, HangWatch
+from fsdpkit.runtime.hangs.probe import HangProbe, hang_timeout
+from fsdpkit.runtime.hangs.watch import HangReport, HangWatch
 
 __all__ = ["HangProbe", "HangReport", "HangWatch", "hang_timeout"]

@@ -11,8 +11,8 @@ backend fault, or a rank of another node). A rank behind is usually computing,
 sleeping or blocked outside a collective; its main thread's innermost Python frame
 says where.
 
-This module formats and never collects (the launcher's fsdpkit.hangs.watch and the
-worker's fsdpkit.hangs.probe collect).
+This module formats and never collects (the launcher's fsdpkit.runtime.hangs.watch and the
+worker's fsdpkit.runtime.hangs.probe collect).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdpkit.hangs.flight import FlightSummary
-from fsdpkit.hangs.record import Snapshot
+from fsdpkit.runtime.hangs.flight import FlightSummary
+from fsdpkit.runtime.hangs.record import Snapshot
 
 STACKS_TITLE = "Python stacks (faulthandler, innermost frame first):"
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)", re.MULTILINE)
@@ -122,7 +122,7 @@ def _waiting(view: RankView, behind: list[RankView]) -> str:
 
 
 def _size(n: int) -> str:
-    from fsdpkit.hangs.flight import human_bytes
+    from fsdpkit.runtime.hangs.flight import human_bytes
 
     return human_bytes(n)
 

@@ -1,0 +1,165 @@
+"""``build_trainable``: the model, loss and optimizer a run trains, built one way for
+the trainer, the traced planner and the planner's measurement.
+
+[Note: one builder]
+The order FSDP2 requires, written once:
+
+1. ``build_unsharded`` (no process group; bad input fails every rank alike before any
+   collective): the model (built-in Llama, ``model.hf`` on meta, or the factory's),
+   LoRA / ``model.freeze`` (fsdpkit.finetune.prepare), the loss (``train.chunked_loss``
+   over the model's own loss: fsdpkit.loss.head.choose_loss) and the block choice.
+2. ``shard_trainable`` (a real or a "fake" process group's mesh): parameters turned into
+   fake tensors when the planner traces, buffers to the device, ``fsdpkit.shard`` (which
+   materializes a meta model with the run's initializer), ``model.init_from`` weights,
+   then the optimizer over the trainable parameters.
+
+``fsdpkit train`` runs both steps on real ranks; the traced planner runs step 1 outside
+``FakeTensorMode`` and step 2 inside it at any world size; ``fsdpkit.planner.measure``
+runs both on real CPU ranks. A change to how a run is built is made here, so the plan
+cannot drift from the run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from fsdpkit.checkpoint.fsdp1 import detect, load_fsdp1_checkpoint
+from fsdpkit.checkpoint.hf_weights import load_hf_weights
+from fsdpkit.config import RunConfig
+from fsdpkit.finetune import Finetune, base_view, prepare
+from fsdpkit.loss.contract import LossFn
+from fsdpkit.loss.head import choose_loss, default_loss
+from fsdpkit.models.buffers import require_buffer_source
+from fsdpkit.models.factory import BuiltModel, build_model
+from fsdpkit.models.llama import Llama, LlamaConfig
+from fsdpkit.precision import Precision
+from fsdpkit.sharding import ShardPlan, detect_blocks, resolve_precision, shard
+from fsdpkit.sharding.materialize import is_meta
+from fsdpkit.trainable.optim import build_optimizer
+
+
+@dataclass
+class Unsharded:
+    """Step 1 of [Note: one builder]: the prepared model before sharding."""
+
+    built: BuiltModel
+    finetune: Finetune
+    precision: Precision
+    loss_fn: LossFn
+    loss_note: str | None
+    """Why ``train.chunked_loss = auto`` kept full logits (None: it did not)."""
+
+
+@dataclass
+class Trainable:
+    """The sharded model, its loss and optimizer, and what building them decided."""
+
+    model: nn.Module
+    loss_fn: LossFn
+    optimizer: torch.optim.Optimizer
+    plan: ShardPlan
+    precision: Precision
+    finetune: Finetune
+    llama: LlamaConfig | None
+    """The built-in model's shape (None for model.hf and factory models)."""
+    loss_note: str | None = None
+
+
+def build_unsharded(
+    cfg: RunConfig,
+    *,
+    vocab_size: int,
+    device_type: str,
+    sft: bool = False,
+    shape: LlamaConfig | None = None,
+) -> Unsharded:
+    """Step 1 of [Note: one builder]. ``shape``: build the built-in Llama of exactly this
+    shape on meta (the planner's scenario), instead of the one ``cfg.model`` names."""
+    built = _built(cfg, vocab_size=vocab_size, shape=shape)
+    precision = resolve_precision(cfg.precision, device_type=device_type)
+    finetune = prepare(built.module, cfg, precision=precision, init=built.init)
+    loss = choose_loss(
+        built.module,
+        mode=cfg.train.chunked_loss,
+        chunk_tokens=cfg.train.loss_chunk_tokens,
+        default=default_loss(sft=sft, own=built.loss_fn),
+        custom_loss=built.loss_fn is not None,
+        compiled=cfg.train.compile and precision.low_precision,  # where it helps
+    )
+    detect_blocks(built.module, class_names=cfg.parallel.block_classes or None)
+    return Unsharded(built, finetune, precision, loss.loss_fn, loss.note)
+
+
+def _built(cfg: RunConfig, *, vocab_size: int, shape: LlamaConfig | None) -> BuiltModel:
+    if shape is None or cfg.model.hf or cfg.model.factory:
+        return build_model(
+            cfg.model, vocab_size=vocab_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed
+        )
+    with torch.device("meta"):
+        return BuiltModel(module=Llama(shape), loss_fn=None, llama=shape)
+
+
+def shard_trainable(
+    unsharded: Unsharded,
+    cfg: RunConfig,
+    *,
+    mesh: Any,
+    device: torch.device,
+    fake: FakeTensorMode | None = None,
+) -> Trainable:
+    """Step 2 of [Note: one builder], collective over ``mesh``. With ``fake`` (the
+    traced planner, inside that mode) the parameters become fake tensors first and no
+    weights are read."""
+    model = unsharded.built.module
+    if fake is not None:
+        fake_tensors(model, fake=fake)
+    elif is_meta(model):  # never train on buffers that to_empty leaves as garbage
+        require_buffer_source(model)
+    else:  # fully_shard moves the shards; this only puts buffers in place
+        model.to(device)
+    plan = shard(model, cfg, mesh=mesh, init=unsharded.finetune.init)
+    if cfg.model.init_from and fake is None:
+        init_from(model, Path(cfg.model.init_from))
+    optimizer = build_optimizer(model, cfg.train, grad_scaler=unsharded.precision.scaler)
+    return Trainable(
+        model=model,
+        loss_fn=unsharded.loss_fn,
+        optimizer=optimizer,
+        plan=plan,
+        precision=unsharded.precision,
+        finetune=unsharded.finetune,
+        llama=unsharded.built.llama,
+        loss_note=unsharded.loss_note,
+    )
+
+
+def init_from(model: nn.Module, path: Path) -> None:
+    """``model.init_from``: HF safetensors or an FSDP1 checkpoint, read into the base
+    model's names ([Note: LoRA with FSDP2])."""
+    with base_view(model):
+        (load_fsdp1_checkpoint if detect(path) else load_hf_weights)(model, path)
+
+
+def fake_tensors(model: nn.Module, *, fake: FakeTensorMode) -> None:
+    """Give a model built outside fake mode fake CPU parameters and buffers (tied
+    parameters stay tied; real buffers keep their values' metadata). Runs inside
+    ``fake``: ``torch.empty`` there makes a tensor without storage."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            if p is not None and not isinstance(p, FakeTensor):
+                if id(p) not in made:
+                    data = torch.empty(p.shape, dtype=p.dtype)  # fake: no storage
+                    made[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
+                module._parameters[key] = made[id(p)]  # type: ignore[assignment]
+        for key, b in module._buffers.items():
+            if b is not None and not isinstance(b, FakeTensor):
+                module._buffers[key] = (
+                    torch.empty(b.shape, dtype=b.dtype) if b.is_meta else fake.from_tensor(b)
+                )
