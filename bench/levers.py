@@ -100,8 +100,8 @@ def run_one(
     """Build a session as ``fsdpkit train`` does, time ``steps`` steps after
     ``warmup``, then measure one step's peak with ``peak``."""
     from fsdpkit.config import load
-    from fsdpkit.runtime.hangs import HangProbe
     from fsdpkit.runtime.distenv import joined_env
+    from fsdpkit.runtime.hangs import HangProbe
     from fsdpkit.train.loop import _step
     from fsdpkit.train.session import build_session
 

@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from fsdpkit import build_mesh, shard
 from fsdpkit.checkpoint import Checkpointer, ModelOptimizerState, load_hf_weights
-from fsdpkit.export import export
 from fsdpkit.config import CheckpointConfig, ParallelConfig, RunConfig, mesh_shape
+from fsdpkit.export import export
 from fsdpkit.testing import run_ranks
 from support import SEQ, TINY, build, full_state, lm_loss, untied
 

@@ -24,7 +24,6 @@ import torch.distributed as dist
 from fsdpkit import build_mesh, shard
 from fsdpkit.config import ModelConfig, ParallelConfig, RunConfig
 from fsdpkit.data.batch import IGNORE_INDEX, SFTBatch
-from fsdpkit.loss.contract import next_token_loss
 from fsdpkit.loss.head import choose_loss, default_loss
 from fsdpkit.models.factory import build_model
 from fsdpkit.testing import run_ranks

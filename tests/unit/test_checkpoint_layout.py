@@ -18,11 +18,11 @@ from fsdpkit.checkpoint import (
     list_entries,
     verify,
 )
-from fsdpkit.runtime.signals import install_sigterm_flag
-from fsdpkit.export import hf_config, llama_config
 from fsdpkit.checkpoint.layout import META_FILE, crc32_file
 from fsdpkit.config import CheckpointConfig, RunConfig
+from fsdpkit.export import hf_config, llama_config
 from fsdpkit.models.llama import Llama, LlamaConfig, preset
+from fsdpkit.runtime.signals import install_sigterm_flag
 
 SMALL = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
 

@@ -12,11 +12,11 @@ import pytest
 
 from fsdpkit.config import ConfigError, load
 from fsdpkit.planner import Device, DeviceError, PlanError, parse_device, parse_size, plan
-from fsdpkit.planner.analytic import model_states
 from fsdpkit.planner.blockmem import Sizes, block_backward, block_forward, saved_per_block
 from fsdpkit.planner.recommend import recommend
 from fsdpkit.planner.report import format_plan, format_recommendation, plan_dict, toml_lines
 from fsdpkit.planner.scenario import scenario
+from fsdpkit.planner.states import model_states
 
 GiB = 1024**3
 # Every dim divisible by the shard degrees used below: no FSDP2 padding.

@@ -77,6 +77,19 @@ def _mismatched(
     return out
 
 
+def _without_meta_buffers(meta_model: nn.Module, *, name: str) -> Check:
+    """The verdict when no buffer is on meta: nothing for materialization to lose."""
+    if not any(True for _ in meta_model.buffers()):
+        return ok(name, "the model has no buffers")
+    if any(p.is_meta for p in meta_model.parameters()):  # fsdpkit.meta_params, model.hf
+        return ok(
+            name,
+            "parameters on meta, buffers computed by the model's constructor: kept "
+            "across materialization",
+        )
+    return skip(name, "the model does not build on the meta device (its factory ignores it)")
+
+
 def check_meta_buffers(
     meta_model: nn.Module,
     *,
@@ -90,16 +103,8 @@ def check_meta_buffers(
     warning about what meta-device init would do). ``loads_persistent``: persistent
     buffers come from ``model.init_from``. ``reference``: a CPU build, or None."""
     name = "meta buffers"
-    if not any(True for _ in meta_model.buffers()):
-        return ok(name, "the model has no buffers")
     if not any(b.is_meta for b in meta_model.buffers()):
-        if any(p.is_meta for p in meta_model.parameters()):  # fsdpkit.meta_params, model.hf
-            return ok(
-                name,
-                "parameters on meta, buffers computed by the model's constructor: kept "
-                "across materialization",
-            )
-        return skip(name, "the model does not build on the meta device (its factory ignores it)")
+        return _without_meta_buffers(meta_model, name=name)
     try:
         values, garbage = recreated_buffers(meta_model)
     except Exception as exc:

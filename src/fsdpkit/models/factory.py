@@ -24,13 +24,14 @@ A factory is ``"package.module:function"``, called with no arguments (after
 - Meta-device builds: build under ``fsdpkit.meta_params()`` (parameters on meta,
   buffers from the constructor) or give the module ``init_buffers()``; a run refuses a
   module with buffers on meta and neither ([Note: buffers of meta models]). Parameters
-  get fsdpkit's per-parameter init (``param_init(name, shape, generator)`` overrides
-  it), or, for a transformers ``PreTrainedModel``, the model's own ``_init_weights``.
+  get the model's own init, the one rule for ``fsdpkit train`` and ``fsdpkit.shard``
+  (``fsdpkit.models.hf_init.own_initializer``): a transformers ``PreTrainedModel``
+  its ``_init_weights``, any other model fsdpkit's per-parameter init
+  (``param_init(name, shape, generator)`` overrides it).
 """
 
 from __future__ import annotations
 
-import copy
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,8 +42,8 @@ from torch import nn
 
 from fsdpkit.config import ModelConfig
 from fsdpkit.init import Initializer
-from fsdpkit.models.buffers import meta_buffers
 from fsdpkit.models.errors import ModelError
+from fsdpkit.models.hf_init import own_initializer
 from fsdpkit.models.llama import Llama, LlamaConfig, preset
 
 OwnLoss = Callable[[nn.Module, Any], torch.Tensor]
@@ -151,23 +152,5 @@ def _from_factory(spec: str, *, seed: int) -> BuiltModel:
         )
     built = BuiltModel(module=module, loss_fn=loss_fn, llama=None)
     if any(p.is_meta for p in module.parameters()):
-        built.init = _hf_init_for_meta(module, seed=seed)
+        built.init = own_initializer(module, seed=seed)
     return built
-
-
-def _hf_init_for_meta(module: nn.Module, *, seed: int) -> Initializer | None:
-    """For a meta-built transformers model: its meta buffers re-created by its own
-    ``_init_weights``, and the same init for its parameters after sharding."""
-    from fsdpkit.models.hf_init import init_like_hf, is_hf_model, recreate_hf_buffers
-
-    if not is_hf_model(module):
-        return None
-    if meta_buffers(module):
-        recreate_hf_buffers(module, seed=seed)  # what is left is refused by the caller
-    shadow = copy.deepcopy(module)  # parameters on meta: no memory
-
-    def init(model: nn.Module) -> None:
-        names = [n for n, _ in model.named_parameters()]
-        init_like_hf(model, shadow=shadow, names=names, seed=seed)
-
-    return init

@@ -25,14 +25,15 @@ RoPE tables and embedding scales, exactly as ``from_pretrained`` relies on.
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from fsdpkit.init import copy_full_value, param_seed
-from fsdpkit.models.buffers import stamp, unchanged
+from fsdpkit.init import Initializer, copy_full_value, param_seed
+from fsdpkit.models.buffers import meta_buffers, stamp, unchanged
 
 
 def is_hf_model(module: nn.Module) -> bool:
@@ -126,3 +127,24 @@ def recreate_hf_buffers(model: nn.Module, *, seed: int) -> list[str]:
                     module._buffers[n] = metas[n]
                     left.append(f"{path}.{n}" if path else n)
     return left
+
+
+def own_initializer(module: nn.Module, *, seed: int) -> Initializer | None:
+    """The model's own init for a meta-built model, the one rule for ``fsdpkit train``
+    (``model.factory``, ``model.hf``'s missing weights) and ``fsdpkit.shard``: a
+    transformers ``PreTrainedModel`` gets its ``_init_weights`` ([Note: HF init on
+    shards]; its meta buffers re-created now, before sharding), any other model None
+    (fsdpkit's per-parameter init, [Note: per-parameter init]). Transformers' own
+    distributions are what ``from_config`` gives the same model, so a model initializes
+    the same whichever way fsdpkit is entered."""
+    if not is_hf_model(module):
+        return None
+    if meta_buffers(module):
+        recreate_hf_buffers(module, seed=seed)  # what is left is refused by the caller
+    shadow = copy.deepcopy(module)  # parameters on meta: no memory
+
+    def init(model: nn.Module) -> None:
+        names = [n for n, _ in model.named_parameters()]
+        init_like_hf(model, shadow=shadow, names=names, seed=seed)
+
+    return init

@@ -8,10 +8,11 @@ from dataclasses import replace
 from fsdpkit.checkpoint.staging import async_staging_bytes
 from fsdpkit.config import RunConfig
 from fsdpkit.devices import Device
-from fsdpkit.planner.analytic import analytic_memory, sizes
-from fsdpkit.planner.blockmem import loss_buffer_peak
+from fsdpkit.planner.analytic import analytic_memory
 from fsdpkit.planner.comm import comm_volume
 from fsdpkit.planner.errors import PlanError
+from fsdpkit.planner.headmem import loss_buffer_peak
+from fsdpkit.planner.replay import sizes
 from fsdpkit.planner.result import LossBuffers, MemoryPlan, Plan
 from fsdpkit.planner.scenario import Scenario, scenario
 

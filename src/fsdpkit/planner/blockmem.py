@@ -1,4 +1,5 @@
-"""Tensor lifetimes inside one decoder block, its loss head, as alloc/free events.
+"""Tensor lifetimes inside one decoder block, as alloc/free events (the loss head's:
+fsdpkit.planner.headmem).
 
 [Note: block event model]
 The memory of a block's forward and backward is written out op by op for the
@@ -36,8 +37,6 @@ down_proj), lives until the block's backward ends and the checkpoint frame dies.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from fsdpkit.loss.chunked_ce import backward_chunks
 
 ACT, TEMP, GRAD, LOGITS = "activations", "temporaries", "unsharded_grads", "logits_loss"
 Event = tuple[str, int]
@@ -121,7 +120,7 @@ def _saved(size: int) -> list[Event]:
     return [(ACT, size), (TEMP, -size)]
 
 
-def _norm_forward(s: Sizes, *, keep: bool) -> list[Event]:
+def norm_forward(s: Sizes, *, keep: bool) -> list[Event]:
     """RMSNorm in fp32: xf=x.float(), x*rsqrt(mean(x^2)+eps), weight*xn, .to(e)."""
     if not keep:
         return _norm_forward_unsaved(s)
@@ -199,10 +198,10 @@ def block_forward(s: Sizes, *, keep: bool, selective: bool = False) -> list[Even
     it (fp32 alias, or the checkpoint).
     """
     y_norm = s.nde if s.cast else s.nd4
-    ev = _norm_forward(s, keep=keep) + _attn_forward(s, keep=keep, selective=selective)
+    ev = norm_forward(s, keep=keep) + _attn_forward(s, keep=keep, selective=selective)
     if not keep:
         ev += [(ACT, -y_norm)]  # norm1 output: only q/k/v projections used it
-    ev += _norm_forward(s, keep=keep) + _mlp_forward(s, keep=keep, selective=selective)
+    ev += norm_forward(s, keep=keep) + _mlp_forward(s, keep=keep, selective=selective)
     if not keep:
         ev += [(ACT, -y_norm - s.nde)]  # norm2 output and x1
     elif s.cast:
@@ -229,7 +228,7 @@ def selective_backward_end(s: Sizes) -> list[Event]:
     return [(ACT, -s.nde)]
 
 
-def _norm_backward(s: Sizes) -> list[Event]:
+def norm_backward(s: Sizes) -> list[Event]:
     """Backward of RMSNorm with the output's grad (N*d*e) live; ends with the
     input's grad accumulated in place into the residual grad, saved tensors freed."""
     ev: list[Event] = [(TEMP, s.nd4), (TEMP, -s.nde)] if s.cast else []
@@ -294,131 +293,7 @@ def block_backward(s: Sizes, *, sdpa_workspace: int = 0) -> list[Event]:
     the same buffer, all saved tensors freed and the weight grads (GRAD) allocated."""
     return (
         _mlp_backward(s)
-        + _norm_backward(s)
+        + norm_backward(s)
         + _attn_backward(s, sdpa_workspace=sdpa_workspace)
-        + _norm_backward(s)
+        + norm_backward(s)
     )
-
-
-def head_forward(s: Sizes) -> list[Event]:
-    """Final norm and the output head, with the last block's output (counted by the
-    caller) live: in low precision it dies here, in fp32 the norm saves it."""
-    ev = _norm_forward(s, keep=True)
-    ev += [(ACT, -s.nde)] if s.cast else []
-    return [*ev, (LOGITS, s.nve)]
-
-
-def loss_forward(s: Sizes) -> list[Event]:
-    """cross_entropy(logits.float(), targets) inside a helper: the fp32 copy and
-    log_softmax's output (saved) coexist with the logits; when the helper returns
-    only the saved log-probabilities remain."""
-    ev: list[Event] = [(LOGITS, s.nv4)] if s.cast else []
-    ev += [(LOGITS, s.nv4), (TEMP, 8 * s.n)]  # log_softmax; the flattened targets
-    return [*ev, (LOGITS, -(s.nv4 if s.cast else 0) - s.nve), (TEMP, -8 * s.n)]
-
-
-def loss_backward(s: Sizes) -> list[Event]:
-    """nll_loss's dense grad, log_softmax's grad, then the cast back to the logits'
-    dtype: ends with the logits' grad (N*V*e) live."""
-    ev: list[Event] = [(LOGITS, 2 * s.nv4), (LOGITS, -2 * s.nv4)]
-    return ev + ([(LOGITS, s.nve), (LOGITS, -s.nv4)] if s.cast else [])
-
-
-def chunked_head_forward(s: Sizes) -> list[Event]:
-    """Final norm; the head computes nothing (its input is the chunked loss's)."""
-    return _norm_forward(s, keep=True) + ([(ACT, -s.nde)] if s.cast else [])
-
-
-def chunked_loss_forward(s: Sizes, *, chunk: int) -> list[Event]:
-    """[Note: chunked cross-entropy] in fsdpkit.loss.chunked_ce, forward: the
-    flattened targets (a copy of the shifted ids) and the per-token log-sum-exp stay for
-    backward; per chunk of c tokens the logits (c*V*e) and their fp32 copy (c*V*4, in
-    which the log-sum-exp is computed in place) exist at once, then die."""
-    ce, c4 = _chunk_bytes(s, chunk)
-    ev: list[Event] = [(LOGITS, 12 * s.n)]
-    ev += [(LOGITS, ce), (LOGITS, c4), (LOGITS, -ce)] if s.cast else [(LOGITS, c4)]
-    return [*ev, (LOGITS, -c4)]
-
-
-def chunked_loss_backward(
-    s: Sizes, *, chunk: int, weight_grad: bool = True, norm: bool = True
-) -> list[Event]:
-    """Backward of the chunked loss and the head together, then the final norm: the
-    hidden states' grad (N*d*e) first; per chunk the recomputed logits and their fp32
-    copy (which becomes the gradient in place), then its cast to the compute dtype;
-    the head's weight grad (V*d*e) is the first chunk's product, later ones add into
-    it in place, so from the second chunk on it coexists with a chunk's buffers
-    ([Note: chunked cross-entropy peak]). Ends as ``head_backward`` ends."""
-    w = s.vocab * s.d * s.e if weight_grad else 0
-    y = s.nde if s.cast else s.nd4
-    rows = backward_chunks(s.n, chunk, cast=s.cast)[:2]
-    ev: list[Event] = [(TEMP, s.nde)]
-    ev += _chunk_backward(s, rows[0].stop - rows[0].start, grad=[(GRAD, w)])
-    if len(rows) > 1:  # the second chunk, the largest beside the weight grad
-        ev += _chunk_backward(s, rows[1].stop - rows[1].start, grad=[])
-    ev += [(LOGITS, -12 * s.n), (ACT, -y)]
-    return ev + (final_norm_backward(s) if norm else [])
-
-
-def _chunk_backward(s: Sizes, c: int, *, grad: list[Event]) -> list[Event]:
-    """One chunk's recomputed logits -> fp32 gradient -> compute dtype; ``grad``
-    happens while the cast gradient is live (the first chunk's weight-grad product)."""
-    ce, c4 = c * s.vocab * s.e, c * s.vocab * 4
-    if not s.cast:
-        return [(LOGITS, c4), *grad, (LOGITS, -c4)]
-    return [(LOGITS, ce), (LOGITS, c4), (LOGITS, -ce), (LOGITS, ce), (LOGITS, -c4), *grad,
-            (LOGITS, -ce)]  # fmt: skip
-
-
-def _chunk_bytes(s: Sizes, chunk: int) -> tuple[int, int]:
-    """Logits of one chunk in the compute dtype and in fp32."""
-    c = min(chunk, s.n)
-    return c * s.vocab * s.e, c * s.vocab * 4
-
-
-def head_backward(s: Sizes, *, weight_grad: bool = True, norm: bool = True) -> list[Event]:
-    """Output head (grad of its input, then of the weight unless it is frozen), then
-    the final norm (``norm``; else the caller applies ``final_norm_backward``): ends
-    with the last block output's grad (N*d*e) live, the head weight grad kept."""
-    w = s.vocab * s.d * s.e if weight_grad else 0
-    y = s.nde if s.cast else s.nd4
-    ev: list[Event] = [(TEMP, s.nde), (GRAD, w), (LOGITS, -s.nve), (ACT, -y)]
-    return ev + (final_norm_backward(s) if norm else [])
-
-
-def final_norm_backward(s: Sizes) -> list[Event]:
-    """The final norm's backward after the head's: ends with the last block output's
-    grad (N*d*e) live."""
-    return [*_norm_backward(s), (TEMP, s.nde)]
-
-
-def embedding_backward(
-    s: Sizes, *, tied: bool, workspace: int = 0, in_place: bool = False
-) -> list[Event]:
-    """Dense embedding grad (V*d*e); a tied weight adds it to the head's grad out of
-    place (autograd's AccumulateGrad sums into a new buffer when the existing grad is
-    referenced elsewhere, as FSDP2's unsharded gradient is): for a moment the head's
-    grad, the embedding's and their sum coexist (measured on the V2 rows of
-    bench/plan_accuracy.py). ``in_place``: the head's grad is the chunked loss's own
-    contiguous tensor, which autograd's input buffer adds into in place (measured: the
-    sum is never a third buffer). Frees the incoming grad of the embedding output."""
-    w = s.vocab * s.d * s.e
-    ev: list[Event] = [(TEMP, workspace), (GRAD, w), (TEMP, -workspace)]
-    if tied:
-        ev += [(GRAD, -w)] if in_place else [(GRAD, w), (GRAD, -w), (GRAD, -w)]
-    return [*ev, (TEMP, -s.nde)]
-
-
-def loss_buffer_peak(s: Sizes, *, chunk: int | None) -> int:
-    """The most logits and loss bytes live at once over the loss's forward and
-    backward (full logits when ``chunk`` is None)."""
-    if chunk is None:
-        events = head_forward(s) + loss_forward(s) + loss_backward(s) + head_backward(s)
-    else:
-        events = chunked_loss_forward(s, chunk=chunk) + chunked_loss_backward(s, chunk=chunk)
-    live = peak = 0
-    for category, nbytes in events:
-        if category == LOGITS:
-            live += nbytes
-            peak = max(peak, live)
-    return peak

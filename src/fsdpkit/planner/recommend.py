@@ -35,13 +35,13 @@ from fsdpkit.config import RunConfig, batch_split, with_changes
 from fsdpkit.config.batch import divisors
 from fsdpkit.devices import Device
 from fsdpkit.errors import UserError
-from fsdpkit.planner.analytic import model_states
 from fsdpkit.planner.api import DEFAULT_MARGIN, plan_scenario
 from fsdpkit.planner.blockmem import block_matmuls
 from fsdpkit.planner.comm import comm_volume
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.result import Plan
 from fsdpkit.planner.scenario import Scenario, run_vocab_size, scenario
+from fsdpkit.planner.states import model_states
 from fsdpkit.sharding.activations import matmul_saved
 from fsdpkit.strategies import STRATEGIES
 

@@ -224,24 +224,14 @@ def scenario(
     semantics); ``vocab_size`` is the tokenizer's (default: read as ``fsdpkit train``
     reads it, see ``run_vocab_size``). Raises PlanError / ConfigError naming the field
     on bad input."""
-    if world_size < 1:
-        raise PlanError(f"--world-size must be >= 1, got {world_size}.")
-    if ranks_per_node < 1:
-        raise PlanError(f"--ranks-per-node must be >= 1, got {ranks_per_node}.")
-    validate(cfg)
-    local = min(ranks_per_node, world_size)
-    validate_for_world(cfg, world_size=world_size, local_world_size=local)
+    local = _checked_sizes(cfg, world_size=world_size, ranks_per_node=ranks_per_node)
     replicate, shard = mesh_shape(cfg, world_size=world_size, local_world_size=local)
     vocab = vocab_size if vocab_size is not None else run_vocab_size(cfg)
     precision, note = planned_precision(cfg.precision.mode, device)
     model = _planned_model(cfg, vocab=vocab, precision=precision)
     planned = units(model.layout, shard=shard, parallel=cfg.parallel, activations=cfg.activations)
-    notes = [note] if note else []
     chunk, loss_note = loss_chunk(cfg, model.layout, why_not=model.chunked_why_not)
-    notes += [loss_note] if loss_note else []
-    builtin = not (cfg.model.hf or cfg.model.factory)
-    if builtin and cfg.model.vocab_size is None and vocab is None and cfg.model.preset != "tiny":
-        notes.append(_VOCAB_NOTE.format(PRESETS[cfg.model.preset].vocab_size))
+    notes = [n for n in (note, loss_note, _vocab_note(cfg, vocab=vocab)) if n]
     dev = device if device is not None else Device("unspecified", "cpu", None)
     split = batch_split(cfg.train, dp_world=world_size)
     return Scenario(
@@ -278,6 +268,26 @@ def scenario(
         forward_prefetch=cfg.parallel.forward_prefetch,
         backward_prefetch=cfg.parallel.backward_prefetch,
     )
+
+
+def _checked_sizes(cfg: RunConfig, *, world_size: int, ranks_per_node: int) -> int:
+    """Ranks per node of the plan, after checking the sizes and the config."""
+    if world_size < 1:
+        raise PlanError(f"--world-size must be >= 1, got {world_size}.")
+    if ranks_per_node < 1:
+        raise PlanError(f"--ranks-per-node must be >= 1, got {ranks_per_node}.")
+    validate(cfg)
+    local = min(ranks_per_node, world_size)
+    validate_for_world(cfg, world_size=world_size, local_world_size=local)
+    return local
+
+
+def _vocab_note(cfg: RunConfig, *, vocab: int | None) -> str | None:
+    """Why a built-in preset is planned at its own vocabulary (no tokenizer given)."""
+    builtin = not (cfg.model.hf or cfg.model.factory)
+    if builtin and cfg.model.vocab_size is None and vocab is None and cfg.model.preset != "tiny":
+        return _VOCAB_NOTE.format(PRESETS[cfg.model.preset].vocab_size)
+    return None
 
 
 def planned_optimizer(cfg: RunConfig, device: Device, *, precision: str) -> str:

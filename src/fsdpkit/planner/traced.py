@@ -61,10 +61,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from fsdpkit.config import RunConfig, with_changes
 from fsdpkit.errors import UserError
 from fsdpkit.loss.head import ChunkedLoss
-from fsdpkit.planner.analytic import late_free_spread, model_states
+from fsdpkit.planner.analytic import late_free_spread
 from fsdpkit.planner.errors import PlanError, TraceError
 from fsdpkit.planner.result import CATEGORIES, MemoryPlan, PeakPoint
 from fsdpkit.planner.scenario import Scenario
+from fsdpkit.planner.states import model_states
 from fsdpkit.sharding.mesh import build_mesh
 from fsdpkit.trainable.build import build_unsharded, shard_trainable
 from fsdpkit.trainable.step import step_options, synthetic_batches, train_step

@@ -36,6 +36,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from fsdpkit.config import ParallelConfig, RunConfig
 from fsdpkit.init import Initializer
 from fsdpkit.models.accessors import is_norm
+from fsdpkit.models.hf_init import own_initializer
 from fsdpkit.sharding.activations import checkpoint_forward
 from fsdpkit.sharding.blocks import choose_blocks
 from fsdpkit.sharding.compile import compile_blocks
@@ -133,11 +134,15 @@ def shard(
     offload and activations sections; returns the plan it applied.
 
     A model built under ``torch.device("meta")`` is materialized afterwards with only
-    the local shards allocated, initialized from ``cfg.train.seed`` exactly as
-    ``fsdpkit.init.init_weights`` would initialize the unsharded model, or by
-    ``init(model)`` when given (e.g. loading a Hugging Face directory). Real buffers
-    are kept; see [Note: buffers of meta models].
+    the local shards allocated and initialized by ``init(model)`` when given (e.g.
+    loading a Hugging Face directory), else by the model's own init, as ``fsdpkit
+    train`` does (``fsdpkit.models.hf_init.own_initializer``: a transformers model's
+    ``_init_weights``, otherwise exactly what ``fsdpkit.init.init_weights`` gives the
+    unsharded model from ``cfg.train.seed``). Real buffers are kept; see [Note:
+    buffers of meta models].
     """
+    if init is None and is_meta(model):
+        init = own_initializer(model, seed=cfg.train.seed)
     device_type = mesh.device_type
     precision = resolve_precision(cfg.precision, device_type=device_type)
     choice = choose_blocks(model, class_names=cfg.parallel.block_classes or None)
@@ -157,13 +162,9 @@ def shard(
         kw = {"mp_policy": precision.norm_policy(), "offload_policy": offload}
         _shard_norms(model, mesh=mesh, raf=reshard_after_forward(cfg.parallel), kw=kw)
     for spec in specs:
-        fully_shard(
-            _unit_modules(spec, model=model, blocks=blocks, edges=edges),
-            mesh=mesh,
-            reshard_after_forward=spec.reshard_after_forward,
-            mp_policy=precision.policy(),
-            offload_policy=offload,
-        )
+        units = _unit_modules(spec, model=model, blocks=blocks, edges=edges)
+        policies = {"mp_policy": precision.policy(), "offload_policy": offload}
+        fully_shard(units, mesh=mesh, reshard_after_forward=spec.reshard_after_forward, **policies)
     _set_prefetch(model, [blocks[s.blocks[0]] for s in block_specs(specs)], cfg.parallel)
     if is_meta(model):
         _materialize(model, cfg, device_type=device_type, init=init)

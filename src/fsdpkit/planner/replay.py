@@ -1,0 +1,396 @@
+"""The replay of one FSDP2 training step over a scenario's units, into a ``Ledger``.
+
+What each allocation and free models, and why: the docstring of
+fsdpkit.planner.analytic (the entry point) and docs/planner.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from fsdpkit.planner.blockmem import (
+    ACT,
+    GRAD,
+    LOGITS,
+    TEMP,
+    Sizes,
+    block_backward,
+    block_forward,
+    block_recompute,
+    selective_backward_end,
+)
+from fsdpkit.planner.headmem import (
+    chunked_head_forward,
+    chunked_loss_backward,
+    chunked_loss_forward,
+    embedding_backward,
+    final_norm_backward,
+    head_backward,
+    head_forward,
+    loss_backward,
+    loss_forward,
+)
+from fsdpkit.planner.layout import Unit
+from fsdpkit.planner.ledger import EventSummary, Ledger, summarize
+from fsdpkit.planner.scenario import Scenario
+from fsdpkit.planner.states import leading_frozen_units, model_states
+from fsdpkit.sharding.policy import effective_reshard
+
+COLL, UNSH = "collective_buffers", "unsharded_params"
+
+
+def sizes(sc: Scenario) -> Sizes:
+    m = sc.model
+    assert m is not None, "require_decoder_blocks first"
+    return Sizes(
+        n=sc.tokens,
+        d=m.dim,
+        f=m.ffn_dim,
+        heads=m.n_heads,
+        kv_heads=m.n_kv_heads,
+        head_dim=m.head_dim,
+        vocab=m.vocab_size,
+        e=sc.param_bytes,
+        norm_grads=not sc.layout.norms_frozen,
+    )
+
+
+@functools.cache
+def _forward_summary(s: Sizes, keep: bool, selective: bool = False) -> EventSummary:
+    return summarize(block_forward(s, keep=keep, selective=selective))
+
+
+@functools.cache
+def _backward_summary(
+    s: Sizes,
+    recompute: bool,
+    sdpa_workspace: int,
+    weight_grads: bool = True,
+    selective: bool = False,
+) -> EventSummary:
+    """``weight_grads=False``: a block with frozen weights (fine-tuning) computes no
+    weight gradients; its trainable ones (adapters) are added by the caller.
+    ``selective``: the recompute of a selectively checkpointed block."""
+    events = block_recompute(s, selective=selective) if recompute else []
+    events += block_backward(s, sdpa_workspace=sdpa_workspace)
+    if recompute and selective:
+        events += selective_backward_end(s)
+    if recompute and s.cast:
+        events.append((ACT, -s.nde))  # the checkpointed input (fp32: freed as xf above)
+    if not weight_grads:
+        events = [(c, n) for c, n in events if c != GRAD]
+    return summarize(events)
+
+
+class Step:
+    """One steady-state step; each method is a region of it."""
+
+    def __init__(self, sc: Scenario) -> None:
+        self.sc = sc
+        self.s = sizes(sc)
+        assert sc.model is not None
+        self.m = sc.model
+        self.led = Ledger()
+        self.root, self.units = sc.root, sc.units
+        self.host_states = sc.offload and sc.device.kind == "gpu"
+        self.held: dict[str, int] = {}  # unit -> bytes of its unsharded params on the device
+        self.prefetched: dict[str, int] = {}  # unit -> bytes of its all-gather output
+        self.accumulated: dict[str, int] = {}  # unit -> bytes of no-sync accumulated grads
+        self.sharded_grads: set[str] = set()  # units whose sharded grad exists (every)
+        self.partial: dict[str, int] = {}  # unit -> HSDP partial reduce-scatter sum (every)
+        self.last_micro = True  # whether the current backward is the step's last one
+        self.fwd_flat = 0  # forward all-gather output kept until the next copy-out
+        self.rs_state = 0  # reduce-scatter input kept until the next post-backward
+        # Flash-attention backward on CUDA accumulates dq in fp32 and keeps a softmax
+        # row sum (FA2 in PyTorch); the CPU kernel needs neither.
+        gpu = sc.device.kind == "gpu"
+        self.sdpa_workspace = self.s.nqe * 4 // self.s.e + 4 * self.s.n * self.s.heads if gpu else 0
+        # gloo (CPU ranks) all-gathers into a temporary of the output's size and
+        # reduce-scatters a clone of the input; NCCL needs neither.
+        self.gloo = not gpu and sc.shard > 1
+        self.dead = leading_frozen_units(sc)
+        self.selective = sc.ac_mode == "selective"
+
+    # ------------------------------------------------------------ unit mechanics
+
+    def reshard_of(self, u: Unit) -> bool | int:
+        """What FSDP2 does with the unit's ``reshard_after_forward`` after forward."""
+        return effective_reshard(u.reshard_after_forward, shard=self.sc.shard)
+
+    def unshard(self, u: Unit, *, forward: bool) -> None:
+        """All-gather (or finish a prefetched one) and copy out into the parameters."""
+        full = u.gathered * self.s.e
+        flat = self.prefetched.pop(u.name, 0)
+        if not flat and self.sc.shard > 1:
+            flat = full
+            self.all_gather(flat)
+        if forward:  # the previous forward all-gather output dies at this copy-out
+            self.led.add(COLL, -self.fwd_flat)
+            self.fwd_flat = flat
+        self.led.add(UNSH, full - self.held.pop(u.name, 0))
+        self.held[u.name] = full
+        if not forward:
+            self.led.add(COLL, -flat)
+
+    def prefetch(self, u: Unit) -> None:
+        """Backward prefetch: issue the all-gather of the unit backward needs next."""
+        full = u.gathered * self.s.e
+        needed = self.held.get(u.name, 0) < full and u.name not in self.prefetched
+        if needed and self.sc.shard > 1:
+            self.prefetched[u.name] = full
+            self.all_gather(full)
+
+    def forward_prefetch(self, first: int) -> None:
+        """Explicit forward prefetch: the next ``forward_prefetch`` block units from
+        ``first`` on, right after the current unit's copy-out (none by default)."""
+        for ahead in self.units[first : first + self.sc.forward_prefetch]:
+            self.prefetch(ahead)
+
+    def all_gather(self, flat: int) -> None:
+        """FSDP2's flat output, plus gloo's transient copy of it."""
+        self.led.add(COLL, flat)
+        if self.gloo:
+            self.led.apply([(COLL, flat), (COLL, -flat)])
+
+    def reshard_after_forward(self, u: Unit, raf: bool | int) -> None:
+        if raf is False:
+            return
+        keep = 0 if raf is True else self.held[u.name] // int(raf)
+        self.led.add(UNSH, keep - self.held[u.name])
+        self.held[u.name] = keep
+
+    def post_backward(self, u: Unit, *, sync: bool) -> None:
+        """Reshard, then reduce-scatter the unit's grads (or keep them, no-sync). Only
+        trainable parameters have grads; a unit without any only reshards."""
+        e, rb = self.s.e, self.sc.reduce_bytes
+        new_grads = u.grads_numel * e
+        if not new_grads:
+            self.led.add(UNSH, -self.held.pop(u.name, 0))
+            return
+        if not sync:
+            self._accumulate(u, new_grads)
+            if not self.sc.keep_unsharded:
+                self.led.add(UNSH, -self.held.pop(u.name, 0))
+            return
+        gathered = u.grads_sharded * self.sc.shard  # the reduce-scatter input
+        self.led.add(COLL, -self.rs_state)  # the previous unit's input is released
+        if self.last_micro or not self.sc.keep_unsharded:  # else kept for the next forward
+            self.led.add(UNSH, -self.held.pop(u.name, 0))
+        late = self._late_head_grad(u)
+        self.led.add(COLL, gathered * rb)  # copy-in, then the grads are freed
+        self.led.add(GRAD, -new_grads - self.accumulated.pop(u.name, 0) + late)
+        self.rs_state = gathered * rb
+        gloo = gathered * rb if self.gloo else 0  # gloo reduces a clone of the input
+        if self.sc.replicate > 1 and not self.last_micro:
+            self._partial_sum(u, gloo)
+        else:
+            self._reduced(u, gloo)
+        self.led.add(GRAD, -late)
+
+    def _late_head_grad(self, u: Unit) -> int:
+        """[Note: the head's late gradient]
+        An untied, trainable output head's unsharded gradient is still referenced by
+        the loss's backward graph when its unit's reduce-scatter runs, so it lives
+        through that reduce-scatter: the root's (FSDP2 runs it in the final callback of
+        backward, before autograd frees the graph; ``parallel.edge_units=false``), or
+        the head unit's right after the loss's backward (measured both ways: V1 bf16
+        +AC, V3 rows of bench/plan_accuracy.py)."""
+        unit = self.sc.edge("head") or (None if self.m.tie_embeddings else self.root)
+        if u is not unit or "head" in self.sc.layout.frozen_names or self.accumulated:
+            return 0
+        return self.s.vocab * self.s.d * self.s.e
+
+    def _reduced(self, u: Unit, gloo: int) -> None:
+        """The reduce-scatter output becomes the sharded gradient, or (``every``, after
+        the first micro-batch) is added into it; an HSDP partial sum is added in and dies."""
+        rb, out = self.sc.reduce_bytes, u.grads_sharded * self.sc.reduce_bytes
+        exists = u.name in self.sharded_grads
+        if rb == 4:
+            self.led.apply([("gradients", out), (COLL, gloo), (COLL, -gloo)])
+            self.led.add("gradients", -self.partial.pop(u.name, 0))
+        else:  # reduced in bf16, then cast to the fp32 sharded grad
+            self.led.apply([(COLL, out + gloo), (COLL, -gloo)])
+            self.led.add("gradients", -self.partial.pop(u.name, 0))
+            self.led.apply([("gradients", u.grads_sharded * 4), (COLL, -out)])
+        if exists or self.host_states:  # added into the existing grad / copied to the host
+            self.led.add("gradients", -u.grads_sharded * 4)
+        self.sharded_grads.add(u.name)
+
+    def _partial_sum(self, u: Unit, gloo: int) -> None:
+        """HSDP with ``every``, before the last micro-batch: no all-reduce, FSDP2 keeps
+        the sum of the reduce-scatter outputs (reduce dtype) and makes no grad yet."""
+        out = u.grads_sharded * self.sc.reduce_bytes
+        if u.name not in self.partial:
+            self.partial[u.name] = out
+            self.led.apply([("gradients", out), (COLL, gloo), (COLL, -gloo)])
+        else:
+            self.led.apply([(COLL, out + gloo), (COLL, -gloo), (COLL, -out)])
+
+    def _accumulate(self, u: Unit, new_grads: int) -> None:
+        """No-sync micro-batch: grads stay unsharded, in the reduce dtype."""
+        if u.name in self.accumulated:
+            self.led.add(GRAD, -new_grads)  # added into the existing accumulator
+        elif self.s.e != self.sc.reduce_bytes:
+            self.accumulated[u.name] = u.grads_numel * self.sc.reduce_bytes
+            self.led.apply([(GRAD, self.accumulated[u.name]), (GRAD, -new_grads)])
+        else:
+            self.accumulated[u.name] = new_grads
+
+    # ------------------------------------------------------------------ regions
+
+    def persistent(self) -> None:
+        """Sharded params and optimizer states (device or host), buffers, the batch."""
+        led, m = self.led, self.m
+        if not self.host_states:
+            for category, value in model_states(self.sc).items():
+                if category != "gradients":
+                    led.add(category, value)
+        led.add("buffers_inputs", 2 * m.max_seq_len * m.head_dim * 4)  # RoPE tables
+        led.add("buffers_inputs", self.sc.micro_batch * (self.sc.seq_len + 1) * 8)  # tokens
+
+    def gathered(self, u: Unit | None, *, forward: bool) -> None:
+        """A unit's pre-forward / pre-backward: all-gather unless it is still unsharded."""
+        if u is not None and self.held.get(u.name, 0) < u.gathered * self.s.e:
+            self.unshard(u, forward=forward)
+
+    def forward(self) -> None:
+        self.led.at("forward", "root unit all-gather and embedding")
+        self.gathered(self.root, forward=True)
+        self.forward_prefetch(0)
+        self.embedding_forward()
+        for j, u in enumerate(self.units):
+            self.unit_forward(j, u)
+        self.head_and_loss_forward()
+
+    def embedding_forward(self) -> None:
+        """The embedding's output, in the embedding unit (then resharded like a block
+        unit) or the root's."""
+        s, embedding = self.s, self.sc.edge("embedding")
+        self.gathered(embedding, forward=True)
+        rope = 2 * self.sc.seq_len * self.m.head_dim * s.e if s.cast else 0
+        self.led.apply([("buffers_inputs", rope), (ACT, s.nde)])
+        if embedding is not None:
+            self.reshard_after_forward(embedding, self.reshard_of(embedding))
+
+    def unit_forward(self, j: int, u: Unit) -> None:
+        led, s = self.led, self.s
+        led.at("forward", f"forward of {u.name}")
+        self.gathered(u, forward=True)
+        self.forward_prefetch(j + 1)
+        for ckpt in u.checkpointed:
+            keep = not ckpt and j >= self.dead
+            selective = ckpt and self.selective and j >= self.dead
+            led.apply_summary(_forward_summary(s, keep, selective))
+            if j < self.dead:  # nothing needs a gradient yet: the input dies here
+                led.add(ACT, -s.nde)
+        self.reshard_after_forward(u, self.reshard_of(u))
+
+    def head_and_loss_forward(self) -> None:
+        """Final norm and head (in their units, kept unsharded, or the root's), the
+        loss, and the root's post-forward."""
+        led, s = self.led, self.s
+        led.at("forward", "final norm and output head")
+        chunk, head = self.sc.loss_chunk, self.sc.edge("head")
+        if head is None:
+            led.apply(head_forward(s) if chunk is None else chunked_head_forward(s))
+        else:
+            self.gathered(self.sc.edge("norm"), forward=True)
+            led.apply(chunked_head_forward(s))  # the final norm
+            self.gathered(head, forward=True)
+            led.add(LOGITS, s.nve if chunk is None else 0)
+        if chunk is not None:  # inside the root's forward ([Note: the loss inside ...])
+            led.at("forward", f"chunked loss ({chunk}-token chunks)")
+            led.apply(chunked_loss_forward(s, chunk=chunk))
+        led.add(COLL, -self.fwd_flat)  # the root's post-forward frees the last one
+        self.fwd_flat = 0
+        self.reshard_after_forward(self.root, self.reshard_of(self.root))
+        if chunk is None:
+            led.at("forward", "loss (logits.float(), log-softmax)")
+            led.apply(loss_forward(s))
+
+    def backward(self, *, sync: bool) -> None:
+        self.loss_and_head_backward(sync=sync)
+        for j in reversed(range(self.dead, len(self.units))):
+            self.unit_backward(j, sync=sync)
+        self.embedding_and_root_backward(sync=sync)
+
+    def loss_and_head_backward(self, *, sync: bool) -> None:
+        """The loss and head's backward; a head unit reduce-scatters right after it, and
+        the norm unit's post-backward after the final norm's releases that buffer."""
+        led, s = self.led, self.s
+        chunk = self.sc.loss_chunk
+        if chunk is None:
+            led.at("backward", "loss backward (log-softmax grad)")
+            led.apply(loss_backward(s))
+        led.at("backward", "output head backward" if chunk is None else "chunked loss backward")
+        self.gathered(self.root, forward=False)
+        for ahead in self.units[::-1][: self.sc.backward_prefetch]:
+            self.prefetch(ahead)
+        head = self.sc.edge("head")
+        weight_grad, norm = "head" not in self.sc.layout.frozen_names, head is None
+        if chunk is None:
+            led.apply(head_backward(s, weight_grad=weight_grad, norm=norm))
+        else:
+            led.apply(chunked_loss_backward(s, chunk=chunk, weight_grad=weight_grad, norm=norm))
+        if head is not None:
+            self.post_backward(head, sync=sync)
+            led.apply(final_norm_backward(s))
+            norm_unit = self.sc.edge("norm")
+            if norm_unit is not None:
+                self.post_backward(norm_unit, sync=sync)
+
+    def embedding_and_root_backward(self, *, sync: bool) -> None:
+        """The embedding's backward (in its unit, prefetched by the first block unit,
+        or the root's), the root's post-backward, FSDP2's final callback."""
+        led, s = self.led, self.s
+        led.at("backward", "embedding backward and root reduce-scatter")
+        embedding = self.sc.edge("embedding")
+        if "embedding" in self.sc.layout.frozen_names:  # autograd stops at its output
+            led.add(TEMP, -s.nde)
+        else:
+            self.gathered(embedding, forward=False)
+            tied, in_place = self.m.tie_embeddings, self.sc.loss_chunk is not None
+            led.apply(embedding_backward(s, tied=tied, in_place=in_place))
+            if embedding is not None:
+                self.post_backward(embedding, sync=sync)
+        self.post_backward(self.root, sync=sync)
+        for flat in self.prefetched.values():  # prefetched for a unit backward skipped:
+            led.add(COLL, -flat)  # freed when FSDP2's final callback reshards everything
+        self.prefetched.clear()
+        rope = 2 * self.sc.seq_len * self.m.head_dim * s.e if s.cast else 0
+        led.apply([("buffers_inputs", -rope), (COLL, -self.rs_state)])
+        self.rs_state = 0
+
+    def unit_backward(self, j: int, *, sync: bool) -> None:
+        led, s, u = self.led, self.s, self.units[j]
+        led.at("backward", f"backward of {u.name}")
+        self.gathered(u, forward=False)
+        # FSDP2 prefetches by forward order, a unit backward skips included; the first
+        # block unit's list is empty, so it prefetches implicitly: the embedding unit
+        for ahead in self.units[max(j - self.sc.backward_prefetch, 0) : j][::-1]:
+            self.prefetch(ahead)
+        embedding = self.sc.edge("embedding")
+        if j == 0 and embedding is not None:
+            self.prefetch(embedding)
+        full = u.grads_numel == u.numel  # else frozen weights: only trainable grads
+        for ckpt in reversed(u.checkpointed):
+            summary = _backward_summary(s, ckpt, self.sdpa_workspace, full, self.selective)
+            led.apply_summary(summary)
+        if not full:
+            led.add(GRAD, u.grads_numel * s.e)
+        self.post_backward(u, sync=sync)
+
+    def optimizer(self) -> None:
+        """Grad clipping (scalars) and AdamW as fsdpkit.train builds it, the 2-D weights
+        in one group: foreach allocates sqrt(v) for all of them, for-loop sqrt(v) and
+        its quotient for one parameter at a time, fused nothing."""
+        impl = self.sc.optimizer_impl
+        self.led.at("optimizer step", f"AdamW step ({impl})")
+        every = self.sc.all_units
+        temp = 0
+        if impl == "foreach":
+            temp = 4 * sum(u.grads_matrix_sharded for u in every)
+        elif impl == "for-loop":
+            temp = 2 * 4 * max(u.largest_sharded for u in every)
+        if not self.host_states:
+            self.led.apply([(TEMP, temp), (TEMP, -temp)])
