@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from fsdpkit.checkpoint.errors import CheckpointError, dcp_errors_as
 from fsdpkit.checkpoint.state import tied_aliases
+from fsdpkit.checkpoint.untrusted import RestrictedReader, SafeLoadPlanner
 
 Kind = Literal["dcp", "torch"]
 ACCELERATE_SHARDED = "pytorch_model_fsdp_0"
@@ -137,8 +138,6 @@ def _model_state(model: nn.Module) -> tuple[dict[str, Any], dict[str, str]]:
 def _load_dcp(model: nn.Module, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from fsdpkit.checkpoint.untrusted import RestrictedReader, SafeLoadPlanner
 
     sd, aliases = _model_state(model)
     with dcp_errors_as(lambda cause: f"reading the DCP metadata of {path} failed: {cause}"):

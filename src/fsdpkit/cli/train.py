@@ -102,9 +102,7 @@ def run(args: argparse.Namespace) -> int:
         main(path, overrides, env)  # never returns
     nproc = default_nproc() if args.nproc is None else args.nproc
     _check_topology(args, nproc)
-    resolved = resolve(
-        path, overrides, world_size=nproc * args.nnodes, local_world_size=nproc
-    )
+    resolved = resolve(path, overrides, world_size=nproc * args.nnodes, local_world_size=nproc)
     if args.slurm_script:
         return _print_slurm_script(args, nproc)
     if resolved.auto_changes is not None:

@@ -12,9 +12,19 @@ from pathlib import Path
 from typing import Any
 
 from fsdpkit.config import RunConfig
+from fsdpkit.doctor.bandwidth import benchmark
 from fsdpkit.doctor.check import Check
+from fsdpkit.doctor.diagnose import model_checks
 from fsdpkit.doctor.environment import environment_checks
 from fsdpkit.doctor.facts import EnvFacts, gather
+from fsdpkit.doctor.network import (
+    Endpoint,
+    NodeInfo,
+    check_agreement,
+    connect,
+    exchange,
+    parse_endpoint,
+)
 
 
 @dataclass(frozen=True)
@@ -30,15 +40,6 @@ class NetworkOptions:
 
 def network_checks(facts: EnvFacts, opts: NetworkOptions, *, nproc: int) -> list[Check]:
     """Reach the rendezvous, agree on versions, measure all-reduce bandwidth."""
-    from fsdpkit.doctor.bandwidth import benchmark
-    from fsdpkit.doctor.network import (
-        Endpoint,
-        NodeInfo,
-        check_agreement,
-        connect,
-        exchange,
-        parse_endpoint,
-    )
 
     endpoint = parse_endpoint(opts.endpoint) if opts.endpoint else Endpoint("127.0.0.1", 0)
     rdzv, reached = connect(
@@ -92,8 +93,6 @@ def run_doctor(
     model_part: list[Check] = []
     need = None
     if model:
-        from fsdpkit.doctor.diagnose import model_checks
-
         model_part, per_checkpoint = model_checks(
             cfg, world_size=world_size, device=device, trace=trace
         )

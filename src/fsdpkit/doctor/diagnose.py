@@ -17,7 +17,12 @@ from fsdpkit.doctor.buffers import check_meta_buffers
 from fsdpkit.doctor.check import Check, fail, ok, skip
 from fsdpkit.doctor.model import plan_units, structure_checks
 from fsdpkit.errors import UserError
+from fsdpkit.models.factory import build_model
 from fsdpkit.models.hf import tokenizer_vocab_size
+from fsdpkit.planner import PlanError, plan
+from fsdpkit.planner.report import fmt_bytes
+from fsdpkit.sharding import choose_blocks
+from fsdpkit.sharding.materialize import is_meta
 
 REFERENCE_LIMIT_BYTES = 2 * 1024**3
 """Largest model the buffer check also builds on the CPU as a reference."""
@@ -29,7 +34,6 @@ def _vocab(cfg: RunConfig) -> int:
 
 
 def _build(cfg: RunConfig, *, vocab: int, meta: bool) -> nn.Module:
-    from fsdpkit.models.factory import build_model
 
     model_cfg = dataclasses.replace(cfg.model, meta_init=meta)
     kwargs: dict[str, Any] = {
@@ -61,7 +65,6 @@ def checkpoint_bytes(model: nn.Module) -> int:
 def _buffer_check(cfg: RunConfig, *, vocab: int, param_bytes: int) -> Check:
     """As the run builds it: presets honour model.meta_init; a factory builds on meta
     only if it does so itself (then the plain call returns a meta model)."""
-    from fsdpkit.sharding.materialize import is_meta
 
     meta_model = None
     if cfg.model.factory or cfg.model.hf:
@@ -94,8 +97,6 @@ def _safe_buffer_check(cfg: RunConfig, *, vocab: int, param_bytes: int) -> Check
 def _plan_checks(
     cfg: RunConfig, *, world_size: int, device: Any, trace: bool, vocab: int
 ) -> list[Check]:
-    from fsdpkit.planner import PlanError, plan
-    from fsdpkit.planner.report import fmt_bytes
 
     try:
         analytic = plan(cfg, world_size=world_size, device=device, vocab_size=vocab)
@@ -126,8 +127,6 @@ def _plan_checks(
 
 
 def _dry_run(cfg: RunConfig, *, world_size: int, device: Any, vocab: int) -> Check:
-    from fsdpkit.planner import PlanError, plan
-    from fsdpkit.planner.report import fmt_bytes
 
     try:
         traced = plan(cfg, world_size=world_size, device=device, trace=True, vocab_size=vocab)
@@ -153,7 +152,6 @@ def model_checks(
     cfg: RunConfig, *, world_size: int, device: Any = None, trace: bool = True
 ) -> tuple[list[Check], int | None]:
     """(model checks, bytes per checkpoint or None when the model could not be built)."""
-    from fsdpkit.sharding import choose_blocks
 
     try:
         vocab = _vocab(cfg)

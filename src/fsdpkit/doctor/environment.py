@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 from fsdpkit.doctor.check import Check, fail, ok, skip, warn
+from fsdpkit.doctor.envvars import check_environ
 from fsdpkit.doctor.facts import EnvFacts
 
 MIN_TORCH = (2, 13)
@@ -276,7 +277,6 @@ def environment_checks(
     compile_blocks: bool = False,
 ) -> list[Check]:
     """Every environment check over ``f`` (environment variables: see ``envvars``)."""
-    from fsdpkit.doctor.envvars import check_environ
 
     return [
         check_torch(f),

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from fsdpkit.checkpoint.errors import CheckpointError
+from fsdpkit.finetune.lora import peft_module
 
 ADAPTER = ".default."
 """peft's adapter name inside parameter names (never in exported files)."""
@@ -132,7 +133,6 @@ def peft_items(items: Items, record: dict[str, Any], meta: dict[str, Any]) -> It
 
 def write_peft_config(out: Path, record: dict[str, Any], meta: dict[str, Any]) -> None:
     """``adapter_config.json`` through peft's own ``LoraConfig.save_pretrained``."""
-    from fsdpkit.finetune.lora import peft_module
 
     peft = peft_module()
     targets, conv1d = record["lora_targets"], record["conv1d"]

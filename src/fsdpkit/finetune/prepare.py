@@ -19,6 +19,7 @@ from fsdpkit.finetune import lora as adapters
 from fsdpkit.finetune.errors import FinetuneError
 from fsdpkit.finetune.freeze import ParamCounts, set_trainable
 from fsdpkit.init import Initializer
+from fsdpkit.models.accessors import is_norm
 from fsdpkit.precision import Precision
 from fsdpkit.sharding.blocks import choose_blocks
 from fsdpkit.sharding.materialize import default_init
@@ -92,7 +93,6 @@ def cast_frozen(model: nn.Module, dtype: torch.dtype, *, keep_norms: bool) -> No
     """Store every frozen floating-point parameter in ``dtype`` (ties kept: a shared
     parameter is replaced once, everywhere). With ``keep_norms`` (precision.norms_fp32)
     norm layers keep their fp32 weights."""
-    from fsdpkit.models.accessors import is_norm
 
     done: dict[int, nn.Parameter] = {}
     for module in model.modules():

@@ -23,7 +23,6 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 """``loss_fn(module, batch) -> scalar``: batch is token ids or an ``SFTBatch``."""
 
 
-
 class ModelOutputError(ModelError):
     """The model's forward returned something that holds no logits."""
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdpkit.migrate.result import MigrateError, Migration
+from fsdpkit.precision import PRESETS
 from fsdpkit.strategies import STRATEGIES
 
 # torch.distributed.fsdp.ShardingStrategy: name -> (value, fsdpkit strategy, note)
@@ -240,7 +241,6 @@ def wrap_policy(m: Migration, value: Any, *, key: str) -> str:
 
 def mixed_precision_dtypes(m: Migration, param: str, reduce: str, *, source: str) -> None:
     """FSDP MixedPrecision(param_dtype, reduce_dtype) -> the matching precision preset."""
-    from fsdpkit.precision import PRESETS
 
     wanted = (
         _dtype(param, key=f"{source} param_dtype"),

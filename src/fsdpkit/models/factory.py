@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 from fsdpkit.config import ModelConfig
-from fsdpkit.init import Initializer
+from fsdpkit.init import Initializer, init_weights
+from fsdpkit.models import hf
 from fsdpkit.models.errors import ModelError
 from fsdpkit.models.hf_init import own_initializer
 from fsdpkit.models.llama import Llama, LlamaConfig, preset
@@ -100,7 +101,6 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int, seed: int) -
     if cfg.meta_init:
         with torch.device("meta"):
             return BuiltModel(module=Llama(shape), loss_fn=None, llama=shape)
-    from fsdpkit.init import init_weights
 
     model = Llama(shape)
     init_weights(model, seed=seed)
@@ -108,7 +108,6 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int, seed: int) -
 
 
 def _from_hf(path: str, *, vocab_size: int, seq_len: int, seed: int) -> BuiltModel:
-    from fsdpkit.models import hf
 
     source = hf.read_hf_dir(path)
     hf.check_inputs(source, vocab_size=vocab_size, seq_len=seq_len)

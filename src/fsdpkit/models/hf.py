@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdpkit.checkpoint.hf_weights import load_hf_weights
 from fsdpkit.config import RunConfig
 from fsdpkit.data.tokenizer import build_tokenizer
 from fsdpkit.models.buffers import meta_params
@@ -207,7 +208,6 @@ class HFWeights:
         self.seed = seed
 
     def __call__(self, model: nn.Module) -> None:
-        from fsdpkit.checkpoint.hf_weights import load_hf_weights
 
         names = [n for n, _ in model.named_parameters()]
         if self.source.has_weights:

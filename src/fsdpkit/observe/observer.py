@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from fsdpkit.config import RunConfig
+from fsdpkit.cpumem import enable_process_wide_accounting
 from fsdpkit.errors import UserError
 from fsdpkit.observe import hardware
 from fsdpkit.observe.profiling import StepProfiler
-from fsdpkit.observe.sinks import Sink, check_installed, scalars
+from fsdpkit.observe.report import write_report
+from fsdpkit.observe.sinks import Sink, TensorBoardSink, WandbSink, check_installed, scalars
 from fsdpkit.runtime.distenv import DistEnv
 
 log = logging.getLogger(__name__)
@@ -42,8 +44,6 @@ class Observer:
             first, last = cfg.logging.profile_steps
             memory = cpu_memory and env.device_type == "cpu"
             if memory:
-                from fsdpkit.cpumem import enable_process_wide_accounting
-
                 enable_process_wide_accounting()
             self.profiler = StepProfiler(
                 first=first,
@@ -60,12 +60,8 @@ class Observer:
             return
         hardware.write(self.run_dir, self.env)
         if self.cfg.logging.tensorboard:
-            from fsdpkit.observe.sinks import TensorBoardSink
-
             self.sinks.append(TensorBoardSink(self.run_dir))
         if self.cfg.logging.wandb != "off":
-            from fsdpkit.observe.sinks import WandbSink
-
             self.sinks.append(
                 WandbSink(self.run_dir, mode=self.cfg.logging.wandb, config=self.cfg.to_dict())
             )
@@ -101,7 +97,6 @@ class Observer:
         self.sinks = []
         if not (self.lead and self.cfg.logging.report):
             return None
-        from fsdpkit.observe.report import write_report
 
         try:
             page = write_report([self.run_dir])

@@ -15,6 +15,8 @@ import importlib.util
 from pathlib import Path
 
 from fsdpkit.errors import UserError
+from fsdpkit.observe.page import write_page
+from fsdpkit.observe.plots import render
 from fsdpkit.observe.runlog import RunLogError, load_runs
 
 INSTALL_HINT = "pip install 'fsdpkit[report]'"
@@ -46,8 +48,6 @@ def write_report(run_dirs: list[Path], *, out_dir: Path | None = None) -> Path:
         out_dir = run_dirs[0]
     runs = load_runs(run_dirs)
     require_matplotlib()
-    from fsdpkit.observe.page import write_page
-    from fsdpkit.observe.plots import render
 
     out_dir.mkdir(parents=True, exist_ok=True)
     return write_page(runs, render(runs, out_dir), out_dir)

@@ -24,7 +24,7 @@ from torch import nn
 
 from fsdpkit.config import ActivationsConfig, ParallelConfig
 from fsdpkit.loss.head import output_head
-from fsdpkit.models.accessors import input_embeddings, output_embeddings
+from fsdpkit.models.accessors import input_embeddings, is_norm, output_embeddings
 from fsdpkit.models.llama import DecoderLayer, Llama, LlamaConfig
 from fsdpkit.sharding import choose_blocks, unit_specs
 from fsdpkit.sharding.edges import edge_modules
@@ -170,7 +170,6 @@ def layout_of(model: nn.Module, *, class_names: Sequence[str] | None = None) -> 
 
 
 def _norms_frozen(blocks: Sequence[nn.Module]) -> bool:
-    from fsdpkit.models.accessors import is_norm
 
     norms = [p for b in blocks for m in b.modules() if is_norm(m) for p in m.parameters(False)]
     return bool(norms) and not any(p.requires_grad for p in norms)

@@ -19,6 +19,7 @@ from typing import Any
 from fsdpkit.config.io import load, with_changes
 from fsdpkit.config.schema import RunConfig
 from fsdpkit.config.validate import validate_for_world
+from fsdpkit.planner.auto import accum_sync_choice, auto_plan
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,6 @@ def resolve(
     changes: dict[str, Any] | None = None
     note = None
     if cfg.parallel.auto or cfg.parallel.accum_sync == "auto":
-        from fsdpkit.planner.auto import accum_sync_choice, auto_plan  # planner imports config
-
         sizes = {"world_size": world_size, "local_world_size": local_world_size}
         if cfg.parallel.auto:
             auto = auto_plan(cfg, **sizes)

@@ -22,9 +22,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from fsdpkit.errors import UserError
+from fsdpkit.observe.observer import Observer
 from fsdpkit.run.resolve import resolve
 from fsdpkit.runtime.distenv import DistEnv, report_outcome, set_env_defaults, write_error
+from fsdpkit.runtime.hangs import HangProbe
+from fsdpkit.runtime.hangs.flight import prepare
+from fsdpkit.runtime.hangs.probe import HANG_DIR
 from fsdpkit.runtime.signals import StopFlag, install_stop_flag
+from fsdpkit.train.loop import run
+from fsdpkit.train.session import build_session
+from fsdpkit.train.summary import print_summary
 
 if TYPE_CHECKING:
     from fsdpkit.config import RunConfig
@@ -37,11 +44,6 @@ def train_worker(
     """Train on this rank; the exit code (0 done, 128 + N when signal N stopped the run
     early: 143 SIGTERM, 130 SIGINT, 129 SIGHUP). Raises on errors."""
     import torch.distributed as dist
-
-    from fsdpkit.observe.observer import Observer
-    from fsdpkit.train.loop import run
-    from fsdpkit.train.session import build_session
-    from fsdpkit.train.summary import print_summary
 
     cfg = resolve(
         path, overrides, world_size=env.world_size, local_world_size=env.local_world_size
@@ -68,9 +70,6 @@ def train_worker(
 def start_probe(cfg: RunConfig, env: DistEnv) -> HangProbe:
     """Hang triage for this rank ([Note: hang triage, worker side]), with torch's flight
     recorder turned on unless the user set its variables ([Note: flight recorder])."""
-    from fsdpkit.runtime.hangs import HangProbe
-    from fsdpkit.runtime.hangs.flight import prepare
-    from fsdpkit.runtime.hangs.probe import HANG_DIR
 
     run_dir = Path(cfg.logging.run_dir)
     set_env_defaults(prepare(hang_dir=run_dir / HANG_DIR, device_type=env.device_type))

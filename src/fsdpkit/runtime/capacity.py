@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdpkit.config import RunConfig
+from fsdpkit.devices import cpu_device
 from fsdpkit.errors import UserError
+from fsdpkit.planner import plan
 
 MIB = 2**20
 PROCESS_BYTES = {"cpu": 250 * MIB, "cuda": 1536 * MIB}
@@ -89,8 +91,6 @@ def available_memory() -> int | None:
 def tensor_host_bytes(cfg: RunConfig, *, world_size: int, ranks_per_node: int, device: str) -> int:
     """The planner's host memory per rank for ``cfg`` (0 when the analytic planner cannot
     plan the model, e.g. a user factory)."""
-    from fsdpkit.devices import cpu_device
-    from fsdpkit.planner import plan
 
     try:  # formulas only: tracing a model at every launch would cost seconds to minutes
         target = cpu_device(ranks=ranks_per_node) if device == "cpu" else None

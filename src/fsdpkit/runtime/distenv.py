@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 from fsdpkit import netinfo
 from fsdpkit.devices import device_type, local_gpus
 from fsdpkit.runtime import slurm
+from fsdpkit.runtime.lifetime import bind_to_parent
+from fsdpkit.runtime.rendezvous import ANSWER_S, RendezvousError, connect_store, serve_store
 
 if TYPE_CHECKING:
     pass
@@ -84,7 +86,6 @@ def set_env_defaults(values: dict[str, str]) -> None:
 def bind_worker_lifetime(env: DistEnv) -> None:
     """Make this worker die with the process that started it ([Note: worker
     lifetime]): our launcher, or torchrun's agent. SLURM tasks are left to slurmstepd."""
-    from fsdpkit.runtime.lifetime import bind_to_parent
 
     if env.launcher_pid is not None:
         bind_to_parent(env.launcher_pid)
@@ -120,8 +121,6 @@ def rendezvous_store(env: DistEnv, *, timeout: datetime.timedelta) -> Any:
     """
     from torch.distributed import PrefixStore
 
-    from fsdpkit.runtime.rendezvous import ANSWER_S, connect_store, serve_store
-
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     if not agent and env.single_node:
@@ -130,8 +129,6 @@ def rendezvous_store(env: DistEnv, *, timeout: datetime.timedelta) -> Any:
         try:
             store = serve_store(host, port, timeout=timeout)
         except OSError as exc:
-            from fsdpkit.runtime.rendezvous import RendezvousError
-
             raise RendezvousError(
                 f"rank 0 cannot listen on {host}:{port} (MASTER_ADDR:MASTER_PORT): "
                 f"{exc.strerror or exc}; held by {netinfo.port_holder(port) or 'unknown'}. "

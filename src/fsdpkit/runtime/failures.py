@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsdpkit.checkpoint.layout import complete_entries
+
 # Messages of ranks that failed only because another rank went away first.
 _SECONDARY = (
     "connection closed",
@@ -162,7 +164,6 @@ def newest_checkpoint_note(run_dir: Path | None) -> str:
     """``The newest complete checkpoint is step N (PATH).`` for messages about a stop."""
     if run_dir is None:
         return ""
-    from fsdpkit.checkpoint.layout import complete_entries
 
     try:
         entries = complete_entries(Path(run_dir))

@@ -38,6 +38,10 @@ from fsdpkit.runtime.distenv import (
     LOCKED_VAR,
     OUTCOME_FILE,
 )
+from fsdpkit.runtime.hangs import HangWatch
+from fsdpkit.runtime.interrupts import ImmediateStop, LauncherSignals
+from fsdpkit.runtime.rendezvous import register
+from fsdpkit.runtime.signals import describe_stop
 
 if TYPE_CHECKING:
     from fsdpkit.runtime.hangs import HangWatch
@@ -73,8 +77,6 @@ def _default_run_id(opts: SpawnOptions) -> str:
 
 def _launch_config(opts: SpawnOptions) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
-
-    from fsdpkit.runtime.rendezvous import register
 
     endpoint = opts.rdzv_endpoint or "127.0.0.1:0"
     local = opts.local_addr
@@ -150,8 +152,6 @@ def _launch(config: Any, argv: list[str], *, control: Path, opts: SpawnOptions) 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from fsdpkit.runtime.interrupts import ImmediateStop, LauncherSignals
-
     oom_before = failures.OomCounters.read()
     with LauncherSignals() as signals, _hang_watch(control, opts) as watch:
         try:
@@ -175,7 +175,6 @@ def _launch(config: Any, argv: list[str], *, control: Path, opts: SpawnOptions) 
 
 
 def _hang_watch(control: Path, opts: SpawnOptions) -> HangWatch:
-    from fsdpkit.runtime.hangs import HangWatch
 
     return HangWatch(
         control=control,
@@ -193,7 +192,6 @@ def _say(text: str) -> None:
 
 
 def _report_stop(control: Path, signum: int, *, opts: SpawnOptions) -> int:
-    from fsdpkit.runtime.signals import describe_stop
 
     what = describe_stop(signum)
     try:

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from fsdpkit.models.accessors import input_embeddings, output_embeddings
+from fsdpkit.models.accessors import input_embeddings, is_norm, output_embeddings
 
 EDGE_ROLES = ("embedding", "norm", "head")
 """Edge units in forward order."""
@@ -70,7 +70,6 @@ def edge_modules(
 
 def _final_norm(model: nn.Module, *, inside: Sequence[nn.Module]) -> nn.Module | None:
     """The one norm layer with parameters outside ``inside`` (None if none or several)."""
-    from fsdpkit.models.accessors import is_norm
 
     covered = {id(m) for unit in inside for m in unit.modules()}
     norms = [m for m in model.modules() if id(m) not in covered and is_norm(m)]

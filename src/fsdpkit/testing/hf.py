@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from fsdpkit.data.corpus import stdlib_files
+
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gpt2")
 """Architectures ``tiny_config`` knows (all decoder LMs in transformers)."""
 
@@ -88,8 +90,6 @@ def tiny_tokenizer(*, vocab_size: int, max_bytes: int = 400_000, chat: bool = Fa
     ``EOS``; with ``chat`` ids 1 and 2 are ChatML's markers), trained on the first
     ``max_bytes`` of the standard library's sources."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from fsdpkit.data.corpus import stdlib_files
 
     def texts() -> Any:
         seen = 0

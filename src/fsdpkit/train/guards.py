@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from fsdpkit.checkpoint.layout import step_dir_name
 from fsdpkit.errors import UserError
 
 
@@ -24,7 +25,6 @@ class NonFiniteLossError(UserError):
 def _last_good(checkpointer: Any) -> str:
     if checkpointer is None or checkpointer.last_step is None:
         return "No checkpoint was saved before it (checkpoint.every = 0 or not reached yet)."
-    from fsdpkit.checkpoint.layout import step_dir_name
 
     path = checkpointer.root / step_dir_name(checkpointer.last_step)
     return (

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdpkit.checkpoint import Checkpointer
+from fsdpkit.checkpoint import Checkpointer, ModelOptimizerState, RankLocal, RNGState
+from fsdpkit.checkpoint.frozen import FrozenBase
 from fsdpkit.config import BatchSplit, RunConfig, batch_split, mesh_shape, to_toml
 from fsdpkit.data import (
     PackedLoader,
@@ -29,9 +30,10 @@ from fsdpkit.data import (
     validation_batches,
 )
 from fsdpkit.data.sft import is_sft
+from fsdpkit.data.sft_loader import SFTLoader, load_sft, sft_validation_batches
 from fsdpkit.finetune import Finetune
 from fsdpkit.loss.contract import LossFn
-from fsdpkit.models.hf import with_model_tokenizer
+from fsdpkit.models.hf import HF_RUN_DIR, copy_hf_files, with_model_tokenizer
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.precision import Precision
 from fsdpkit.runtime.distenv import DistEnv, pin_collectives, rendezvous_store
@@ -81,7 +83,6 @@ class Session:
 
     def app_state(self) -> dict[str, Any]:
         """What a checkpoint holds (DCP Statefuls)."""
-        from fsdpkit.checkpoint import ModelOptimizerState, RankLocal, RNGState
 
         only = self.cfg.checkpoint.adapters_only
         state: dict[str, Any] = {
@@ -91,8 +92,6 @@ class Session:
             "rng": RankLocal(RNGState()),
         }
         if self.finetune is not None and self.finetune.active:
-            from fsdpkit.checkpoint.frozen import FrozenBase
-
             state["frozen"] = FrozenBase(self.model, check=only)
         return state
 
@@ -129,7 +128,6 @@ def init_process_group(cfg: RunConfig, env: DistEnv) -> torch.device:
 def _sft_data(
     cfg: RunConfig, env: DistEnv, tokenizer: Tokenizer, split: BatchSplit
 ) -> tuple[PackedLoader, list[Any], str]:
-    from fsdpkit.data.sft_loader import SFTLoader, load_sft, sft_validation_batches
 
     data = load_sft(cfg.data, tokenizer)
     batch = split.micro_batch
@@ -264,8 +262,6 @@ def write_run_dir(session: Session) -> None:
         session.run_dir / "config.toml", to_toml(session.cfg), what="the resolved config"
     )
     if session.cfg.model.hf:  # what `fsdpkit ckpt export --format hf` ships with the weights
-        from fsdpkit.models.hf import HF_RUN_DIR, copy_hf_files
-
         try:
             copy_hf_files(Path(session.cfg.model.hf).expanduser(), session.run_dir / HF_RUN_DIR)
         except OSError as exc:

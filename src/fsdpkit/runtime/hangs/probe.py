@@ -43,6 +43,7 @@ from fsdpkit.runtime.hangs.record import (
     record_path,
     stacks_path,
 )
+from fsdpkit.runtime.hangs.report import write_rank_report
 
 STACK_SIGNAL = signal.SIGUSR2
 """The signal the launcher sends for stacks (nothing in torch or fsdpkit uses it)."""
@@ -219,7 +220,6 @@ class HangProbe:
 
     def _self_report(self, *, why: str) -> None:
         """Without a launcher: this rank's own report (joined runs)."""
-        from fsdpkit.runtime.hangs.report import write_rank_report
 
         if self.run_dir is None:
             return

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdpkit.runtime.hangs.flight import FlightSummary
+from fsdpkit.runtime.hangs.flight import FlightSummary, human_bytes
 from fsdpkit.runtime.hangs.record import Snapshot
 
 STACKS_TITLE = "Python stacks (faulthandler, innermost frame first):"
@@ -122,7 +122,6 @@ def _waiting(view: RankView, behind: list[RankView]) -> str:
 
 
 def _size(n: int) -> str:
-    from fsdpkit.runtime.hangs.flight import human_bytes
 
     return human_bytes(n)
 

@@ -44,6 +44,7 @@ from fsdpkit.runtime.hangs.flight import (
 from fsdpkit.runtime.hangs.probe import HANG_DIR, STACK_SIGNAL
 from fsdpkit.runtime.hangs.record import Record, Snapshot, error_path, flight_path, stacks_path
 from fsdpkit.runtime.hangs.report import RankView, judge, paragraph, write_report
+from fsdpkit.runtime.interrupts import kill_workers
 
 POLL_S = 0.25
 COLLECT_S = 3.0
@@ -154,7 +155,6 @@ class HangWatch:
         self.report = self._finish(views, trigger)
         for snap in snaps:
             self._records[snap.rank].set_flag("triaged", 1)
-        from fsdpkit.runtime.interrupts import kill_workers
 
         kill_workers()
 
