@@ -1,0 +1,135 @@
+"""The README's layer list holds: every import goes to the importer's own layer or one
+below it, imports inside functions included, and no two files import each other,
+directly or round about. The list is the fenced block after ``<!-- layers -->`` in
+README.md ("Architecture"), top layer first, one layer a line: the names of its
+packages and top-level modules, then two or more spaces, then what the layer does.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "src" / "fsdpkit"
+
+
+def _layers() -> dict[str, int]:
+    """Top-level name -> layer index (0 = top) from README.md."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"<!-- layers -->\s*```text\n(.*?)```", text, re.S)
+    assert block, "README.md has no '<!-- layers -->' block followed by a ```text fence"
+    out: dict[str, int] = {}
+    for index, line in enumerate(ln for ln in block.group(1).splitlines() if ln.strip()):
+        names = re.split(r"\s{2,}", line.strip())[0].split()
+        for name in names:
+            assert name not in out, f"{name} is listed in two layers"
+            out[name.rstrip("/")] = index
+    return out
+
+
+def _module(file: Path) -> str:
+    parts = list(file.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _top(module: str) -> str:
+    """The layer-list name of a module: its sub-package or top-level module, and
+    ``__init__`` for the package face itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _imports(file: Path, module: str) -> set[str]:
+    """Every fsdpkit module ``file`` imports (also inside functions; not under
+    ``if TYPE_CHECKING``, which never runs)."""
+    tree = ast.parse(file.read_text(encoding="utf-8"))
+    package = module if file.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                found.update(a.name for a in child.names if a.name.split(".")[0] == "fsdpkit")
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    up = package.split(".")[: len(package.split(".")) - (child.level - 1)]
+                    base = ".".join([*up, base] if base else up)
+                if base.split(".")[0] == "fsdpkit":
+                    found.update(f"{base}.{a.name}" for a in child.names)
+                    found.add(base)
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module(f): f for f in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = defaultdict(set)
+    for module, file in files.items():
+        for target in _imports(file, module):
+            while target not in files and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target == module or target not in files:
+                continue
+            if target == "fsdpkit" or module.startswith(target + "."):
+                continue  # a module importing its own package's face
+            graph[module].add(target)
+        graph.setdefault(module, set())
+    return graph
+
+
+def test_every_package_is_in_exactly_one_listed_layer() -> None:
+    layers = _layers()
+    present = {_top(m) for m in _graph()}
+    assert present - set(layers) == set(), "add these to README.md's layer list"
+    assert set(layers) - present == set(), "README.md lists names that no longer exist"
+
+
+def test_imports_go_only_to_the_same_layer_or_below() -> None:
+    layers = _layers()
+    upward = [
+        f"{a} (layer {layers[_top(a)]}) imports {b} (layer {layers[_top(b)]})"
+        for a, targets in _graph().items()
+        for b in sorted(targets)
+        if layers[_top(b)] < layers[_top(a)]
+    ]
+    assert upward == []
+
+
+def test_no_two_files_import_each_other() -> None:
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def strong(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            members = []
+            while True:
+                w = stack.pop()
+                members.append(w)
+                if w == v:
+                    break
+            if len(members) > 1:
+                cycles.append(sorted(members))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    assert cycles == []
