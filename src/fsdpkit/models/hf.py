@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdpkit.checkpoint.hf_weights import load_hf_weights
+from fsdpkit.checkpoint.hf_weights import load_hf_weights, refuse_quantized
 from fsdpkit.config import RunConfig
 from fsdpkit.data.tokenizer import build_tokenizer
 from fsdpkit.models.buffers import meta_params
@@ -136,6 +136,7 @@ def read_hf_dir(path: str | Path) -> HFSource:
             "written by save_pretrained or `python examples/make_tiny_hf_model.py DIR`. "
             "Nothing is downloaded."
         )
+    refuse_quantized(p, field="model.hf")  # [Note: quantized checkpoints]
     return HFSource(
         path=p, config=_read_config(p), has_weights=_weights(p), tokenizer=_tokenizer(p)
     )
