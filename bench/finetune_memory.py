@@ -13,7 +13,7 @@ step (batch 2 x 256 tokens per rank, fp32). Per rank it reports:
 - trainable elements this rank holds, and the optimizer state bytes measured from the
   optimizer itself (AdamW's exp_avg + exp_avg_sq: 8 bytes per trainable element);
 - the step's true peak of live CPU tensor memory, from c10's allocator with
-  process-wide accounting ([Note: measuring CPU peaks] in fsdpkit.planner.measure),
+  process-wide accounting ([Note: measuring CPU peaks] in fsdpkit.cpumem),
   minus what the process held before the model was built;
 - the ratio of that peak to the full fine-tune's at the same world size.
 

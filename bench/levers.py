@@ -16,7 +16,7 @@ Per run: ``--warmup`` steps untimed (first-step costs, compilation), then ``--st
 timed steps: tokens/s = global batch x seq / median step time. Then one more step is
 measured for peak memory: the true peak of live CPU tensor bytes, as
 bench/plan_accuracy.py measures it (c10's process-wide allocator count, [Note:
-measuring CPU peaks] in fsdpkit.planner.measure), above what the rank held before the
+measuring CPU peaks] in fsdpkit.cpumem), above what the rank held before the
 session was built, max over ranks. Reported per lever: median tokens/s and peak of
 each side over the rounds, and on/off ratios. bench/gpu_levers.py prints the same
 table on GPUs (NCCL, torchrun; peak = torch.cuda.max_memory_allocated).

@@ -13,7 +13,7 @@ model and optimizer, alternating step by step, ``--reps`` times each, with a thi
 
 - peak: the true peak of live CPU tensor memory of one step per rank (c10's
   process-wide allocator count, [Note: measuring CPU peaks] in
-  fsdpkit.planner.measure), exact and repeatable;
+  fsdpkit.cpumem), exact and repeatable;
 - tokens/s over both ranks: the median step time of the reps (timed without the
   profiler), and its ratio to "off".
 """

@@ -7,7 +7,7 @@
 Every configuration trains real steps with the trainer's own model, ``shard()`` and
 step function on gloo ranks (fsdpkit.testing.run_ranks) and measures the true peak of
 live CPU tensor memory of each of ``--steps`` steady-state steps (c10's process-wide
-allocator count, see [Note: measuring CPU peaks] in fsdpkit.planner.measure; the max
+allocator count, see [Note: measuring CPU peaks] in fsdpkit.cpumem; the max
 over ranks per step). "typical" is the median step, "worst" the highest. The parent
 plans the same configuration analytically and traced and prints the table.
 Targets: within 3% of the typical step and 5% of the worst one (issue 8); the
