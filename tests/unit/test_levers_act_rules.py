@@ -213,8 +213,23 @@ def test_selective_refuses_norm_units_inside_blocks() -> None:
     load(None, ["activations.mode=full", "precision.mode=bf16", "precision.norms_fp32=true"])
 
 
-def test_compile_seconds_is_a_non_negative_total() -> None:
-    assert compile_seconds() >= 0.0
+def test_compile_seconds_counts_the_forward_and_the_lazy_backward_compile() -> None:
+    """[Note: compile time]: nothing before any compile; the forward graph's compile at
+    the first call, the backward graph's at the first backward; nothing more while
+    dynamo reuses the graphs. aot_eager compiles both graphs without a C++ compiler."""
+    torch._dynamo.reset()  # as a process that has compiled nothing (clears dynamo's timers)
+    assert compile_seconds() == 0.0
+    block, x = OddBlock(), torch.randn(4, 16)
+    block.compile(backend="aot_eager")
+    loss = block(x).sum()
+    forward = compile_seconds()
+    assert forward > 0.0
+    loss.backward()
+    both = compile_seconds()
+    assert both > forward
+    block(x).sum().backward()  # same shapes: the guards hold, no compile
+    assert compile_seconds() == both
+    torch._dynamo.reset()
 
 
 # ------------------------------------------------------------------ planner
