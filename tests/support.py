@@ -6,6 +6,9 @@ variant, so parity tests compare like with like.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
@@ -192,3 +195,12 @@ class LoadProbe:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.loaded += 1
+
+
+def run_python(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``code`` (dedented) run by a fresh Python, output captured: for signal handlers and
+    process-lifetime guards, which end or kill the process they run in."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip

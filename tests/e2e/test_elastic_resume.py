@@ -6,7 +6,8 @@ as the uninterrupted 2-rank run: every step after a resume matches it within 1e-
 (fp32; only the reduction order differs). The stop at step 8 goes through the real
 stop path (the loop's stop flag, as after SIGTERM: agree, checkpoint, return). A
 resume with a larger ``train.steps`` applying the new schedule at once:
-tests/unit/test_runtime_rules.py.
+tests/unit/test_lr_schedule.py; the loader's sequences per step at each world size,
+without a process group: tests/unit/test_loader_resume.py.
 """
 
 from __future__ import annotations

@@ -84,18 +84,43 @@ def test_writer_checksums_what_it_writes_and_reader_loads_it_back(tmp_path: Path
     assert torch.equal(plain["strided"], saved["strided"])
 
 
-def test_reader_names_a_corrupt_file_and_applies_nothing(tmp_path: Path) -> None:
-    writer = _save(tmp_path / "c", _state(1))
+def _trainer(*, step: int, scale: float) -> TrainerState:
+    loader = PackedLoader(
+        torch.arange(4096), seq_len=8, micro_batch_size=2, dp_rank=0, dp_world=1, seed=0
+    )
+    for _ in range(step):
+        loader.next_step()
+    trainer = TrainerState(loader=loader, scaler=torch.amp.GradScaler("cpu", init_scale=scale))
+    trainer.step = step
+    return trainer
+
+
+def _applied(state: dict[str, Any]) -> tuple[Any, ...]:
+    trainer = state["trainer"]
+    return trainer.step, trainer.loader.state_dict(), trainer.scaler.state_dict()
+
+
+def test_reader_names_a_corrupt_file_before_any_stateful_is_loaded(tmp_path: Path) -> None:
+    """The owner finds the mismatch while reading, so ``dcp.load`` fails before its last
+    step, the Statefuls' ``load_state_dict``: the trainer's step, data position and grad
+    scaler keep their values. Tensors loaded straight into their targets are written by
+    then ([Note: verified single-pass load]); resume falls back or stops."""
+    saved = {**_state(1), "trainer": _trainer(step=11, scale=1024.0), "probe": LoadProbe()}
+    writer = _save(tmp_path / "c", saved)
     data = tmp_path / "c" / "__0_0.distcp"
     raw = bytearray(data.read_bytes())
     raw[-40] ^= 0xFF  # in the zip trailer of the last item: never loaded, only hashed
     data.write_bytes(bytes(raw))
+    target = {**_state(2), "trainer": _trainer(step=0, scale=2.0), "probe": LoadProbe()}
+    before = _applied(target)
     with pytest.raises(BaseException) as info:
-        _load(tmp_path / "c", writer.records, _state(2), owned=True)
+        _load(tmp_path / "c", writer.records, target, owned=True)
     failures = getattr(info.value, "failures", {})
     assert any(isinstance(e, ChecksumMismatch) for e, _ in failures.values()), info.value
     assert "__0_0.distcp is corrupt" in str(info.value)
-    _load(tmp_path / "c", writer.records, _state(2), owned=False)  # no owner: no check
+    assert _applied(target) == before and target["probe"].loaded == 0
+    _load(tmp_path / "c", writer.records, target, owned=False)  # no owner: no check
+    assert _applied(target) == _applied(saved) != before and target["probe"].loaded == 1
 
 
 def _checkpoint(run: Path, *, step: int = 1) -> tuple[Checkpointer, dict[str, Any]]:

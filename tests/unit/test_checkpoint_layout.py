@@ -1,11 +1,9 @@
-"""Layout, verify, HF config mapping, SIGTERM flag, and the Checkpointer without a process
-group (a single-process user script)."""
+"""Layout, verify, HF config mapping, and the Checkpointer without a process group (a
+single-process user script)."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,6 @@ from fsdpkit.checkpoint.layout import META_FILE, crc32_file
 from fsdpkit.config import CheckpointConfig, RunConfig
 from fsdpkit.export import hf_config, llama_config
 from fsdpkit.models.llama import Llama, LlamaConfig, preset
-from fsdpkit.runtime.signals import install_sigterm_flag
 
 SMALL = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
 
@@ -99,17 +96,6 @@ def test_llama_config_rejects_custom_models_and_mismatches() -> None:
     }
     with pytest.raises(CheckpointError, match="k_proj"):
         llama_config({"model": SMALL.to_dict()}, bad)
-
-
-def test_sigterm_sets_the_flag() -> None:
-    previous = signal.getsignal(signal.SIGTERM)
-    try:
-        flag = install_sigterm_flag()
-        assert flag() is False
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert flag() is True
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _state(seed: int) -> tuple[Llama, dict[str, object]]:

@@ -1,4 +1,5 @@
-"""The planner on fine-tuning runs: frozen parameters, LoRA adapters, a bf16 base.
+"""The planner on fine-tuning runs: frozen parameters, LoRA adapters (on the built-in
+Llama and on a model.hf directory), a bf16 base.
 
 Shapes only (the model is prepared on meta as the trainer prepares it); the measured
 accuracy is in tests/distributed/test_planner_accuracy.py.
@@ -6,12 +7,16 @@ accuracy is in tests/distributed/test_planner_accuracy.py.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from fsdpkit.config import load
 from fsdpkit.planner import PlanError, parse_device, plan
 from fsdpkit.planner.recommend import recommend
 from fsdpkit.planner.report import format_plan
+from fsdpkit.testing.hf import write_tiny_model
 
 pytest.importorskip("peft")
 
@@ -62,6 +67,26 @@ def test_auto_recommends_for_lora_runs() -> None:
     assert rec.best is not None and rec.best.plan.fits
 
 
-def test_hf_models_are_not_planned_yet() -> None:
-    with pytest.raises(PlanError, match=r"model\.hf"):
-        plan(load(None, ["model.hf=some/dir", "lora.rank=8"]), world_size=2)
+def test_lora_on_a_model_hf_directory_trains_only_the_adapters(tmp_path: Path) -> None:
+    hf = write_tiny_model(tmp_path / "llama", arch="llama", tokenizer=False)  # random weights
+    run = [f"model.hf={hf}", "precision.mode=fp32", "data.seq_len=64"]
+    full = plan(load(None, run), world_size=2)
+    lora = plan(load(None, [*run, "lora.rank=4"]), world_size=2)
+    units = list(lora.scenario.all_units)
+    # r=4 on the 7 linear layers of 2 blocks, r * (in + out) each: q and o 64 -> 64,
+    # k and v 64 -> 32 (2 kv heads of 16), gate/up/down 64 <-> 128
+    per_block = 2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 128)
+    adapters = 4 * 2 * per_block
+    assert lora.scenario.num_params == full.scenario.num_params + adapters
+    assert sum(u.grads_numel for u in units) == adapters
+    shard = adapters // 2  # every adapter dim splits evenly over 2 ranks: no padding
+    assert sum(u.grads_sharded for u in units) == shard
+    states = lora.memory.model_states
+    assert (states["gradients"], states["optimizer_states"]) == (4 * shard, 8 * shard)
+    assert states["sharded_params"] == full.memory.model_states["sharded_params"] + 4 * shard
+
+
+def test_a_missing_model_hf_directory_is_a_plan_error_naming_it(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(PlanError, match=re.escape(str(missing))):
+        plan(load(None, [f"model.hf={missing}", "lora.rank=8"]), world_size=2)

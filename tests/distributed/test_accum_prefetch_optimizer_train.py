@@ -1,4 +1,4 @@
-"""Issue 12 levers of the accumulation / optimizer / prefetch kind, on vs off.
+"""Accumulation modes, AdamW kernels and explicit prefetch (levers of issue 12), on vs off.
 
 fp32, 2 gloo ranks, 10 steps of the trainer's own ``train_step`` on the same data:
 ``parallel.accum_sync = every`` against ``last`` at 2 and 4 micro-batches (and with

@@ -248,13 +248,14 @@ def test_chunked_never_needs_more_than_full_logits(e: int, n: int) -> None:
     # chunk holds every token and the head's weight grad dwarfs the logits (d=2048,
     # 32 tokens), the weight grad is the first chunk's product, never beside its fp32
     from fsdpkit.planner import blockmem as bm
+    from fsdpkit.planner import headmem as hm
     from fsdpkit.planner.ledger import summarize
 
     s = bm.Sizes(n=n, d=2048, f=8192, heads=32, kv_heads=8, head_dim=64, vocab=128256, e=e)
-    full = bm.head_forward(s) + bm.loss_forward(s) + bm.loss_backward(s) + bm.head_backward(s)
+    full = hm.head_forward(s) + hm.loss_forward(s) + hm.loss_backward(s) + hm.head_backward(s)
     for chunk in (16, 1024, 8192):
-        chunked = bm.chunked_head_forward(s) + bm.chunked_loss_forward(s, chunk=chunk)
-        chunked += bm.chunked_loss_backward(s, chunk=chunk)
+        chunked = hm.chunked_head_forward(s) + hm.chunked_loss_forward(s, chunk=chunk)
+        chunked += hm.chunked_loss_backward(s, chunk=chunk)
         # at most the saved log-sum-exp and targets (12 bytes per token) more
         assert summarize(chunked).peak <= summarize(full).peak + 12 * n, chunk
         assert summarize(chunked).net == summarize(full).net  # the same state after

@@ -1,17 +1,15 @@
-"""The launcher's choice of the error to show, and the learning-rate schedule."""
+"""Why a run failed, said once ([Note: root cause] in fsdpkit.runtime.failures): the first
+real error of the last attempt, else the rank a signal killed (and whether the OOM
+killer did it), else the earliest lost-peer error."""
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
 from pathlib import Path
+from types import SimpleNamespace
 
-import pytest
-
-from fsdpkit.config import TrainConfig
+from fsdpkit.runtime import failures
 from fsdpkit.runtime.failures import root_cause
-from fsdpkit.trainable.optim import lr_factor
 
 
 def _record(directory: Path, *, rank: int, attempt: int, time: float, message: str) -> None:
@@ -37,21 +35,17 @@ def test_root_cause_falls_back_to_the_earliest_secondary_error(tmp_path: Path) -
     assert cause is not None and cause["rank"] == 0
 
 
-@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
-def test_lr_schedule_warms_up_then_decays_to_the_floor(schedule: str) -> None:
-    cfg = TrainConfig(steps=100, warmup_steps=10, min_lr_ratio=0.1, schedule=schedule)  # type: ignore[arg-type]
-    factors = [lr_factor(step, cfg) for step in range(100)]
-    assert factors[:10] == pytest.approx([(i + 1) / 10 for i in range(10)])
-    assert factors[10] == pytest.approx(1.0)
-    if schedule == "constant":
-        assert set(factors[10:]) == {1.0}
-        return
-    assert all(a >= b for a, b in itertools.pairwise(factors[10:]))  # monotone decay
-    assert lr_factor(100, cfg) == pytest.approx(0.1) and lr_factor(500, cfg) == pytest.approx(0.1)
-    middle = lr_factor(55, cfg)
-    expected = 0.1 + 0.9 * (0.5 if schedule == "linear" else 0.5 * (1 + math.cos(math.pi / 2)))
-    assert middle == pytest.approx(expected)
-
-
-def test_lr_schedule_without_warmup_starts_at_the_peak() -> None:
-    assert lr_factor(0, TrainConfig(steps=10, warmup_steps=0)) == pytest.approx(1.0)
+def test_a_signal_death_is_the_root_cause_and_oom_counters_are_read(tmp_path: Path) -> None:
+    fail = lambda pid, code, t: SimpleNamespace(pid=pid, exitcode=code, timestamp=t)  # noqa: E731
+    deaths = failures.signal_deaths({0: fail(10, 1, 5), 1: fail(11, -9, 3), 2: fail(12, -11, 4)})
+    assert [(d.rank, d.signum) for d in deaths] == [(1, 9), (2, 11)]
+    text = failures.describe_signal_death(deaths[0], oom=["/proc/vmstat: 3 -> 4"])
+    assert "rank 1 (pid 11) was killed by SIGKILL" in text and "OOM killer ran" in text
+    assert "native code" in failures.describe_signal_death(deaths[1], oom=[])
+    before = failures.OomCounters({"/proc/vmstat": 3, "x": 1})
+    assert failures.OomCounters({"/proc/vmstat": 4, "x": 1}).rose_since(before) == [
+        "/proc/vmstat: 3 -> 4"
+    ]
+    assert "/proc/vmstat" in failures.OomCounters.read().counts
+    assert failures.is_secondary("RuntimeError: Connection reset by peer")
+    assert "no complete checkpoint" in failures.newest_checkpoint_note(tmp_path)

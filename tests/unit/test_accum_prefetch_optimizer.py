@@ -1,6 +1,7 @@
-"""Issue 12 levers without a process group: the config keys, the AdamW kernel choice,
-and how the planner models accumulation modes, explicit prefetch and each kernel's
-temporary (the runtime side: tests/distributed/test_levers_accum.py)."""
+"""Accumulation modes (``parallel.accum_sync``), explicit prefetch and the AdamW kernel
+without a process group: the config keys, the kernel choice, and how the planner models
+each mode, each prefetch depth and each kernel's temporary (the runtime side:
+tests/distributed/test_accum_prefetch_optimizer_train.py)."""
 
 from __future__ import annotations
 
