@@ -26,7 +26,7 @@ construction and the per-pass counter is what keeps the policy right either way.
 What matters on every version is that the counters start fresh for each
 checkpointed call: ``selective_context`` builds a new policy per call, so every
 block (and every micro-batch) saves the same matmuls (1st, 3rd, 5th, 7th) — which
-is also what the planner assumes. tests/unit/test_levers_act.py checks both, on a
+is also what the planner assumes. tests/unit/test_selective_checkpointing.py checks both, on a
 three-matmul block.
 
 [Note: where the checkpoint sits]

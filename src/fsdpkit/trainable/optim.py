@@ -6,7 +6,7 @@ linear warm-up, then cosine / linear decay to ``min_lr_ratio`` or constant.
 
 [Note: AdamW kernels]
 ``train.optimizer_impl`` picks one of torch's three AdamW implementations; all three
-give the same numbers (tests/distributed/test_levers_accum.py, 1e-5):
+give the same numbers (tests/distributed/test_accum_prefetch_optimizer_train.py, 1e-5):
 
 - ``for-loop``: one parameter at a time, a handful of small kernels each; the least
   temporary memory (one parameter's worth).
