@@ -11,6 +11,7 @@ import torch
 
 from fsdpkit import build_mesh, shard
 from fsdpkit.config import ModelConfig, RunConfig
+from fsdpkit.loss.contract import next_token_loss
 from fsdpkit.models.factory import build_model
 from fsdpkit.testing import run_ranks
 from support import global_batches, train
@@ -37,7 +38,8 @@ def _variant(rank: int, spec: str, weights: str | None) -> dict[str, Any]:
         load_hf_weights(built.module, weights)
     buffers = {n: b.clone() for n, b in built.module.named_buffers()}
     batches = global_batches(STEPS, vocab=VOCAB)
-    losses = train(built.module, batches, rank=rank, world=2, loss_fn=built.loss_fn)["loss"]
+    loss_fn = built.loss_fn or next_token_loss  # the factory's own loss, else the default
+    losses = train(built.module, batches, rank=rank, world=2, loss_fn=loss_fn)["loss"]
     return {"meta": was_meta, "buffers": buffers, "loss": losses}
 
 
