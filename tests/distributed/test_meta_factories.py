@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from fsdpkit import build_mesh, shard
+import meta_models
+from fsdpkit import build_mesh, meta_params, shard
 from fsdpkit.config import ModelConfig, RunConfig
 from fsdpkit.loss.contract import next_token_loss
 from fsdpkit.models.factory import build_model
@@ -43,11 +44,27 @@ def _variant(rank: int, spec: str, weights: str | None) -> dict[str, Any]:
     return {"meta": was_meta, "buffers": buffers, "loss": losses}
 
 
+def _initial_weights(*, via_builder: bool) -> dict[str, torch.Tensor]:
+    """A meta-built transformers Llama's weights right after sharding, through the
+    trainer's builder (model.factory) or through the library's ``shard()`` alone."""
+    if via_builder:
+        built = build_model(ModelConfig(factory=VARIANTS["llama-meta"]), vocab_size=VOCAB,
+                            seq_len=16, seed=0)  # fmt: skip
+        model, init = built.module, built.init
+    else:
+        with meta_params():  # the library user's way to build on meta
+            model, init = meta_models.hf_llama_cpu(), None
+    shard(model, RunConfig(), mesh=build_mesh(), init=init)
+    return {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+
+
 def _all(rank: int, world: int, llama_dir: str) -> dict[str, Any]:
-    return {
+    runs = {
         name: _variant(rank, spec, llama_dir if name.startswith("llama") else None)
         for name, spec in VARIANTS.items()
     }
+    runs["init"] = {kind: _initial_weights(via_builder=kind == "cli") for kind in ("cli", "lib")}
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +76,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         tmp_path_factory.mktemp("llama"), arch="llama", vocab_size=VOCAB, dim=32, tokenizer=False
     )
     return run_ranks(_all, world_size=2, args=(str(llama),), timeout_s=300)
+
+
+def test_shard_and_the_trainer_give_a_transformers_model_the_same_init(
+    runs: list[dict[str, Any]],
+) -> None:
+    """The one init rule (fsdpkit.models.hf_init.own_initializer): ``fsdpkit.shard`` on a
+    model built under ``fsdpkit.meta_params()`` and ``fsdpkit train model.factory=...``
+    both run the model's own ``_init_weights``, so they agree bit for bit."""
+    for rank in runs:
+        cli, lib = rank["init"]["cli"], rank["init"]["lib"]
+        assert cli.keys() == lib.keys() and cli
+        for name, value in cli.items():
+            assert torch.equal(lib[name], value), name
+        embed = cli["model.embed_tokens.weight"]
+        assert abs(embed.std().item() - 0.02) < 0.005  # LlamaConfig.initializer_range
 
 
 @pytest.mark.parametrize("model", ["mlp", "llama"])
