@@ -176,7 +176,7 @@ def test_dry_run_failure_and_broken_model(monkeypatch: pytest.MonkeyPatch) -> No
             raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x64 and 32x64)")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(planner, "plan", fails_when_traced)
+    monkeypatch.setattr("fsdpkit.doctor.diagnose.plan", fails_when_traced)
     checks, _ = model_checks(RunConfig(), world_size=4)
     dry = {c.name: c for c in checks}["dry run"]
     assert dry.status == "fail" and "shapes cannot be multiplied" in dry.message

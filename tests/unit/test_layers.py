@@ -103,14 +103,14 @@ def test_imports_go_only_to_the_same_layer_or_below() -> None:
     assert upward == []
 
 
-def test_no_two_files_import_each_other() -> None:
-    graph = _graph()
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
     cycles: list[list[str]] = []
 
-    def strong(v: str) -> None:  # Tarjan's strongly connected components
+    def strong(v: str) -> None:
         index[v] = low[v] = len(index)
         stack.append(v)
         for w in sorted(graph[v]):
@@ -120,16 +120,17 @@ def test_no_two_files_import_each_other() -> None:
             elif w in stack:
                 low[v] = min(low[v], index[w])
         if low[v] == index[v]:
-            members = []
-            while True:
-                w = stack.pop()
-                members.append(w)
-                if w == v:
-                    break
+            members = [stack.pop()]
+            while members[-1] != v:
+                members.append(stack.pop())
             if len(members) > 1:
                 cycles.append(sorted(members))
 
     for v in sorted(graph):
         if v not in index:
             strong(v)
-    assert cycles == []
+    return cycles
+
+
+def test_no_two_files_import_each_other() -> None:
+    assert _cycles(_graph()) == []

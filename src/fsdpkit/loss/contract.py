@@ -28,8 +28,8 @@ class ModelOutputError(ModelError):
 
 
 def logits_of(output: Any, *, tokens: torch.Tensor) -> torch.Tensor:
-    """The logits in a model's output (see [Note: factory contract] in fsdpkit.models.factory); a clear error
-    naming what came back otherwise."""
+    """The logits in a model's output (see [Note: factory contract] in
+    fsdpkit.models.factory); a clear error naming what came back otherwise."""
     found = output
     if not isinstance(found, torch.Tensor):
         if isinstance(found, dict) and "logits" in found:

@@ -10,4 +10,4 @@ One concept per module: ``runlog`` reads and summarizes a run directory, ``plots
 from fsdpkit.observe.report import ReportUnavailable, write_report
 from fsdpkit.observe.runlog import RunLog, RunLogError, load_run
 
-__all__ = ["ReportUnavailable", "RunLogError", "RunLog", "load_run", "write_report"]
+__all__ = ["ReportUnavailable", "RunLog", "RunLogError", "load_run", "write_report"]

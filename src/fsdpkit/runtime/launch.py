@@ -96,7 +96,8 @@ def _launch_config(opts: SpawnOptions) -> Any:
         monitor_interval=0.2,
         start_method="spawn",
         local_addr=local,
-        signals_to_handle="",  # fsdpkit.runtime.interrupts handles them ([Note: stopping a spawned run])
+        # fsdpkit.runtime.interrupts handles them ([Note: stopping a spawned run])
+        signals_to_handle="",
     )
 
 

@@ -161,10 +161,11 @@ def shard(
     if fp32_norms:
         kw = {"mp_policy": precision.norm_policy(), "offload_policy": offload}
         _shard_norms(model, mesh=mesh, raf=reshard_after_forward(cfg.parallel), kw=kw)
+    mp, off = precision.policy(), offload
     for spec in specs:
         units = _unit_modules(spec, model=model, blocks=blocks, edges=edges)
-        policies = {"mp_policy": precision.policy(), "offload_policy": offload}
-        fully_shard(units, mesh=mesh, reshard_after_forward=spec.reshard_after_forward, **policies)
+        raf = spec.reshard_after_forward
+        fully_shard(units, mesh=mesh, reshard_after_forward=raf, mp_policy=mp, offload_policy=off)
     _set_prefetch(model, [blocks[s.blocks[0]] for s in block_specs(specs)], cfg.parallel)
     if is_meta(model):
         _materialize(model, cfg, device_type=device_type, init=init)
