@@ -76,7 +76,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_lora_sft_run_reports_and_saves_adapters_only(runs: dict[str, Any]) -> None:
     out = runs["first"].stdout
     assert "LoRA on 14 layers" in out and "parameters trainable" in out
-    assert "SFT data (24 prompt/completion, 24 chat rows): 44 examples packed into" in out
+    assert "chat messages (24 rows), prompt/completion (24 rows)" in out
+    assert "44 examples packed into" in out
     assert "validation rows" in out  # 4 of the 48 examples held out
     assert "validation loss" in out
     curve = losses(runs["tmp"] / "a")

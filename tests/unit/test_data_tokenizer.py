@@ -45,12 +45,12 @@ def test_hf_tokenizer_from_dir_or_file(tmp_path: Path, point_at: str) -> None:
     assert len(ids) == 3 and tok.decode(ids) == "the cat ate"
 
 
-def test_hf_stream_joins_documents_with_eos(tmp_path: Path) -> None:
+def test_hf_stream_ends_documents_with_eos(tmp_path: Path) -> None:
     tok = build_tokenizer(DataConfig(tokenizer=str(make_tokenizer_json(tmp_path / "tok"))))
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps({"text": w}) for w in WORDS[:2]))
     tokens = load_token_stream(DataConfig(path=str(data)), tok)
-    expected = [*tok.encode(WORDS[0]), tok.eos_id, *tok.encode(WORDS[1])]
+    expected = [*tok.encode(WORDS[0]), tok.eos_id, *tok.encode(WORDS[1]), tok.eos_id]
     assert tokens.dtype == torch.int64 and tokens.tolist() == expected
 
 
@@ -68,7 +68,8 @@ def test_hf_without_eos_separates_with_blank_line(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("hello")
     (tmp_path / "b.txt").write_text("world")
     tokens = load_token_stream(DataConfig(path=str(tmp_path / "*.txt")), tok)
-    assert tokens.tolist() == tok.encode("hello") + tok.encode("\n\n") + tok.encode("world")
+    sep = tok.encode("\n\n")
+    assert tokens.tolist() == tok.encode("hello") + sep + tok.encode("world") + sep
 
 
 def test_user_tokenizer_without_bulk_path(tmp_path: Path) -> None:
@@ -85,7 +86,7 @@ def test_user_tokenizer_without_bulk_path(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("ab")
     (tmp_path / "b.txt").write_text("c")
     tokens = load_token_stream(DataConfig(path=str(tmp_path)), Upper())
-    assert tokens.tolist() == [65, 66, 0, 67]
+    assert tokens.tolist() == [65, 66, 0, 67, 0]
 
 
 def test_missing_tokenizer_file(tmp_path: Path) -> None:

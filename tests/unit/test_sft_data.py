@@ -18,9 +18,10 @@ from fsdpkit.config import DataConfig
 from fsdpkit.data import ByteTokenizer, DataError
 from fsdpkit.data.batch import IGNORE_INDEX
 from fsdpkit.data.packing import pack
-from fsdpkit.data.sft import Example, is_sft, load_examples
+from fsdpkit.data.sft import Example, is_sft
 from fsdpkit.data.sft_loader import SFTLoader, load_sft
 from fsdpkit.data.tokenizer import load_hf_tokenizer
+from fsdpkit.data.work import load_examples
 from fsdpkit.loss.sft import sft_loss, token_losses
 
 transformers = pytest.importorskip("transformers")
@@ -53,7 +54,7 @@ def test_prompt_completion_mask_is_exactly_the_answer(tmp_path: Path) -> None:
     cfg = DataConfig(path=path, seq_len=12, format="sft")
     assert is_sft(DataConfig(path=path))  # auto-detected from the first row
     [ex], stats = load_examples(cfg, ByteTokenizer())
-    assert stats.prompt_completion == 1 and bytes(ex.ids.tolist()) == b"Q: 2+2?\n4!"
+    assert stats == {"prompt_completion": 1} and bytes(ex.ids.tolist()) == b"Q: 2+2?\n4!"
     rows, _ = pack([ex], seq_len=12, pad_id=0, packed=False)
     batch = rows.take(torch.tensor([0]))
     # inputs are the first 12 of 13 tokens; the target at position t is token t + 1
@@ -82,7 +83,7 @@ def test_chat_rows_format_as_apply_chat_template(tmp_path: Path, chat_dir: Path)
     [ex], stats = load_examples(cfg, load_hf_tokenizer(chat_dir))
     hf = transformers.AutoTokenizer.from_pretrained(str(chat_dir))
     assert ex.ids.tolist() == list(hf.apply_chat_template(CHAT, tokenize=True)["input_ids"])
-    assert stats.chat == 1
+    assert stats == {"messages": 1}
     # the answer tokens are the assistant replies with their end-of-turn marker, no more
     runs, start = [], None
     for i, on in enumerate([*ex.train.tolist(), False]):
@@ -97,10 +98,10 @@ def test_chat_rows_format_as_apply_chat_template(tmp_path: Path, chat_dir: Path)
 @pytest.mark.parametrize(
     ("row", "needle"),
     [
-        ({"messages": [{"role": "human", "content": "hi"}]}, "role 'human'"),
+        ({"messages": [{"role": "narrator", "content": "hi"}]}, "role 'narrator'"),
         ({"prompt": "Q", "completion": "  "}, "the completion is empty"),
         ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
-        ({"question": "Q", "answer": "A"}, "needs 'prompt' and 'completion'"),
+        ({"question": "Q", "answer": "A"}, "matches no data schema .*'question', 'answer'"),
     ],
 )
 def test_bad_rows_name_the_line_and_the_fix(tmp_path: Path, row: Any, needle: str) -> None:
@@ -138,14 +139,15 @@ def test_packing_truncates_counts_and_restarts_positions() -> None:
     rows, stats = pack(examples, seq_len=9, pad_id=0, packed=True)  # rows of 10 tokens
     assert (stats.examples, stats.truncated, stats.dropped) == (5, 1, 0)
     assert len(rows) == 3  # [5 + 4 + pad], [20 cut to 10], [6 + 3 + pad]
-    assert rows.positions is not None
-    assert rows.positions[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 0]
-    assert rows.positions[2].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 0]
+    positions = rows.take(torch.arange(3)).positions
+    assert positions is not None  # the inputs' positions: the row's first seq_len
+    assert positions[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3]
+    assert positions[2].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
     batch = rows.take(torch.tensor([0]))
     # no target across the boundary: the first token of the second example is not one
     assert batch.targets[0, 4] == IGNORE_INDEX
     unpacked, stats = pack(examples, seq_len=9, pad_id=0, packed=False)
-    assert len(unpacked) == 5 and unpacked.positions is None
+    assert len(unpacked) == 5 and unpacked.take(torch.arange(5)).positions is None
     prompt_only = [Example(ids=torch.arange(30).numpy(), train=(torch.arange(30) > 20).numpy())]
     _, stats = pack(prompt_only, seq_len=9, pad_id=0, packed=True)
     assert (stats.truncated, stats.dropped) == (1, 1)
@@ -201,8 +203,9 @@ def test_packed_and_unpacked_give_the_same_per_example_losses(name: str) -> None
         p = token_losses(model, packed.take(torch.arange(len(packed))))
         s = token_losses(model, single.take(torch.arange(len(single))))
     per_example_packed = []
+    positions = packed.take(torch.arange(len(packed))).positions
     for r in range(len(packed)):  # split each packed row at its position resets
-        pos = packed.positions[r, :-1].tolist()
+        pos = positions[r].tolist()
         starts = [i for i, q in enumerate(pos) if q == 0] + [len(pos)]
         per_example_packed += [float(p[r, a:b].sum()) for a, b in itertools.pairwise(starts)]
     per_example_single = [float(s[r].sum()) for r in range(len(single))]

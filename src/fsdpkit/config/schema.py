@@ -66,29 +66,56 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     path: str | None = None
-    """Text file, directory, glob or .jsonl; empty = the built-in corpus (Python's
-    standard-library sources)."""
+    """What to train on: a directory written by `fsdpkit data prepare` (it has a
+    manifest.json), or raw sources, prepared once into data.cache_dir: a text file,
+    directory or glob, .jsonl (.jsonl.gz/.jsonl.zst), .json (array of records),
+    .parquet, an Arrow directory from datasets.save_to_disk, or a local Hugging Face
+    dataset repository (its train split). Empty = the built-in corpus (Python's
+    standard-library sources). See docs/data.md."""
+    mix: list[str] = field(default_factory=list)
+    """Several sources sampled by weight instead of data.path: ["PATH@WEIGHT", ...]
+    (weight 1 when left out), each PATH as data.path, e.g. ["wiki/@3", "code.jsonl@1"];
+    a fixed interleave of the sources by weight, each one reshuffled on its own epochs;
+    shares are printed at the start and resumed exactly."""
     text_field: str = "text"
-    """Field holding the text in JSONL records."""
+    """Field holding the text in records (jsonl/json/parquet/Arrow) of plain-text data."""
     tokenizer: str | None = None
-    """Directory (or file) with a Hugging Face tokenizer.json; empty = byte-level (vocab 256)."""
+    """Directory (or file) with a Hugging Face tokenizer.json; empty = byte-level (vocab
+    256), or the tokenizer a prepared data.path was made with."""
     seq_len: int = 128
     """Tokens per training sequence (packed, fixed length)."""
     val_fraction: float = 0.02
-    """Share of the token stream held out for validation."""
-    max_bytes: int = 4_000_000
-    """Read at most this many bytes of text (bounds start-up time on huge corpora)."""
+    """Share held out for validation: the last documents (text) or examples (SFT) of the
+    data; with fewer documents than 1 / val_fraction, the last tokens instead."""
+    max_bytes: int | None = None
+    """Read at most this many bytes of the sources (a file crossing the limit is cut at
+    a line); the run's first lines say how much was left out. Empty = all of them."""
     allow_binary: bool = False
     """Train on files that look binary (NUL bytes or mostly invalid UTF-8); by default
     such a file is refused by name."""
     format: Literal["auto", "text", "sft"] = "auto"
-    """text: plain text packed for next-token prediction on every token; sft: .jsonl rows
-    of prompt/completion or chat messages, loss on the answers only; auto: sft when the
-    first .jsonl row has "prompt"/"completion" or "messages" and no data.text_field."""
+    """text: next-token prediction on every token; sft: loss on the answers only (SFT
+    schemas, see data.schema); auto: sft when the first record matches an SFT schema,
+    text for text files and records with data.text_field; records that match neither
+    are refused."""
+    schema: Literal["auto", "messages", "sharegpt", "prompt_completion", "alpaca", "text"] = "auto"
+    """Record schema: messages (role/content chat), sharegpt (conversations of from/value),
+    prompt_completion (TRL: strings or message lists), alpaca (instruction/input/output),
+    text (data.text_field); auto = detected per record and printed. Forcing one refuses
+    records of any other."""
+    columns: list[str] = field(default_factory=list)
+    """Rename columns before the schema is detected: ["KEY=COLUMN", ...] with KEY a
+    schema's name, e.g. ["prompt=question", "completion=answer"]."""
     pack: bool = True
     """SFT: pack several examples into one sequence, each attending only to itself
     (position ids restart per example: block-diagonal causal attention); false = one
     example per sequence, padded."""
+    workers: int = 0
+    """Processes that tokenize when sources are prepared (files and row ranges in
+    parallel); 0 = one per CPU core."""
+    cache_dir: str | None = None
+    """Where raw data.path / data.mix sources are prepared (once; reused while sources,
+    tokenizer and options are unchanged); empty = RUN_DIR/data."""
 
 
 @dataclass(frozen=True)
@@ -142,7 +169,7 @@ class TrainConfig:
     CUDA, else foreach; foreach under fp16's gradient scaler (fused cannot step with it)."""
     chunked_loss: Literal["auto", "on", "off"] = "auto"
     """Cross-entropy from the final hidden states and the output head in token chunks
-    (fsdpkit.models.chunked_ce): no full logits, no fp32 copy of them, no full logits
+    (fsdpkit.loss.chunked_ce): no full logits, no fp32 copy of them, no full logits
     gradient; each chunk's logits are recomputed in backward (one more head matmul).
     auto = on wherever the head is a plain nn.Linear and the loss is fsdpkit's own
     (built-in Llama, model.hf causal LMs, factory models exposing

@@ -18,7 +18,6 @@ from fsdpkit.strategies import strategy
 def _positive(cfg: RunConfig) -> list[tuple[str, Any]]:
     return [
         ("data.seq_len", cfg.data.seq_len),
-        ("data.max_bytes", cfg.data.max_bytes),
         ("train.steps", cfg.train.steps),
         ("train.micro_batch_size", cfg.train.micro_batch_size),
         ("train.grad_accum", cfg.train.grad_accum),
@@ -60,6 +59,7 @@ def validate(cfg: RunConfig) -> None:
     _validate_floats(cfg)
     if not 0.0 <= cfg.data.val_fraction < 0.5:
         raise ConfigError(f"data.val_fraction must be in [0, 0.5), got {cfg.data.val_fraction}.")
+    _validate_data(cfg)
     _validate_combinations(cfg)
     _validate_finetune(cfg)
     _validate_logging(cfg)
@@ -103,10 +103,29 @@ def _validate_finetune(cfg: RunConfig) -> None:
             "run trains all of them (lora.rank = 0, model.freeze empty). Set lora.rank (or "
             "model.freeze), or checkpoint.adapters_only = false."
         )
-    if cfg.data.format == "sft" and not cfg.data.path:
+
+
+def _validate_data(cfg: RunConfig) -> None:
+    d = cfg.data
+    if d.max_bytes is not None and d.max_bytes <= 0:
+        raise ConfigError(f"data.max_bytes must be > 0 (or empty: all of it), got {d.max_bytes}.")
+    if d.workers < 0:
+        raise ConfigError(f"data.workers must be >= 0 (0: one per CPU core), got {d.workers}.")
+    if d.path and d.mix:
         raise ConfigError(
-            "data.format = 'sft' needs data.path: a .jsonl file with prompt/completion or "
-            "messages rows (the built-in corpus is plain text)."
+            "data.path and data.mix both name the data; keep one (data.mix = "
+            '["PATH@WEIGHT", ...] for several sources).'
+        )
+    sft = d.format == "sft" or d.schema not in ("auto", "text")
+    if sft and not (d.path or d.mix):
+        raise ConfigError(
+            f"data.format = {d.format!r} / data.schema = {d.schema!r} needs data.path: SFT "
+            "rows such as prompt/completion or messages (the built-in corpus is plain text)."
+        )
+    if d.format == "text" and d.schema not in ("auto", "text"):
+        raise ConfigError(
+            f"data.format = 'text' contradicts data.schema = {d.schema!r} (an SFT schema); "
+            "drop one of them."
         )
 
 

@@ -1,36 +1,56 @@
-"""The data pipeline: corpus -> tokens -> train/val split -> per-rank packed batches.
+"""The data pipeline: sources -> prepared token shards -> per-rank batches.
 
-Typical use in a training loop::
+Typical use in a training loop (fsdpkit.train does exactly this)::
 
-    tokenizer = build_tokenizer(cfg.data)
-    train, val = split_tokens(load_token_stream(cfg.data, tokenizer),
-                              val_fraction=cfg.data.val_fraction)
-    loader = PackedLoader(train, seq_len=cfg.data.seq_len, micro_batch_size=B,
-                          dp_rank=rank, dp_world=world, seed=cfg.train.seed)
-    batch = loader.next_batch()          # (B, seq_len + 1); input [:, :-1], target [:, 1:]
+    data = open_training_data(cfg.data, seed=cfg.train.seed, micro_batch=B, grad_accum=A,
+                              dp_rank=rank, dp_world=world, eval_batches=4, work_dir=run_dir)
+    print(data.note)                     # what the run trains on
+    batches = data.loader.next_step()    # (B, seq_len + 1) token ids, or SFTBatch
 
-``loader.state_dict()`` is world-size independent; see ``fsdpkit.data.loader``.
-SFT data (``.jsonl`` prompt/completion or chat rows): ``fsdpkit.data.sft`` reads and
-checks the rows, ``chat`` applies chat templates, ``packing`` lays examples into rows,
-``sft_loader.SFTLoader`` hands out ``SFTBatch`` micro-batches (docs/finetune.md).
+``fsdpkit data prepare SRC... -o DIR`` (``prepare``) tokenizes sources once, in
+parallel, into memory-mapped shards with a manifest; ``data.path = DIR`` trains on them
+without reading the sources; raw sources go through the same prepare into the run's
+cache. ``loader.state_dict()`` is world-size independent (fsdpkit.data.loader). SFT
+schemas: fsdpkit.data.schema; chat templates: fsdpkit.data.chat; packing:
+fsdpkit.data.packing; mixtures: fsdpkit.data.mix. See docs/data.md.
 """
 
-from fsdpkit.data.batch import SFTBatch
+from fsdpkit.data.batch import IGNORE_INDEX, SFTBatch
 from fsdpkit.data.corpus import load_token_stream, read_documents
 from fsdpkit.data.errors import DataError
-from fsdpkit.data.loader import PackedLoader, split_tokens, validation_batches
+from fsdpkit.data.inspect import DatasetInfo, check_tokenizer, host_bytes, inspect_dataset
+from fsdpkit.data.loader import Loader, PackedLoader, split_tokens, validation_batches
+from fsdpkit.data.manifest import Manifest, is_dataset
+from fsdpkit.data.mix import parse_mix
+from fsdpkit.data.pipeline import TrainingData, open_training_data
+from fsdpkit.data.prepare import Prepared, prepare
+from fsdpkit.data.tokcheck import run_tokenizer
 from fsdpkit.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
 
 __all__ = [
+    "IGNORE_INDEX",
     "ByteTokenizer",
     "DataError",
+    "DatasetInfo",
     "HFTokenizer",
+    "Loader",
+    "Manifest",
     "PackedLoader",
+    "Prepared",
     "SFTBatch",
     "Tokenizer",
+    "TrainingData",
     "build_tokenizer",
+    "check_tokenizer",
+    "host_bytes",
+    "inspect_dataset",
+    "is_dataset",
     "load_token_stream",
+    "open_training_data",
+    "parse_mix",
+    "prepare",
     "read_documents",
+    "run_tokenizer",
     "split_tokens",
     "validation_batches",
 ]

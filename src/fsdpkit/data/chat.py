@@ -16,6 +16,8 @@ error. A token is an answer token when its first character lies in an assistant 
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -49,20 +51,7 @@ class ChatTemplate:
         folder = tokenizer_dir(tokenizer)
         if folder is None:
             raise _no_template(data_path, "data.tokenizer is empty (the byte-level tokenizer)")
-        try:
-            import transformers
-        except ImportError:
-            raise DataError(
-                f"{data_path} holds chat conversations, which are formatted with the "
-                "tokenizer's chat template: that needs `transformers` (pip install "
-                "'fsdpkit[hf]')."
-            ) from None
-        try:
-            tok = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        except Exception as exc:
-            raise _no_template(
-                data_path, f"{folder} could not be loaded by AutoTokenizer ({exc})"
-            ) from None
+        tok = _auto_tokenizer(folder, data_path=data_path)
         if not getattr(tok, "chat_template", None):
             raise _no_template(data_path, f"the tokenizer in {folder} has no chat template")
         if not getattr(tok, "is_fast", False):
@@ -73,23 +62,44 @@ class ChatTemplate:
             )
         return cls(tok, source=folder)
 
-    def render(self, messages: list[dict[str, str]], *, generation_prompt: bool = False) -> str:
+    @classmethod
+    def find(cls, tokenizer: str | None, *, data_path: str) -> ChatTemplate | None:
+        """The template of ``data.tokenizer`` when it has one, else None (alpaca rows
+        then use the plain Alpaca prompt)."""
+        folder = tokenizer_dir(tokenizer)
+        if folder is None or not has_template(folder):
+            return None
+        return cls.load(tokenizer, data_path=data_path)
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        generation_prompt: bool = False,
+        tools: list[Any] | None = None,
+    ) -> str:
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
         )
         return str(text)
 
     def encode(
-        self, messages: list[dict[str, str]], *, where: str
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        where: object,
+        train_from: int = 0,
+        tools: list[Any] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, answer-token mask) of one conversation ([Note: assistant spans])."""
-        text = self.render(messages)
+        """(ids, answer-token mask) of one conversation ([Note: assistant spans]); only
+        assistant messages from index ``train_from`` on are trained."""
+        text = self.render(messages, tools=tools)
         spans = []
         for i, message in enumerate(messages):
-            if message["role"] != "assistant":
+            if message["role"] != "assistant" or i < train_from:
                 continue
-            start = self.render(messages[:i], generation_prompt=True) if i else ""
-            upto = self.render(messages[: i + 1])
+            start = self.render(messages[:i], generation_prompt=True, tools=tools) if i else ""
+            upto = self.render(messages[: i + 1], tools=tools)
             if not (upto.startswith(start) and text.startswith(upto)):
                 raise DataError(
                     f"{where}: the chat template of {self.source} renders the beginning of "
@@ -108,9 +118,50 @@ class ChatTemplate:
         return ids, train
 
 
+def has_template(folder: Path) -> bool:
+    """Whether a tokenizer directory carries a chat template (without loading it)."""
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))
+
+
+def template_hash(tokenizer: str | None) -> str | None:
+    """sha256 of the chat template files of ``data.tokenizer`` (None: no template), so a
+    prepared SFT dataset knows which template rendered it."""
+    folder = tokenizer_dir(tokenizer)
+    if folder is None or not has_template(folder):
+        return None
+    digest = hashlib.sha256()
+    for name in TEMPLATE_FILES:
+        if (folder / name).is_file():
+            digest.update(name.encode() + b"\0" + (folder / name).read_bytes())
+    return "sha256:" + digest.hexdigest()
+
+
+def _auto_tokenizer(folder: Path, *, data_path: str) -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise DataError(
+            f"{data_path} holds chat conversations, which are formatted with the "
+            "tokenizer's chat template: that needs `transformers` (pip install "
+            "'fsdpkit[hf]')."
+        ) from None
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:
+        raise _no_template(
+            data_path, f"{folder} could not be loaded by AutoTokenizer ({exc})"
+        ) from None
+
+
 def _no_template(data_path: str, why: str) -> DataError:
     return DataError(
-        f"{data_path} holds chat conversations (rows with 'messages'), which fsdpkit formats "
+        f"{data_path} holds chat conversations (messages / ShareGPT rows), which fsdpkit formats "
         f"with the tokenizer's chat template, but {why}. Point data.tokenizer (or model.hf) "
         "at a tokenizer directory whose tokenizer_config.json has a 'chat_template' (or that "
         "holds chat_template.jinja), or rewrite the rows as prompt/completion pairs, which "

@@ -1,9 +1,10 @@
-"""Packed fixed-length sequences, split across data-parallel ranks.
+"""Fixed-length sequences, split across data-parallel ranks, in a seeded order.
 
-The token stream is cut into sequences of ``seq_len + 1`` tokens at a stride of
-``seq_len`` (neighbours share one token), so a row gives ``input = row[:-1]`` and
-``target = row[1:]`` and every token is a target once. The validation split is the
-END of the stream (``split_tokens``), so adding training data later leaves it alone.
+Plain text: the token stream is cut into sequences of ``seq_len + 1`` tokens at a stride
+of ``seq_len`` (neighbours share one token), so a row gives ``input = row[:-1]`` and
+``target = row[1:]`` and every token is a target once (``Windows``). SFT rows are
+packed examples (fsdpkit.data.packing). Either way the loader only sees a table of
+sequences with ``take(ids)``, read from memory-mapped shards on demand.
 
 [Note: equal batches on every rank]
 One optimizer step takes ``G = W * B * A`` sequences (``W`` = data-parallel world
@@ -14,7 +15,8 @@ remainder is dropped (the same sequences on all ranks), so no rank runs out firs
 and leaves the others hanging in a collective. Epochs end only between optimizer
 steps, so a step never mixes two epochs and, for a fixed ``G``, the order of
 sequences does not depend on how ``G`` is split over ranks. The loader is infinite:
-each epoch is a fresh permutation drawn from ``(seed, epoch)``, the same on every rank.
+each epoch is a fresh permutation drawn from ``(seed, epoch)``, the same on every rank,
+computed per position ([Note: order without an index] in fsdpkit.data.order).
 
 [Note: Data position maps sensibly]
 The position is ``{"epoch": e, "consumed": c}``: ``c`` counts GLOBAL sequences of
@@ -29,12 +31,26 @@ at ``consumed = 0``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from fsdpkit.data.errors import DataError
+from fsdpkit.data.order import Permutation
+from fsdpkit.data.stream import TokenStream
+
+
+class Sequences(Protocol):
+    """A table of training sequences the loader draws from."""
+
+    def __len__(self) -> int: ...
+
+    def take(self, ids: np.ndarray, *, normalizer: float | None = None) -> Any: ...
+
+    def targets_in(self, ids: np.ndarray) -> int: ...
+
+    def too_small(self, *, world: int, batch: int) -> DataError: ...
 
 
 def split_tokens(tokens: torch.Tensor, *, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +70,42 @@ def num_sequences(num_tokens: int, seq_len: int) -> int:
     return max(num_tokens - 1, 0) // seq_len
 
 
+def as_stream(tokens: torch.Tensor | TokenStream) -> TokenStream:
+    if isinstance(tokens, TokenStream):
+        return tokens
+    return TokenStream([tokens.reshape(-1).numpy()])
+
+
+class Windows:
+    """Plain text: sequence ``i`` is tokens ``[i * seq_len, i * seq_len + seq_len + 1)``."""
+
+    def __init__(self, stream: torch.Tensor | TokenStream, *, seq_len: int) -> None:
+        self.stream = as_stream(stream)
+        self.seq_len = seq_len
+        self._n = num_sequences(len(self.stream), seq_len)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def take(self, ids: np.ndarray, *, normalizer: float | None = None) -> torch.Tensor:
+        starts = np.asarray(ids, dtype=np.int64) * self.seq_len
+        return torch.from_numpy(self.stream.gather(starts, self.seq_len + 1))
+
+    def targets_in(self, ids: np.ndarray) -> int:
+        return len(ids) * self.seq_len
+
+    def too_small(self, *, world: int, batch: int) -> DataError:
+        needed = world * batch * self.seq_len + 1
+        return DataError(
+            f"The training data is too small for one step: it has {len(self.stream)} tokens "
+            f"(after holding out data.val_fraction), but one step across {world} "
+            f"data-parallel rank(s) x {batch} sequences per rank x (data.seq_len "
+            f"{self.seq_len} + 1, sharing one token) needs at least {needed} tokens. Use "
+            "more data (data.path, data.max_bytes), or a smaller data.seq_len, "
+            "train.global_batch_size, train.micro_batch_size x train.grad_accum or world size."
+        )
+
+
 def _check_args(*, seq_len: int, micro_batch_size: int, dp_rank: int, dp_world: int) -> None:
     if seq_len < 1 or micro_batch_size < 1:
         raise ValueError(
@@ -63,60 +115,43 @@ def _check_args(*, seq_len: int, micro_batch_size: int, dp_rank: int, dp_world: 
         raise ValueError(f"dp_rank {dp_rank} is outside [0, dp_world={dp_world})")
 
 
-def _gather(tokens: torch.Tensor, seq_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Rows ``tokens[i*seq_len : i*seq_len + seq_len + 1]`` for each sequence id, int64."""
-    starts = seq_ids.to(torch.int64) * seq_len
-    index = starts[:, None] + torch.arange(seq_len + 1, dtype=torch.int64)
-    return tokens[index].to(torch.int64)
-
-
-class PackedLoader:
-    """Infinite per-rank iterator of ``(micro_batch_size, seq_len + 1)`` int64 tensors.
-
-    See [Note: equal batches on every rank] and [Note: Data position maps sensibly].
-    """
+class Loader:
+    """Infinite per-rank iterator of micro-batches over ``seqs`` ([Note: equal batches on
+    every rank], [Note: Data position maps sensibly]); ``weighted``: each micro-batch
+    carries the step's normalizer ([Note: SFT loss weighting])."""
 
     def __init__(
         self,
-        tokens: torch.Tensor,
+        seqs: Sequences,
         *,
-        seq_len: int,
         micro_batch_size: int,
         dp_rank: int,
         dp_world: int,
         seed: int,
         shuffle: bool = True,
         grad_accum: int = 1,
+        weighted: bool = False,
     ) -> None:
-        _check_args(
-            seq_len=seq_len, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_world=dp_world
-        )
-        if grad_accum < 1:
-            raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
-        self._tokens = tokens.reshape(-1)
-        self._seq_len = seq_len
-        self._batch = micro_batch_size
-        self._rank = dp_rank
-        self._world = dp_world
-        self._seed = seed
-        self._shuffle = shuffle
-        self._num_seqs = num_sequences(self._tokens.numel(), seq_len)
+        if grad_accum < 1 or micro_batch_size < 1:
+            raise ValueError(f"grad_accum ({grad_accum}) and micro_batch_size must be >= 1")
+        if not 0 <= dp_rank < dp_world:
+            raise ValueError(f"dp_rank {dp_rank} is outside [0, dp_world={dp_world})")
+        self._seqs = seqs
+        self._batch, self._rank, self._world = micro_batch_size, dp_rank, dp_world
+        self._seed, self._shuffle, self._weighted = seed, shuffle, weighted
+        self._num_seqs = len(seqs)
         self._micro_global = dp_world * micro_batch_size
         self._accum = grad_accum
         self._step_seqs = self._micro_global * grad_accum
         if self._num_seqs < self._step_seqs:
-            raise _too_small(
-                self._tokens.numel(),
-                seq_len=seq_len,
-                batch=micro_batch_size * grad_accum,
-                world=dp_world,
-            )
+            raise seqs.too_small(world=dp_world, batch=micro_batch_size * grad_accum)
         self._epoch = 0
         self._consumed = 0
         self._micro = 0
         """Micro-batches of the current step already handed out."""
-        self._perm_epoch = -1
-        self._perm = torch.empty(0, dtype=torch.int64)
+        self._order = Permutation(self._num_seqs, seed=seed, epoch=0, shuffle=shuffle)
+        self._order_epoch = 0
+        self._normalizer: float | None = None
 
     @property
     def steps_per_epoch(self) -> int:
@@ -128,15 +163,33 @@ class PackedLoader:
         """Training sequences in one epoch before the remainder is dropped."""
         return self._num_seqs
 
+    @property
+    def step_sequences(self) -> int:
+        """Sequences of one optimizer step over all ranks (``G``)."""
+        return self._step_seqs
+
+    def _permutation(self, epoch: int) -> Permutation:
+        """Epoch ``epoch``'s order: the same on every rank (seeded by (seed, epoch))."""
+        if epoch != self._order_epoch:
+            self._order = Permutation(
+                self._num_seqs, seed=self._seed, epoch=epoch, shuffle=self._shuffle
+            )
+            self._order_epoch = epoch
+        return self._order
+
     def next_batch(self) -> Any:
         """This rank's next micro-batch; a step's first one rolls into the next epoch
         when the current one has fewer than a step's sequences left."""
         if self._micro == 0 and self._num_seqs - self._consumed < self._step_seqs:
             self._epoch += 1
             self._consumed = 0
-        perm = self._permutation(self._epoch)
+        order = self._permutation(self._epoch)
+        if self._micro == 0 and self._weighted:
+            step = order(np.arange(self._consumed, self._consumed + self._step_seqs))
+            self._normalizer = self._seqs.targets_in(step) / (self._world * self._accum)
         start = self._consumed + self._rank * self._batch
-        batch = self._rows(perm[start : start + self._batch])
+        ids = order(np.arange(start, start + self._batch))
+        batch = self._seqs.take(ids, normalizer=self._normalizer)
         self._consumed += self._micro_global
         self._micro = (self._micro + 1) % self._accum
         return batch
@@ -144,10 +197,6 @@ class PackedLoader:
     def next_step(self) -> list[Any]:
         """This rank's micro-batches of the next optimizer step."""
         return [self.next_batch() for _ in range(self._accum)]
-
-    def _rows(self, seq_ids: torch.Tensor) -> Any:
-        """The sequences ``seq_ids`` as one micro-batch (SFTLoader returns an SFTBatch)."""
-        return _gather(self._tokens, seq_ids, self._seq_len)
 
     def state_dict(self) -> dict[str, int]:
         """The position as (epoch, global sequences consumed): independent of world size."""
@@ -170,32 +219,25 @@ class PackedLoader:
             )
         self._epoch, self._consumed, self._micro = epoch, consumed, 0
 
-    def _permutation(self, epoch: int) -> torch.Tensor:
-        """Epoch ``epoch``'s sequence order: the same on every rank (seeded by (seed, epoch))."""
-        if epoch != self._perm_epoch:
-            if self._shuffle:
-                rng = np.random.default_rng([self._seed % 2**63, epoch])
-                self._perm = torch.from_numpy(rng.permutation(self._num_seqs))
-            else:
-                self._perm = torch.arange(self._num_seqs)
-            self._perm_epoch = epoch
-        return self._perm
 
+class PackedLoader(Loader):
+    """Infinite per-rank iterator of ``(micro_batch_size, seq_len + 1)`` int64 tensors
+    over a token stream (a tensor, or memory-mapped shards)."""
 
-def _too_small(num_tokens: int, *, seq_len: int, batch: int, world: int) -> DataError:
-    needed = world * batch * seq_len + 1
-    return DataError(
-        f"The training data is too small for one step: it has {num_tokens} tokens (after "
-        f"holding out data.val_fraction), but one step across {world} data-parallel "
-        f"rank(s) x {batch} sequences per rank x (data.seq_len {seq_len} + 1, "
-        f"sharing one token) needs at least {needed} tokens. Use more data (data.path, "
-        "data.max_bytes), or a smaller data.seq_len, train.global_batch_size, "
-        "train.micro_batch_size x train.grad_accum or world size."
-    )
+    def __init__(
+        self, tokens: torch.Tensor | TokenStream, *, seq_len: int, micro_batch_size: int, **kw: Any
+    ) -> None:
+        _check_args(
+            seq_len=seq_len,
+            micro_batch_size=micro_batch_size,
+            dp_rank=kw["dp_rank"],
+            dp_world=kw["dp_world"],
+        )
+        super().__init__(Windows(tokens, seq_len=seq_len), micro_batch_size=micro_batch_size, **kw)
 
 
 def validation_batches(
-    tokens: torch.Tensor,
+    tokens: torch.Tensor | TokenStream,
     *,
     seq_len: int,
     micro_batch_size: int,
@@ -212,15 +254,42 @@ def validation_batches(
     _check_args(
         seq_len=seq_len, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_world=dp_world
     )
-    flat = tokens.reshape(-1)
-    ids = validation_ids(
-        num_sequences(flat.numel(), seq_len),
+    windows = Windows(tokens, seq_len=seq_len)
+    return validation_from(
+        windows,
         micro_batch_size=micro_batch_size,
         dp_rank=dp_rank,
         dp_world=dp_world,
         max_batches=max_batches,
     )
-    return [_gather(flat, seq_ids, seq_len) for seq_ids in ids]
+
+
+def validation_from(
+    seqs: Sequences,
+    *,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_world: int,
+    max_batches: int,
+    weighted: bool = False,
+) -> list[Any]:
+    """``validation_batches`` over any table (SFT: each batch weighted by its step)."""
+    out = []
+    step = dp_world * micro_batch_size
+    for seq_ids in validation_ids(
+        len(seqs),
+        micro_batch_size=micro_batch_size,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+        max_batches=max_batches,
+    ):
+        ids = seq_ids.numpy()
+        normalizer = None
+        if weighted:
+            first = int(ids[0]) - dp_rank * micro_batch_size
+            normalizer = seqs.targets_in(np.arange(first, first + step)) / dp_world
+        out.append(seqs.take(ids, normalizer=normalizer))
+    return out
 
 
 def validation_ids(

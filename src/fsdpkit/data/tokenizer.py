@@ -5,12 +5,15 @@ built-in run works on any machine. A ``tokenizer.json`` is loaded with the ``tok
 package (it ships with ``transformers``) from a local file or directory; nothing is ever
 downloaded.
 
-Both concrete tokenizers also implement ``encode_documents``, a bulk path that turns a
-whole corpus into one int64 tensor without building a Python list per token.
+Both concrete tokenizers also implement the bulk path of ``BulkEncoder``: ``encode_many``
+(a list of texts to token arrays in one call: the Rust batch API for HF tokenizers, a numpy
+view of the bytes for the byte tokenizer) and ``fingerprint`` (what a prepared dataset
+records, so that data tokenized with one tokenizer is never trained with another).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,9 +46,11 @@ class Tokenizer(Protocol):
 
 @runtime_checkable
 class BulkEncoder(Protocol):
-    """A tokenizer that can encode many documents straight into one tensor."""
+    """A tokenizer with a batch path and an identity (what ``prepare`` needs)."""
 
-    def encode_documents(self, docs: Sequence[str]) -> torch.Tensor: ...
+    def encode_many(self, texts: Sequence[str]) -> list[np.ndarray]: ...
+
+    def fingerprint(self) -> dict[str, Any]: ...
 
 
 def separator_ids(tokenizer: Tokenizer) -> list[int]:
@@ -67,10 +72,16 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 
+    def encode_many(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Each text's UTF-8 bytes as a uint8 array (a view, no per-token Python object)."""
+        return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts]
+
     def encode_documents(self, docs: Sequence[str]) -> torch.Tensor:
-        """All documents joined by a blank line, as int64, via one numpy view of the bytes."""
-        data = DOC_SEPARATOR.join(docs).encode("utf-8")
-        return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).astype(np.int64))
+        """Every document followed by the separator, as one int64 tensor."""
+        return join_documents(self, docs)
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"kind": "byte", "fingerprint": "byte-utf8", "vocab_size": 256, "eos_id": None}
 
 
 class HFTokenizer:
@@ -92,18 +103,46 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=False))
 
+    def encode_many(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """The Rust batch API (parallel over texts), each result as a uint32 array."""
+        encodings = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
+        return [np.asarray(enc.ids, dtype=np.uint32) for enc in encodings]
+
     def encode_documents(self, docs: Sequence[str]) -> torch.Tensor:
-        """Encode in parallel (Rust threads), then join with the EOS id or a blank line."""
-        encodings = self._tok.encode_batch(list(docs), add_special_tokens=False)
-        parts: list[np.ndarray] = []
-        sep_array = np.asarray(separator_ids(self), dtype=np.int64)
-        for i, enc in enumerate(encodings):
-            if i:
-                parts.append(sep_array)
-            parts.append(np.asarray(enc.ids, dtype=np.int64))
-        if not parts:
-            return torch.empty(0, dtype=torch.int64)
-        return torch.from_numpy(np.concatenate(parts))
+        """Every document followed by the separator (EOS or a blank line), int64."""
+        return join_documents(self, docs)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """sha256 of the tokenizer.json's canonical JSON (whitespace and key order do not
+        count), with the vocabulary size, EOS id and where it was read."""
+        return {
+            "kind": "hf",
+            "fingerprint": tokenizer_json_hash(self.source),
+            "vocab_size": self.vocab_size,
+            "eos_id": self.eos_id,
+            "path": str(self.source),
+        }
+
+
+def tokenizer_json_hash(file: Path) -> str:
+    """``sha256:<hex>`` of a tokenizer.json's content as canonical JSON."""
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise DataError(f"cannot read the tokenizer {file} ({exc}).") from exc
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return "sha256:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def join_documents(tokenizer: BulkEncoder, docs: Sequence[str]) -> torch.Tensor:
+    """Each document's ids followed by ``separator_ids`` (what a prepared text stream holds)."""
+    sep = np.asarray(separator_ids(tokenizer), dtype=np.int64)  # type: ignore[arg-type]
+    parts: list[np.ndarray] = []
+    for ids in tokenizer.encode_many(docs):
+        parts += [ids.astype(np.int64), sep]
+    if not parts:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.from_numpy(np.concatenate(parts))
 
 
 def build_tokenizer(cfg: DataConfig) -> Tokenizer:

@@ -32,7 +32,7 @@ from torch import nn
 
 from fsdpkit.checkpoint.hf_weights import load_hf_weights, refuse_quantized
 from fsdpkit.config import RunConfig
-from fsdpkit.data.tokenizer import build_tokenizer
+from fsdpkit.data import run_tokenizer
 from fsdpkit.models.buffers import meta_params
 from fsdpkit.models.errors import ModelError
 from fsdpkit.models.hf_init import init_like_hf
@@ -155,8 +155,9 @@ def with_model_tokenizer(cfg: RunConfig) -> RunConfig:
 def tokenizer_vocab_size(cfg: RunConfig) -> int:
     """The vocabulary of the tokenizer ``fsdpkit train`` would use for ``cfg``: the
     model.hf directory's own when data.tokenizer is empty, else data.tokenizer's, else
-    byte-level (256). The one rule for the run, the doctor and the planner."""
-    return build_tokenizer(with_model_tokenizer(cfg).data).vocab_size
+    a prepared data.path's own, else byte-level (256; fsdpkit.data.run_tokenizer). The
+    one rule for the run, the doctor and the planner."""
+    return run_tokenizer(with_model_tokenizer(cfg).data).vocab_size
 
 
 def construct(config: Any) -> nn.Module:

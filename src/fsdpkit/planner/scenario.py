@@ -9,9 +9,11 @@ to fix raises ``PlanError`` naming the field, before any arithmetic runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from fsdpkit import precision as presets
 from fsdpkit.config import RunConfig, batch_split, mesh_shape, validate, validate_for_world
+from fsdpkit.data import is_dataset
 from fsdpkit.devices import Device
 from fsdpkit.errors import UserError
 from fsdpkit.models.factory import llama_shape
@@ -183,8 +185,10 @@ def planned_precision(mode: str, device: Device | None) -> tuple[str, str | None
 def run_vocab_size(cfg: RunConfig) -> int | None:
     """The vocabulary ``fsdpkit train`` takes when model.vocab_size is empty: the
     tokenizer's (None: no tokenizer is configured, the preset's own is planned)."""
-    if cfg.model.vocab_size is not None or with_model_tokenizer(cfg).data.tokenizer is None:
-        return None  # model.hf: the directory's tokenizer counts as configured
+    data = with_model_tokenizer(cfg).data  # model.hf: the directory's tokenizer
+    prepared = data.path is not None and is_dataset(Path(data.path).expanduser())
+    if cfg.model.vocab_size is not None or (data.tokenizer is None and not prepared):
+        return None  # a prepared dataset brings its own tokenizer
     return tokenizer_vocab_size(cfg)
 
 

@@ -1,9 +1,9 @@
 """Everything one rank needs to train, built in the order FSDP2 requires.
 
-tokenizer and data (plain text, or SFT rows) -> model, fine-tuning, loss, blocks
-(fsdpkit.trainable.build_unsharded) -> process group -> mesh -> shard, weights,
-optimizer (fsdpkit.trainable.shard_trainable; [Note: one builder]) -> scheduler ->
-scaler -> checkpointer.
+data (fsdpkit.data.open_training_data: prepared shards, mapped) -> model,
+fine-tuning, loss, blocks (fsdpkit.trainable.build_unsharded) -> process group ->
+mesh -> shard, weights, optimizer (fsdpkit.trainable.shard_trainable; [Note: one
+builder]) -> scheduler -> scaler -> checkpointer.
 """
 
 from __future__ import annotations
@@ -21,16 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdpkit.checkpoint import Checkpointer, ModelOptimizerState, RankLocal, RNGState
 from fsdpkit.checkpoint.frozen import FrozenBase
 from fsdpkit.config import BatchSplit, RunConfig, batch_split, mesh_shape, to_toml
-from fsdpkit.data import (
-    PackedLoader,
-    Tokenizer,
-    build_tokenizer,
-    load_token_stream,
-    split_tokens,
-    validation_batches,
-)
-from fsdpkit.data.sft import is_sft
-from fsdpkit.data.sft_loader import SFTLoader, load_sft, sft_validation_batches
+from fsdpkit.data import Tokenizer, TrainingData, open_training_data
 from fsdpkit.finetune import Finetune
 from fsdpkit.loss.contract import LossFn
 from fsdpkit.models.hf import HF_RUN_DIR, copy_hf_files, with_model_tokenizer
@@ -56,7 +47,8 @@ class Session:
     device: torch.device
     run_dir: Path
     tokenizer: Tokenizer
-    loader: PackedLoader
+    loader: Any
+    """This rank's batches (fsdpkit.data.Loader: next_step(), state_dict())."""
     val: list[Any]
     """This rank's validation micro-batches (token ids, or SFTBatch for SFT data)."""
     model: nn.Module
@@ -125,55 +117,20 @@ def init_process_group(cfg: RunConfig, env: DistEnv) -> torch.device:
     return device
 
 
-def _sft_data(
-    cfg: RunConfig, env: DistEnv, tokenizer: Tokenizer, split: BatchSplit
-) -> tuple[PackedLoader, list[Any], str]:
-
-    data = load_sft(cfg.data, tokenizer)
-    batch = split.micro_batch
-    ranks = {"dp_rank": env.rank, "dp_world": env.world_size}
-    loader = SFTLoader(
-        data.train,
-        seq_len=cfg.data.seq_len,
-        micro_batch_size=batch,
+def _data(cfg: RunConfig, env: DistEnv, split: BatchSplit) -> TrainingData:
+    """This rank's data: the one pipeline (fsdpkit.data.open_training_data) prepares raw
+    sources into the run directory once per node and maps the shards; no collective."""
+    return open_training_data(
+        cfg.data,
         seed=cfg.train.seed,
+        micro_batch=split.micro_batch,
         grad_accum=split.grad_accum,
-        **ranks,
-    )
-    val = sft_validation_batches(
-        data.val, micro_batch_size=batch, max_batches=cfg.train.eval_batches, **ranks
-    )
-    return loader, val, data.describe(cfg.data)
-
-
-def _data(
-    cfg: RunConfig, env: DistEnv, split: BatchSplit, *, sft: bool
-) -> tuple[Tokenizer, PackedLoader, list[Any], str | None]:
-    tokenizer = build_tokenizer(cfg.data)
-    if sft:
-        return tokenizer, *_sft_data(cfg, env, tokenizer, split)
-    train_tokens, val_tokens = split_tokens(
-        load_token_stream(cfg.data, tokenizer), val_fraction=cfg.data.val_fraction
-    )
-    seq, batch = cfg.data.seq_len, split.micro_batch
-    loader = PackedLoader(
-        train_tokens,
-        seq_len=seq,
-        micro_batch_size=batch,
         dp_rank=env.rank,
         dp_world=env.world_size,
-        seed=cfg.train.seed,
-        grad_accum=split.grad_accum,
+        eval_batches=cfg.train.eval_batches,
+        work_dir=Path(cfg.logging.run_dir),
+        steps=cfg.train.steps,
     )
-    val = validation_batches(
-        val_tokens,
-        seq_len=seq,
-        micro_batch_size=batch,
-        dp_rank=env.rank,
-        dp_world=env.world_size,
-        max_batches=cfg.train.eval_batches,
-    )
-    return tokenizer, loader, val, None
 
 
 def build_session(cfg: RunConfig, env: DistEnv) -> Session:
@@ -182,10 +139,9 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     alike without any collective ([Note: one builder])."""
     cfg = with_model_tokenizer(cfg)
     split = batch_split(cfg.train, dp_world=env.world_size)
-    sft = is_sft(cfg.data)
-    tokenizer, loader, val, data_note = _data(cfg, env, split, sft=sft)
+    data = _data(cfg, env, split)
     unsharded = build_unsharded(
-        cfg, vocab_size=tokenizer.vocab_size, device_type=env.device_type, sft=sft
+        cfg, vocab_size=data.tokenizer.vocab_size, device_type=env.device_type, sft=data.sft
     )
     device = init_process_group(cfg, env)
     replicate, shard_deg = mesh_shape(
@@ -202,9 +158,9 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         mesh=mesh,
         device=device,
         run_dir=run_dir,
-        tokenizer=tokenizer,
-        loader=loader,
-        val=val,
+        tokenizer=data.tokenizer,
+        loader=data.loader,
+        val=data.val,
         model=run.model,
         loss_fn=run.loss_fn,
         llama=run.llama,
@@ -213,7 +169,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         optimizer=run.optimizer,
         scheduler=build_scheduler(run.optimizer, cfg.train),
         scaler=scaler,
-        state=TrainerState(loader=loader, scaler=scaler),
+        state=TrainerState(loader=data.loader, scaler=scaler),
         checkpointer=_checkpointer(
             cfg,
             env,
@@ -224,7 +180,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         ),
         metrics=MetricsWriter(run_dir / "metrics.jsonl", enabled=env.rank == 0),
         finetune=run.finetune,
-        data_note=data_note,
+        data_note=data.note,
         loss_note=run.loss_note,
     )
 

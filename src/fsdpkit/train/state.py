@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
-from fsdpkit.data import PackedLoader
+from fsdpkit.data import Loader
 
 
 class TrainerState:
     """Everything besides model/optimizer/scheduler that a resume must restore."""
 
-    def __init__(self, *, loader: PackedLoader, scaler: torch.amp.GradScaler | None) -> None:
+    def __init__(self, *, loader: Loader, scaler: torch.amp.GradScaler | None) -> None:
         self.step = 0
         self.loader = loader
         self.scaler = scaler
