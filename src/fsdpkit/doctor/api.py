@@ -14,6 +14,7 @@ from typing import Any
 from fsdpkit.config import RunConfig
 from fsdpkit.doctor.bandwidth import benchmark
 from fsdpkit.doctor.check import Check
+from fsdpkit.doctor.dataset import dataset_checks
 from fsdpkit.doctor.diagnose import model_checks
 from fsdpkit.doctor.environment import environment_checks
 from fsdpkit.doctor.facts import EnvFacts, gather
@@ -109,6 +110,7 @@ def run_doctor(
         ),
         "environment",
     )
+    checks += _tag(dataset_checks(cfg), "data")
     checks += _tag(model_part, f"model (world size {world_size})")
     if network is not None:
         checks += _tag(network_checks(facts, network, nproc=nproc), "network")

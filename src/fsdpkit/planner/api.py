@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from fsdpkit.checkpoint.staging import async_staging_bytes
 from fsdpkit.config import RunConfig
+from fsdpkit.data import host_bytes
 from fsdpkit.devices import Device
 from fsdpkit.planner.analytic import analytic_memory
 from fsdpkit.planner.comm import comm_volume
@@ -94,7 +96,16 @@ def plan_scenario(
         elapsed_s=time.perf_counter() - start,
         other=other,
         loss=loss_buffers(sc) if analytic else None,
+        data_host_bytes=_data_host_bytes(cfg, sc),
     )
+
+
+def _data_host_bytes(cfg: RunConfig | None, sc: Scenario) -> int:
+    """The data path's host memory per rank (prepared shards are mapped, not loaded)."""
+    if cfg is None:
+        return 0
+    work_dir = Path(cfg.logging.run_dir)
+    return host_bytes(cfg.data, micro_batch=sc.micro_batch, work_dir=work_dir)
 
 
 def loss_buffers(sc: Scenario) -> LossBuffers:

@@ -117,6 +117,11 @@ def format_plan(p: Plan) -> str:
             f"host memory per rank for async checkpoint staging (kept for the run): "
             f"{fmt_bytes(mem.staging_bytes)}"
         )
+    if p.data_host_bytes:
+        lines.append(
+            f"host memory per rank for the data path (mapped token shards): "
+            f"{fmt_bytes(p.data_host_bytes)}"
+        )
     notes = [*sc.notes, *mem.notes]
     lines += [f"note: {n}" for n in notes]
     return "\n".join(line for line in lines if line is not None)
@@ -206,6 +211,7 @@ def plan_dict(p: Plan) -> dict[str, Any]:
         "headroom": p.headroom,
         "elapsed_s": p.elapsed_s,
         "loss": dataclasses.asdict(p.loss) if p.loss is not None else None,
+        "data_host_bytes": p.data_host_bytes,
     }
     if p.other is not None:
         out["analytic"] = dataclasses.asdict(p.other)

@@ -112,6 +112,10 @@ class Plan:
     """The analytic plan alongside a traced one (for comparison), else None."""
     loss: LossBuffers | None = None
     """Logits and loss buffers of the chosen loss mode (analytic)."""
+    data_host_bytes: int = 0
+    """Host memory one rank's data path holds while training (fsdpkit.data.host_bytes:
+    mapped shards hold nothing per token; SFT rows a few bytes each); 0 without a
+    config."""
 
     @property
     def headroom(self) -> int | None:

@@ -99,9 +99,10 @@ def tensor_host_bytes(cfg: RunConfig, *, world_size: int, ranks_per_node: int, d
         )
     except UserError:
         return 0
+    host = p.memory.staging_bytes + p.data_host_bytes
     if device == "cpu":
-        return p.memory.peak.bytes + p.memory.spread + p.memory.staging_bytes
-    return p.memory.host_bytes + p.memory.staging_bytes
+        return p.memory.peak.bytes + p.memory.spread + host
+    return p.memory.host_bytes + host
 
 
 @dataclass(frozen=True)
