@@ -78,7 +78,7 @@ def test_lora_sft_run_reports_and_saves_adapters_only(runs: dict[str, Any]) -> N
     assert "LoRA on 14 layers" in out and "parameters trainable" in out
     assert "chat messages (24 rows), prompt/completion (24 rows)" in out
     assert "44 examples packed into" in out
-    assert "validation rows" in out  # 4 of the 48 examples held out
+    assert "validation: the last 4 examples" in out  # 4 of the 48 examples held out
     assert "validation loss" in out
     curve = losses(runs["tmp"] / "a")
     assert len(curve) == 6 and curve[-1] < curve[0]
