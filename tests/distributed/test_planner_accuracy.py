@@ -10,6 +10,7 @@ frozen lead analytic 0.0%, traced 0.0%.)
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,10 @@ CASES = {
 }
 
 
+STEPS = 3
+"""Measured steady-state steps per configuration (the median is the typical step)."""
+
+
 HF = {"hf llama +AC": ("llama", True), "hf gpt2": ("gpt2", False)}
 """model.hf directories (issue 10): HF Llama is planned analytically too, GPT-2 is
 traced only (measured with the chunked loss default: llama +AC analytic +1.4%, traced
@@ -75,16 +80,23 @@ def measured(hf_root: Path) -> dict[str, int]:
         (name, _config(name, hf_root), None if name in HF else model_shape(_config(name, hf_root)))
         for name in [*CASES, *HF]
     ]
-    per_rank = run_ranks(measure_step_peaks, world_size=2, args=(specs,), timeout_s=300)
-    return {name: max(rank[name][0] for rank in per_rank) for name, _, _ in specs}
+    per_rank = run_ranks(measure_step_peaks, world_size=2, args=(specs, STEPS), timeout_s=300)
+    out = {}
+    for name, _, _ in specs:  # each step's peak over the ranks
+        steps = [max(rank[name][i] for rank in per_rank) for i in range(STEPS)]
+        out[name] = {"typical": statistics.median(steps), "worst": max(steps)}
+    return out
 
 
 @pytest.mark.parametrize("name", [*CASES, *HF])
 def test_planner_matches_the_measured_peak(
-    measured: dict[str, int], hf_root: Path, name: str
+    measured: dict[str, dict[str, float]], hf_root: Path, name: str
 ) -> None:
-    true = measured[name]
+    """The plan is of the typical step ([Note: late frees]: gloo frees an all-gather
+    buffer late on some steps); the plan's own bound, peak + spread, covers the worst."""
+    true = measured[name]["typical"]
     traced = plan(_config(name, hf_root), world_size=2, trace=True)
+    assert measured[name]["worst"] <= traced.memory.peak.bytes + traced.memory.spread, name
     # 3% for HF models too since [Note: HF masks under fake tensors] (was +0.75 MiB)
     assert abs(traced.memory.peak.bytes - true) / true <= 0.03, (name, traced.memory.peak, true)
     if name in HF and HF[name][0] != "llama":
