@@ -12,7 +12,6 @@ bad data fails every rank with the same error.
 from __future__ import annotations
 
 import fcntl
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,8 @@ from fsdpkit.data.prepare import Prepared, prepare
 
 LOCK = ".prepare.lock"
 POLL_S = 0.5
+SAY_AFTER_S = 5.0
+"""A wait shorter than this goes unsaid (a small cache is ready in well under it)."""
 
 
 def cache_root(cfg: DataConfig, work_dir: Path) -> Path:
@@ -47,14 +48,14 @@ class PrepareLock:
                 f"cannot create the data cache {self.root} ({exc.strerror or exc}); set "
                 "data.cache_dir (or logging.run_dir) to a writable directory."
             ) from exc
-        told = False
+        told, start = False, time.monotonic()
         while True:
             try:
                 fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return self
-            except BlockingIOError:
-                if not told:
-                    print(f"data: waiting for another rank preparing {self.root}", file=sys.stderr)
+            except BlockingIOError:  # progress, not an error: stdout, and only if it lasts
+                if not told and time.monotonic() - start >= SAY_AFTER_S:
+                    print(f"data: waiting for another rank preparing {self.root}", flush=True)
                     told = True
                 time.sleep(POLL_S)
 
