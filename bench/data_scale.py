@@ -14,7 +14,10 @@ of the same lines. Tokenizers: byte-level, and a byte-level BPE ``tokenizer.json
   batch API on every core for BPE, a numpy view of the bytes for byte-level) on the
   same texts held in memory, the JSON already parsed: no reading, parsing or writing.
   For corpora above --raw-sample-mb the raw rate is measured on their first
-  --raw-sample-mb MB. ratio = prepare / raw.
+  --raw-sample-mb MB. ratio = prepare / raw. The byte-level "tokenizer" is a copy, so
+  its raw rate is memory bandwidth and its ratio measures I/O, not tokenizing: the
+  "I/O floor / prepare" column compares the prepare with reading the source and writing
+  (fsync) as many bytes as the dataset holds (1.0: the prepare costs only its I/O).
 - train: 2 gloo ranks map the prepared dataset (byte-level) and run one step of a 2.9M
   parameter Llama; "first step" is the seconds from entering the rank function (process
   group up) to the end of that step; RSS is VmRSS at step 1 (RssAnon + RssFile, the
@@ -149,6 +152,27 @@ def prepare_rate(path: Path, out: Path, tokenizer: Path | None) -> dict[str, flo
     }
 
 
+def io_floor(source: Path, dataset: Path) -> float:
+    """Seconds to read ``source`` and write (and fsync) as many bytes as the prepared
+    ``dataset`` holds: what moving the bytes costs, the least a prepare can take."""
+    size = sum(f.stat().st_size for f in dataset.rglob("*") if f.is_file())
+    scratch = dataset.parent / "io-floor.bin"
+    start = time.perf_counter()
+    with source.open("rb") as f:
+        while f.read(1 << 24):
+            pass
+    block = b"\0" * (1 << 24)
+    with scratch.open("wb") as f:
+        for _ in range(size // len(block)):
+            f.write(block)
+        f.write(block[: size % len(block)])
+        f.flush()
+        os.fsync(f.fileno())
+    took = time.perf_counter() - start
+    scratch.unlink()
+    return took
+
+
 def _rss() -> dict[str, float]:
     out = {}
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -258,6 +282,8 @@ def _run(root: Path, sizes: list[int], args: argparse.Namespace) -> list[dict[st
             row["raw_mb_s"], row["raw_tok_s"] = raw_rate(path, kind, tok, args.raw_sample_mb)
             row |= {f"prepare_{k}": v for k, v in prepare_rate(path, out, tok).items()}
             row["ratio"] = row["prepare_tok_s"] / row["raw_tok_s"]
+            row["io_floor_s"] = io_floor(path, out)
+            row["io_ratio"] = row["io_floor_s"] / row["prepare_seconds"]
             if name == "byte":
                 row |= _train_rows(out, root / f"run-{kind}-{mb}", kind)
             print(_line(row), flush=True)
@@ -294,7 +320,8 @@ def _line(r: dict[str, Any]) -> str:
     return (
         f"{r['kind']:<5} {r['mb']:>6} MB {r['tokenizer']:<5} prepare {r['prepare_mb_s']:7.1f} MB/s "
         f"{r['prepare_tok_s'] / 1e6:7.2f} Mtok/s | raw {r['raw_mb_s']:7.1f} MB/s "
-        f"{r['raw_tok_s'] / 1e6:7.2f} Mtok/s | ratio {r['ratio']:4.2f}{train}"
+        f"{r['raw_tok_s'] / 1e6:7.2f} Mtok/s | ratio {r['ratio']:4.2f} | I/O floor / prepare "
+        f"{r['io_ratio']:4.2f}{train}"
     )
 
 
@@ -329,6 +356,7 @@ def _report(rows: list[dict[str, Any]], args: argparse.Namespace, seconds: float
                 "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores",
                 "date": datetime.now(UTC).isoformat(timespec="seconds"),
                 "seconds": round(seconds, 1),
+                "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()],
                 "rows": rows,
                 "large_vs_small": ratios,
             },

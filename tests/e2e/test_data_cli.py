@@ -88,18 +88,6 @@ def test_help_config_documents_every_data_key(tmp_path: Path) -> None:
         assert f"data.{key} =" in out and docs[key]
 
 
-def _trainer_uses_the_pipeline() -> bool:
-    import inspect
-
-    from fsdpkit.train import session
-
-    return "open_training_data" in inspect.getsource(session)
-
-
-@pytest.mark.skipif(
-    not _trainer_uses_the_pipeline(),
-    reason="fsdpkit.train.session does not call fsdpkit.data.open_training_data yet",
-)
 def test_train_on_a_prepared_dataset_says_what_it_trains_on(tmp_path: Path) -> None:
     (tmp_path / "corpus.txt").write_text(TEXT)
     assert fsdpkit("data", "prepare", "corpus.txt", "-o", "ds", cwd=tmp_path).returncode == 0
@@ -117,6 +105,11 @@ def test_train_on_a_prepared_dataset_says_what_it_trains_on(tmp_path: Path) -> N
     text = run.stdout + run.stderr
     assert "prepared dataset" in text and "documents" in text and "steps per epoch" in text
     assert not (tmp_path / "run" / "data").exists()  # mapped as it is, never re-prepared
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    data = [r["data"] for r in records if "data" in r]
+    assert len(data) == 1 and records[0]["step"] == 0  # one, written before the first step
+    assert data[0]["datasets"] == [str((tmp_path / "ds").resolve())] and data[0]["sft"] is False
+    assert data[0]["train_sequences"] > 0 and data[0]["steps_per_epoch"] > 0
 
 
 def test_prepare_help_shows_the_commands(tmp_path: Path) -> None:

@@ -78,6 +78,8 @@ def test_mixture_shares_resume_and_note(tmp_path: Path) -> None:
     cfg = DataConfig(mix=[f"{a}@3", f"{b}@1"], seq_len=16)
     data = _open(cfg, tmp_path)
     assert "75.00% of sequences" in data.note and "25.00% of sequences" in data.note
+    shares = [(m["path"], m["weight"], m["share"]) for m in data.record["mix"]]
+    assert shares == [(str(a), 3.0, 0.75), (str(b), 1.0, 0.25)]  # as metrics.jsonl logs them
     rows = [r for _ in range(BLOCK // 8) for mb in data.loader.next_step() for r in mb]
     sources = _source(rows)
     assert sources.count("a") == 3 * sources.count("b")

@@ -10,18 +10,28 @@ The validation split is the last ``floor(documents * data.val_fraction)`` docume
 training and half in validation, and the split is the same on every rank and run.
 A text corpus with too few documents for that (a single big file) holds out its last
 ``val_fraction`` of tokens instead, and the run's first lines say so.
+
+[Note: SFT layout cache]
+The rows of an SFT split depend on ``data.seq_len`` and ``data.pack``, which a prepared
+dataset does not know, so the first open of a run lays them out (window by window,
+[Note: layout in windows]) into the run's data cache (``RUN_DIR/data/layouts``, or
+``data.cache_dir``), keyed by the dataset, the split and those settings; every later
+open (the other ranks, a resume, an evaluation) maps the file. Ranks that build it at
+the same time write private files and rename them: the same bytes win either way.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from fsdpkit.data.layout import Layout, build_layout
 from fsdpkit.data.manifest import Manifest, open_manifest
-from fsdpkit.data.packing import Layout, PackedRows, build_layout
+from fsdpkit.data.packing import PackedRows
 from fsdpkit.data.stream import DocEnds, TokenStream, map_array
 
 
@@ -121,14 +131,12 @@ class PreparedDataset:
         path = None
         if self.layout_dir is not None:
             name = hashlib.sha256(key.encode()).hexdigest()[:24]
-            path = self.layout_dir / f"layout-{name}.npy"
+            path = self.layout_dir / f"layout-{name}.rows"
         layout = Layout.load(path) if path is not None else None
         if layout is None:
-            answers = self.answers(first, stop)
-            layout = build_layout(mask, ends, answers, length=seq_len + 1, packed=packed)
-            if path is not None:
-                _save(layout, path)
-                layout = Layout.load(path) or layout  # mapped: the built one is freed
+            layout = _build(
+                mask, ends, self.answers, first=first, seq_len=seq_len, packed=packed, out=path
+            )
         return PackedRows(
             self.tokens.view(lo, hi),
             mask,
@@ -140,12 +148,29 @@ class PreparedDataset:
         )
 
 
-def _save(layout: Layout, path: Path) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        layout.save(path)
-    except OSError:
-        pass  # a read-only cache: the layout is rebuilt at every open
+def _build(
+    mask: TokenStream,
+    ends: DocEnds,
+    answers: Callable[[int, int], np.ndarray],
+    *,
+    first: int,
+    seq_len: int,
+    packed: bool,
+    out: Path | None,
+) -> Layout:
+    """The layout of the window ``ends``, written to ``out`` and mapped when it can be
+    ([Note: SFT layout cache]), else in memory."""
+
+    def shifted(lo: int, hi: int) -> np.ndarray:
+        return answers(first + lo, first + hi)
+
+    if out is not None:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            return build_layout(mask, ends, shifted, length=seq_len + 1, packed=packed, out=out)
+        except OSError:
+            pass  # a read-only cache: the layout is built in memory at every open
+    return build_layout(mask, ends, shifted, length=seq_len + 1, packed=packed)
 
 
 class _Window(DocEnds):

@@ -166,6 +166,8 @@ class Mixture:
     roots: list[Path]
     val_tables: list[Any]
     lines: list[str]
+    shares: list[dict[str, Any]]
+    """Per source: path, weight, share of the sequences, training sequences."""
 
     def validation(
         self, *, micro_batch_size: int, dp_rank: int, dp_world: int, max_batches: int
@@ -217,6 +219,10 @@ def open_mixture(cfg: DataConfig, *, work_dir: Path, **loader_args: Any) -> Mixt
     sft = opened[0].sft
     loader = MixLoader(table, weighted=sft, **loader_args)
     lines = [source_line(o) for o in opened]
+    shares = [
+        {"path": path, "weight": weight, "share": n / BLOCK, "train_sequences": len(o.train)}
+        for (path, weight), o, n in zip(entries, opened, counts)
+    ]
     for (path, weight), o, n in zip(entries, opened, counts):
         per_step = loader.step_sequences * n / BLOCK
         lines.append(
@@ -225,4 +231,4 @@ def open_mixture(cfg: DataConfig, *, work_dir: Path, **loader_args: Any) -> Mixt
         )
     lines.append(epochs_line(loader, steps=None, epochs=lambda s: 0.0))
     roots = [o.dataset.root for o in opened]
-    return Mixture(tokenizer, loader, sft, roots, [o.val for o in opened], lines)
+    return Mixture(tokenizer, loader, sft, roots, [o.val for o in opened], lines, shares)

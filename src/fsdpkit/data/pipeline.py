@@ -46,6 +46,10 @@ class TrainingData:
     tokens, sequences and steps per epoch, epochs of this run, what was left out)."""
     datasets: list[Path] = field(default_factory=list)
     """The prepared dataset directories the run maps."""
+    record: dict[str, Any] = field(default_factory=dict)
+    """The note as data, for metrics.jsonl's ``{"step", "data"}`` record: datasets, SFT
+    or text, training sequences, steps per epoch and, for ``data.mix``, each source's
+    weight and share of the sequences."""
 
     def epochs(self, steps: int) -> float:
         """Epochs ``steps`` optimizer steps cover."""
@@ -77,6 +81,7 @@ def open_training_data(
         val = mixed.validation(micro_batch_size=micro_batch, max_batches=eval_batches, **ranks)
         data = TrainingData(mixed.tokenizer, mixed.loader, val, mixed.sft, None, mixed.roots)
         data.note = mixed.describe(steps=steps, epochs=data.epochs)
+        data.record = _record(data) | {"mix": mixed.shares}
         return data
     opened, tokenizer = open_source(cfg, work_dir=work_dir)
     loader = Loader(opened.train, weighted=opened.sft, **batch, **ranks)
@@ -91,4 +96,14 @@ def open_training_data(
         )
     data = TrainingData(tokenizer, loader, val, opened.sft, None, [opened.dataset.root])
     data.note = describe_run(opened, loader=loader, steps=steps, epochs=data.epochs)
+    data.record = _record(data)
     return data
+
+
+def _record(data: TrainingData) -> dict[str, Any]:
+    return {
+        "datasets": [str(p.resolve()) for p in data.datasets],
+        "sft": data.sft,
+        "train_sequences": int(data.loader.num_sequences),
+        "steps_per_epoch": int(data.loader.steps_per_epoch),
+    }

@@ -2,9 +2,10 @@
 and profile summaries. All the computing a report needs happens here; the plot and
 HTML modules only format what this returns (design rule: reports never compute).
 
-metrics.jsonl holds three kinds of records (see ``fsdpkit.train.telemetry``): a step
+metrics.jsonl holds four kinds of records (see ``fsdpkit.train.telemetry``): a step
 record (``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``peak_mem_mib`` per rank,
-...), ``{"step", "val_loss"}`` and ``{"step", "checkpoint_blocking_s"}``. A torn last
+...), ``{"step", "val_loss"}``, ``{"step", "checkpoint_blocking_s"}`` and, at each
+start, ``{"step", "data"}`` (what the run trains on: fsdpkit.data.TrainingData.record). A torn last
 line (a killed writer) is skipped, as the metrics writer itself does.
 """
 

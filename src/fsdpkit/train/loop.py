@@ -329,6 +329,8 @@ def _train(s: Session, *, obs: Observer, stop: StopFlag, probe: HangProbe) -> Ru
         reapply_schedule(s)
         probe.resumed(resumed)
     s.metrics.start(resumed_step=resumed or 0)
+    if s.data_record:
+        _write_metrics(s, {"step": s.state.step, "data": s.data_record})
     progress = Progress(
         total=cfg.train.steps, start=s.state.step, mode=cfg.logging.progress, enabled=env.rank == 0
     )

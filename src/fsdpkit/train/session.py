@@ -66,6 +66,8 @@ class Session:
     """What model.freeze / [lora] did (None for sessions built without them)."""
     data_note: str | None = None
     """What the data pipeline reports at the start (SFT rows, truncation counts)."""
+    data_record: dict[str, Any] | None = None
+    """The same as data, for metrics.jsonl (fsdpkit.data.TrainingData.record)."""
     loss_note: str | None = None
     """Why ``train.chunked_loss = auto`` kept full logits (None: it did not)."""
 
@@ -181,6 +183,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         metrics=MetricsWriter(run_dir / "metrics.jsonl", enabled=env.rank == 0),
         finetune=run.finetune,
         data_note=data.note,
+        data_record=data.record,
         loss_note=run.loss_note,
     )
 
