@@ -18,6 +18,9 @@ of the same lines. Tokenizers: byte-level, and a byte-level BPE ``tokenizer.json
   its raw rate is memory bandwidth and its ratio measures I/O, not tokenizing: the
   "I/O floor / prepare" column compares the prepare with reading the source and writing
   (fsync) as many bytes as the dataset holds (1.0: the prepare costs only its I/O).
+  CPU ratio = the raw encode's CPU seconds per MB / the prepare's (its workers
+  included): the same comparison in CPU time, which a loaded machine disturbs far less
+  than wall time (1.0: the prepare adds no CPU work to the tokenizer's).
 - train: 2 gloo ranks map the prepared dataset (byte-level) and run one step of a 2.9M
   parameter Llama; "first step" is the seconds from entering the rank function (process
   group up) to the end of that step; RSS is VmRSS at step 1 (RssAnon + RssFile, the
@@ -34,6 +37,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import time
@@ -120,9 +124,22 @@ def _texts(path: Path, kind: str, sample_mb: int) -> tuple[list[str], int]:
     return [x for r in rows for x in (r["prompt"], r["completion"])], len(raw)
 
 
-def raw_rate(path: Path, kind: str, tokenizer: Path | None, sample_mb: int) -> tuple[float, float]:
+def cpu_seconds() -> float:
+    """CPU time of this process (all its threads) and its finished children (prepare
+    workers): under a loaded machine wall time says little, CPU time per MB still
+    compares two ways of doing the same work."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def raw_rate(
+    path: Path, kind: str, tokenizer: Path | None, sample_mb: int
+) -> tuple[float, float, float]:
+    """(MB/s, tokens/s, CPU seconds per MB) of the tokenizer's batch encode."""
     tok = build_tokenizer(DataConfig(tokenizer=str(tokenizer) if tokenizer else None))
     texts, nbytes = _texts(path, kind, sample_mb)
+    cpu = cpu_seconds()
     start = time.perf_counter()
     tokens = 0
     for i in range(0, len(texts), 1024):
@@ -131,10 +148,11 @@ def raw_rate(path: Path, kind: str, tokenizer: Path | None, sample_mb: int) -> t
             len(e.astype(np.uint16 if tok.vocab_size <= 65536 else np.uint32)) for e in encoded
         )
     took = time.perf_counter() - start
-    return nbytes / 1e6 / took, tokens / took
+    return nbytes / 1e6 / took, tokens / took, (cpu_seconds() - cpu) / (nbytes / 1e6)
 
 
 def prepare_rate(path: Path, out: Path, tokenizer: Path | None) -> dict[str, float]:
+    cpu = cpu_seconds()
     start = time.perf_counter()
     done = prepare(
         DataConfig(tokenizer=str(tokenizer) if tokenizer else None),
@@ -149,6 +167,7 @@ def prepare_rate(path: Path, out: Path, tokenizer: Path | None) -> dict[str, flo
         "mb_s": c["source_bytes"] / 1e6 / took,
         "tok_s": c["tokens"] / took,
         "tokens": c["tokens"],
+        "cpu_s_per_mb": (cpu_seconds() - cpu) / (c["source_bytes"] / 1e6),
     }
 
 
@@ -255,7 +274,15 @@ def main() -> None:
     parser.add_argument("--raw-sample-mb", type=int, default=100)
     parser.add_argument("--dir", default="/tmp/fsdpkit-data-bench")
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument(
+        "--render-docs",
+        action="store_true",
+        help="only rewrite docs/data.md's table from bench/results/data_scale.json",
+    )
     args = parser.parse_args()
+    if args.render_docs:
+        render_docs()
+        return
     sizes = [int(x) for x in args.sizes.split(",")]
     root = Path(args.dir)
     shutil.rmtree(root, ignore_errors=True)
@@ -267,6 +294,7 @@ def main() -> None:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     _report(rows, args, time.perf_counter() - began)
+    render_docs()
 
 
 def _run(root: Path, sizes: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -279,9 +307,12 @@ def _run(root: Path, sizes: list[int], args: argparse.Namespace) -> list[dict[st
                 continue
             out = root / f"ds-{kind}-{mb}-{name}"
             row: dict[str, Any] = {"kind": kind, "mb": mb, "tokenizer": name}
-            row["raw_mb_s"], row["raw_tok_s"] = raw_rate(path, kind, tok, args.raw_sample_mb)
+            row["raw_mb_s"], row["raw_tok_s"], row["raw_cpu_s_per_mb"] = raw_rate(
+                path, kind, tok, args.raw_sample_mb
+            )
             row |= {f"prepare_{k}": v for k, v in prepare_rate(path, out, tok).items()}
             row["ratio"] = row["prepare_tok_s"] / row["raw_tok_s"]
+            row["cpu_ratio"] = row["raw_cpu_s_per_mb"] / row["prepare_cpu_s_per_mb"]
             row["io_floor_s"] = io_floor(path, out)
             row["io_ratio"] = row["io_floor_s"] / row["prepare_seconds"]
             if name == "byte":
@@ -320,7 +351,8 @@ def _line(r: dict[str, Any]) -> str:
     return (
         f"{r['kind']:<5} {r['mb']:>6} MB {r['tokenizer']:<5} prepare {r['prepare_mb_s']:7.1f} MB/s "
         f"{r['prepare_tok_s'] / 1e6:7.2f} Mtok/s | raw {r['raw_mb_s']:7.1f} MB/s "
-        f"{r['raw_tok_s'] / 1e6:7.2f} Mtok/s | ratio {r['ratio']:4.2f} | I/O floor / prepare "
+        f"{r['raw_tok_s'] / 1e6:7.2f} Mtok/s | ratio {r['ratio']:4.2f} (CPU {r['cpu_ratio']:4.2f}) "
+        "| I/O floor / prepare "
         f"{r['io_ratio']:4.2f}{train}"
     )
 
@@ -365,6 +397,56 @@ def _report(rows: list[dict[str, Any]], args: argparse.Namespace, seconds: float
         + "\n"
     )
     print(f"wrote {RESULTS} ({seconds:.0f}s)")
+
+
+DOCS = Path(__file__).parents[1] / "docs" / "data.md"
+BEGIN, END = "<!-- data_scale:begin -->", "<!-- data_scale:end -->"
+
+
+def _cell(row: dict[str, Any], when: str) -> str:
+    if f"{when}_rss_mb" not in row:
+        return " | | |"
+    return (
+        f" {row[f'{when}_open_s']:.2f} s | {row[f'{when}_first_step_s']:.1f} s | "
+        f"{row[f'{when}_rss_mb']:,.0f} MB |"
+    )
+
+
+def render(results: dict[str, Any]) -> str:
+    """The docs table of a results file (docs/data.md holds exactly this between the
+    markers; tests/unit/test_bench_docs.py checks it)."""
+    head = (
+        f"`{results['command']}` (commit {results['commit']}, {results['machine']}, "
+        f"{results['date'][:10]}, load {results.get('load_avg_1_5_15', '?')}; "
+        "`bench/results/data_scale.json`).\n\n"
+        "| corpus | tokenizer | prepare MB/s | raw MB/s | ratio | CPU ratio | I/O floor / "
+        "prepare | open, first step, RSS per rank: cold | | | warm | | |\n"
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: |\n"
+    )
+    lines = []
+    for r in sorted(results["rows"], key=lambda r: (r["kind"], r["tokenizer"], r["mb"])):
+        size = f"{r['mb']} MB" if r["mb"] < 1000 else f"{r['mb'] / 1000:g} GB"
+        kind = "SFT" if r["kind"] == "sft" else "text"
+        lines.append(
+            f"| {kind} {size} | {r['tokenizer']} | {r['prepare_mb_s']:,.1f} | "
+            f"{r['raw_mb_s']:,.1f} | {r['ratio']:.2f} | {r['cpu_ratio']:.2f} | "
+            f"{r['io_ratio']:.2f} |" + _cell(r, "cold") + _cell(r, "warm")
+        )
+    ratios = "; ".join(
+        f"{kind}: " + ", ".join(f"{k.replace('_', ' ')} x{v:.2f}" for k, v in sorted(q.items()))
+        for kind, q in results["large_vs_small"].items()
+    )
+    return head + "\n".join(lines) + f"\n\nLargest vs smallest corpus (byte-level): {ratios}.\n"
+
+
+def render_docs() -> None:
+    """Rewrite docs/data.md's benchmark table from the results file."""
+    text = DOCS.read_text()
+    lo, hi = text.index(BEGIN) + len(BEGIN), text.index(END)
+    table = render(json.loads(RESULTS.read_text()))
+    DOCS.write_text(text[:lo] + "\n" + table + text[hi:])
+    print(f"rendered {DOCS} from {RESULTS}")
 
 
 if __name__ == "__main__":
