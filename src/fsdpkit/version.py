@@ -35,7 +35,8 @@ def written_by() -> dict[str, str]:
 def version_info() -> dict[str, Any]:
     """fsdpkit, Python, torch and the optional libraries a run may use, with the CUDA
     and NCCL versions torch was built with (None on a CPU build or when absent): what a
-    bug report needs (``fsdpkit version --json``)."""
+    bug report needs (``fsdpkit version --json``). The CUDA/NCCL lines have not yet been
+    run on a GPU build."""
     import platform
 
     import torch
@@ -43,7 +44,8 @@ def version_info() -> dict[str, Any]:
     cuda = torch.version.cuda
     nccl = None
     if cuda and torch.distributed.is_available() and torch.distributed.is_nccl_available():
-        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        found = torch.cuda.nccl.version()  # a (major, minor, patch) tuple; an int before
+        nccl = ".".join(map(str, found)) if isinstance(found, tuple) else str(found)
     return {
         "fsdpkit": __version__,
         "python": platform.python_version(),

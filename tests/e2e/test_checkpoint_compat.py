@@ -27,6 +27,7 @@ from compat_support import (
 )
 from fsdpkit.checkpoint import CheckpointError, read_meta
 from fsdpkit.checkpoint.layout import VERSION
+from fsdpkit.cli import main
 from fsdpkit.version import __version__
 
 pytestmark = pytest.mark.e2e
@@ -114,11 +115,25 @@ def test_fixture_exports_the_recorded_tensors(name: str) -> None:
     assert describe_format(ckpt) == _format_file()["fixtures"][name]
 
 
-def test_fixtures_record_their_writer() -> None:
+def test_fixtures_record_their_writer(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     for name in FIXTURES:
         meta = read_meta(_ckpt(FIXTURE_DIR / name))
         assert meta["version"] == VERSION
         assert meta["fsdpkit_version"] == "0.1.0" and meta["torch_version"].startswith("2.")
+    assert main(["ckpt", "inspect", str(_ckpt(FIXTURE_DIR / "tiny"))]) == 0
+    torch_version = read_meta(_ckpt(FIXTURE_DIR / "tiny"))["torch_version"]
+    assert (
+        f"written by   fsdpkit 0.1.0 (torch {torch_version}), format 1" in capsys.readouterr().out
+    )
+    # a development build's checkpoint (before the versions were recorded) still inspects
+    old = tmp_path / "tiny"
+    shutil.copytree(FIXTURE_DIR / "tiny", old)
+    marker = _ckpt(old) / "fsdpkit.json"
+    meta = json.loads(marker.read_text())
+    del meta["fsdpkit_version"], meta["torch_version"]
+    marker.write_text(json.dumps(meta))
+    assert main(["ckpt", "inspect", str(_ckpt(old))]) == 0
+    assert "an fsdpkit older than 0.1.0 (no version recorded)" in capsys.readouterr().out
 
 
 def test_unknown_format_version_is_refused_by_name(tmp_path: Path) -> None:
