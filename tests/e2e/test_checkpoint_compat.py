@@ -87,9 +87,9 @@ def test_fixture_resumes_bit_exactly(resumed: dict[str, tuple[Path, str]], name:
         f"{name}: step {FIXTURE_STEP + 1} after resuming the 0.1.0 checkpoint has loss "
         f"{got!r}, the uninterrupted 0.1.0 run had {EXPECTED[name]['next_loss']!r}"
     )
+    kept = len((FIXTURE_DIR / name / "metrics.jsonl").read_text().splitlines())
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    resumed_first = next(r for r in records if r["step"] == FIXTURE_STEP + 1)
-    assert resumed_first["fsdpkit_version"] == __version__, resumed_first  # its first record
+    assert records[kept]["fsdpkit_version"] == __version__, records  # the resume's first
 
 
 @pytest.mark.slow
