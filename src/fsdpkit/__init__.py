@@ -14,8 +14,7 @@ from fsdpkit.sharding import (
     shard,
 )
 from fsdpkit.sharding.mesh import MeshError, build_mesh
-
-__version__ = "0.1.0"
+from fsdpkit.version import __version__
 
 __all__ = [
     "BlockDetectionError",
@@ -23,6 +22,7 @@ __all__ = [
     "MeshError",
     "RunConfig",
     "ShardPlan",
+    "__version__",
     "build_mesh",
     "clip_grad_norm",
     "detect_blocks",

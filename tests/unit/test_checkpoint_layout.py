@@ -31,7 +31,8 @@ def _fake_ckpt(root: Path, step: int, files: dict[str, bytes], *, marker: bool =
         (path / name).write_bytes(data)
     if marker:
         records = {n: {"bytes": len(d), "crc32": crc32_file(path / n)} for n, d in files.items()}
-        meta = {"format": "fsdpkit-checkpoint", "step": step, "files": records, "world_size": 1}
+        meta = {"format": "fsdpkit-checkpoint", "version": 1, "step": step, "files": records}
+        meta["world_size"] = 1
         (path / META_FILE).write_text(json.dumps(meta))
     return path
 

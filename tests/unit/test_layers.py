@@ -1,8 +1,9 @@
-"""The README's layer list holds: every import goes to the importer's own layer or one
-below it, imports inside functions included, and no two files import each other,
+"""The architecture's layer list holds: every import goes to the importer's own layer or
+one below it, imports inside functions included, and no two files import each other,
 directly or round about. The list is the fenced block after ``<!-- layers -->`` in
-README.md ("Architecture"), top layer first, one layer a line: the names of its
-packages and top-level modules, then two or more spaces, then what the layer does.
+docs/architecture.md (the README points there), top layer first, one layer a line: the
+names of its packages and top-level modules, then two or more spaces, then what the
+layer does.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ PACKAGE = ROOT / "src" / "fsdpkit"
 
 
 def _layers() -> dict[str, int]:
-    """Top-level name -> layer index (0 = top) from README.md."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    """Top-level name -> layer index (0 = top) from docs/architecture.md."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     block = re.search(r"<!-- layers -->\s*```text\n(.*?)```", text, re.S)
-    assert block, "README.md has no '<!-- layers -->' block followed by a ```text fence"
+    assert block, "docs/architecture.md has no '<!-- layers -->' block and ```text fence"
     out: dict[str, int] = {}
     for index, line in enumerate(ln for ln in block.group(1).splitlines() if ln.strip()):
         names = re.split(r"\s{2,}", line.strip())[0].split()
@@ -88,8 +89,8 @@ def _graph() -> dict[str, set[str]]:
 def test_every_package_is_in_exactly_one_listed_layer() -> None:
     layers = _layers()
     present = {_top(m) for m in _graph()}
-    assert present - set(layers) == set(), "add these to README.md's layer list"
-    assert set(layers) - present == set(), "README.md lists names that no longer exist"
+    assert present - set(layers) == set(), "add these to the layer list in docs/architecture.md"
+    assert set(layers) - present == set(), "docs/architecture.md lists names that no longer exist"
 
 
 def test_imports_go_only_to_the_same_layer_or_below() -> None:

@@ -21,6 +21,7 @@ from fsdpkit.checkpoint.layout import (
     remove_tree,
     write_json_durably,
 )
+from fsdpkit.version import written_by
 
 
 def local_records(
@@ -61,6 +62,7 @@ def marker(
     return {
         "format": FORMAT,
         "version": VERSION,
+        **written_by(),
         "step": step,
         "time": now.isoformat(timespec="seconds"),
         "unix_time": now.timestamp(),

@@ -33,6 +33,7 @@ from typing import Any
 from fsdpkit.checkpoint.checksum import crc32_file
 from fsdpkit.checkpoint.errors import CheckpointError
 from fsdpkit.checkpoint.untrusted import DCP_METADATA, read_metadata
+from fsdpkit.version import __version__
 
 META_FILE = "fsdpkit.json"
 FORMAT = "fsdpkit-checkpoint"
@@ -101,7 +102,24 @@ def read_meta(ckpt: Path) -> dict[str, Any]:
             "and a size and crc32 per file); the checkpoint is damaged or was not written "
             "by fsdpkit. Pick another one from `fsdpkit ckpt list RUN_DIR`."
         )
+    _check_version(meta_path, meta)
     return meta
+
+
+def _check_version(meta_path: Path, meta: dict[str, Any]) -> None:
+    """Refuse a checkpoint format this fsdpkit does not know (docs/compatibility.md): a
+    newer format would be misread, not read."""
+    version = meta.get("version")
+    if version == VERSION:
+        return
+    writer = meta.get("fsdpkit_version")
+    by = f"fsdpkit {writer}" if writer else "an fsdpkit that did not record its version"
+    raise CheckpointError(
+        f"{meta_path} is checkpoint format version {version!r}, written by {by}; this "
+        f"fsdpkit ({__version__}) reads format {VERSION} only. Resume or export it with "
+        "the fsdpkit that wrote it (`pip install fsdpkit==X.Y.Z`), or see "
+        "docs/compatibility.md for which releases read which formats."
+    )
 
 
 def _well_formed(meta: dict[str, Any]) -> bool:

@@ -13,12 +13,14 @@ import pkgutil
 import sys
 
 from fsdpkit.errors import UserError
+from fsdpkit.version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsdpkit", description="Correct, fast FSDP2 training for models that don't fit."
     )
+    parser.add_argument("--version", action="version", version=f"fsdpkit {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         module = importlib.import_module(f"{__name__}.{info.name}")

@@ -24,6 +24,15 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
+def _writer(info: dict[str, Any]) -> str:
+    """Which fsdpkit and torch wrote it; checkpoints from before fsdpkit 0.1.0's release
+    did not record it (docs/compatibility.md says what this release does with them)."""
+    fmt = f"format {info['format_version']}"
+    if not info.get("fsdpkit_version"):
+        return f"an fsdpkit older than 0.1.0 (no version recorded), {fmt}"
+    return f"fsdpkit {info['fsdpkit_version']} (torch {info['torch_version']}), {fmt}"
+
+
 def _inspect(args: argparse.Namespace) -> int:
     info = inspect_checkpoint(Path(args.path))
     if args.json:
@@ -31,6 +40,7 @@ def _inspect(args: argparse.Namespace) -> int:
         return 0
     print(f"checkpoint   {info['path']}")
     print(f"step         {info['step']}  (saved {info['time']})")
+    print(f"written by   {_writer(info)}")
     print(f"world size   {info['world_size']}  mesh {info['mesh']}  strategy {info['strategy']}")
     print(f"tensors      {info['tensors']}  (+{info['objects']} non-tensor objects)")
     print(f"bytes        {_mb(info['tensor_bytes'])} of tensors, {_mb(info['file_bytes'])} on disk")

@@ -19,9 +19,10 @@ import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from fsdpkit.version import __version__
 
 RELEVANT_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "GLOO_", "PYTORCH_CUDA_ALLOC")
 RELEVANT_NAMES = (
@@ -213,10 +214,9 @@ def _interfaces() -> tuple[str, ...]:
 
 
 def fsdpkit_version() -> str:
-    try:
-        return metadata.version("fsdpkit")
-    except metadata.PackageNotFoundError:
-        return "unknown"
+    """The running fsdpkit's version (fsdpkit.version: what a source checkout runs too,
+    where installed metadata may be missing or stale)."""
+    return __version__
 
 
 def gather(*, environ: Mapping[str, str], run_dir: Path, local_ranks: int) -> EnvFacts:

@@ -14,6 +14,7 @@ import torch
 
 from fsdpkit.observe.runlog import HARDWARE_FILE
 from fsdpkit.runtime.distenv import DistEnv
+from fsdpkit.version import __version__
 
 
 def _cpu_model() -> str:
@@ -44,6 +45,7 @@ def describe(env: DistEnv) -> dict[str, Any]:
         "world_size": env.world_size,
         "ranks_per_node": env.local_world_size,
         "device_type": env.device_type,
+        "fsdpkit": __version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "os": platform.platform(),

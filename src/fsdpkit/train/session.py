@@ -35,6 +35,7 @@ from fsdpkit.train.state import TrainerState
 from fsdpkit.train.telemetry import MetricsWriter
 from fsdpkit.trainable.build import build_unsharded, shard_trainable
 from fsdpkit.trainable.optim import build_scheduler
+from fsdpkit.version import written_by
 
 
 @dataclass
@@ -217,8 +218,12 @@ def write_run_dir(session: Session) -> None:
     RunDirError on a file-system fault ([Note: run-dir faults])."""
     if session.env.rank != 0:
         return
+    versions = written_by()
+    header = (
+        f"# written by fsdpkit {versions['fsdpkit_version']} (torch {versions['torch_version']})\n"
+    )
     write_text_atomically(
-        session.run_dir / "config.toml", to_toml(session.cfg), what="the resolved config"
+        session.run_dir / "config.toml", header + to_toml(session.cfg), what="the resolved config"
     )
     if session.cfg.model.hf:  # what `fsdpkit ckpt export --format hf` ships with the weights
         try:

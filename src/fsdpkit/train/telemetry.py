@@ -24,6 +24,7 @@ import torch
 
 from fsdpkit.devices import detected_device
 from fsdpkit.runtime.rundir import append_line, read_jsonl, write_text_atomically
+from fsdpkit.version import written_by
 
 
 def device_peak_flops(*, device_type: str, low_precision: bool) -> float | None:
@@ -53,6 +54,7 @@ class MetricsWriter:
     def __init__(self, path: Path, *, enabled: bool) -> None:
         self.path = path
         self.enabled = enabled
+        self._stamped = False
 
     def start(self, *, resumed_step: int) -> None:
         """Drop records past the resumed step (a fresh run keeps none), and a torn
@@ -65,5 +67,12 @@ class MetricsWriter:
         write_text_atomically(self.path, text, what="the metrics file")
 
     def write(self, record: dict[str, Any]) -> None:
-        if self.enabled:
-            append_line(self.path, record, what="the metrics file")
+        """Append ``record``; the first one this process writes (a fresh run's first,
+        or the first after a resume) also names the fsdpkit and torch versions, so a
+        history continued by another release says where it changed."""
+        if not self.enabled:
+            return
+        if not self._stamped:
+            record = {**record, **written_by()}
+        append_line(self.path, record, what="the metrics file")
+        self._stamped = True
