@@ -7,6 +7,7 @@ variant, so parity tests compare like with like.
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import sys
 import textwrap
@@ -15,15 +16,27 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from fsdpkit.doctor.facts import compile_toolchain
 from fsdpkit.init import init_weights
 from fsdpkit.models.accessors import is_norm
 from fsdpkit.models.llama import Llama, LlamaConfig
 from fsdpkit.sharding import clip_grad_norm, gradient_sync
+
+_CXX = compile_toolchain(os.environ)
+needs_cxx = pytest.mark.skipif(
+    _CXX["cxx"] is None,
+    reason=f"inductor's C++ compiler ({_CXX['cxx_name']}, $CXX or g++) is not on PATH, so "
+    "torch.compile on CPU cannot build kernels; `fsdpkit doctor` reports it as its "
+    "'compile' check. Install one (apt install g++) or point CXX at one to run this test.",
+)
+"""For tests that run inductor on the CPU (the same lookup ``fsdpkit train`` and the
+doctor make: fsdpkit.doctor.facts.compile_toolchain)."""
 
 TINY = LlamaConfig(
     vocab_size=128, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32
