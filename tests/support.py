@@ -179,7 +179,7 @@ def train(
     losses, norms = [], []
     for step in batches:
         micro = step.shape[0]
-        total = torch.zeros(())
+        total = torch.zeros((), device=step.device)  # on the ranks' device (NCCL: cuda)
         for i in range(micro):
             tokens = local(step[i], rank, dp)
             with gradient_sync(model, enabled=i == micro - 1, keep_unsharded=keep_unsharded):
