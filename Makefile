@@ -2,9 +2,15 @@
 #   make demo   creates .venv, installs fsdpkit[dev] (with the report and tensorboard extras),
 #               runs `fsdpkit train` on its built-in default (ends with runs/default/report.html)
 #   make test   creates .venv, installs fsdpkit[dev], runs the whole test suite
+# torch comes first, from an index chosen by the machine: without an NVIDIA driver (no
+# nvidia-smi) the CPU build (https://download.pytorch.org/whl/cpu, torch==2.13.0+cpu);
+# with one, PyPI's default Linux x86_64 build, which is CUDA 13 and pulls triton and 17
+# nvidia-*/cuda-* packages (several GB). fsdpkit[dev] then finds torch installed and
+# adds none of that. Override with TORCH_INDEX=URL (TORCH_INDEX= for PyPI's default).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
+TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,https://download.pytorch.org/whl/cpu)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fsdpkit-installed
 
@@ -12,7 +18,7 @@ STAMP := $(VENV)/.fsdpkit-installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 

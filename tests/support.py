@@ -6,6 +6,8 @@ variant, so parity tests compare like with like.
 
 from __future__ import annotations
 
+import copy
+import os
 import subprocess
 import sys
 import textwrap
@@ -14,14 +16,27 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from fsdpkit.doctor.facts import compile_toolchain
 from fsdpkit.init import init_weights
+from fsdpkit.models.accessors import is_norm
 from fsdpkit.models.llama import Llama, LlamaConfig
 from fsdpkit.sharding import clip_grad_norm, gradient_sync
+
+_CXX = compile_toolchain(os.environ)
+needs_cxx = pytest.mark.skipif(
+    _CXX["cxx"] is None,
+    reason=f"inductor's C++ compiler ({_CXX['cxx_name']}, $CXX or g++) is not on PATH, so "
+    "torch.compile on CPU cannot build kernels; `fsdpkit doctor` reports it as its "
+    "'compile' check. Install one (apt install g++) or point CXX at one to run this test.",
+)
+"""For tests that run inductor on the CPU (the same lookup ``fsdpkit train`` and the
+doctor make: fsdpkit.doctor.facts.compile_toolchain)."""
 
 TINY = LlamaConfig(
     vocab_size=128, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32
@@ -115,6 +130,23 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
+def _clip_and_step(
+    model: nn.Module, opt: torch.optim.Optimizer, *, scaler: Any, clip: float
+) -> float:
+    """Unscale (with a scaler), clip to ``clip`` (0 = measure only), step, zero the
+    gradients; returns the global grad norm."""
+    if scaler:
+        scaler.unscale_(opt)
+    norm = clip_grad_norm(model, clip)
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return norm
+
+
 def train(
     model: nn.Module,
     batches: torch.Tensor,
@@ -147,26 +179,67 @@ def train(
     losses, norms = [], []
     for step in batches:
         micro = step.shape[0]
-        total = torch.zeros(())
+        total = torch.zeros((), device=step.device)  # on the ranks' device (NCCL: cuda)
         for i in range(micro):
             tokens = local(step[i], rank, dp)
             with gradient_sync(model, enabled=i == micro - 1, keep_unsharded=keep_unsharded):
                 loss = loss_fn(model, tokens) / micro
                 (scaler.scale(loss) if scaler else loss).backward()
             total += loss.detach().float()
-        if scaler:
-            scaler.unscale_(opt)
-        norms.append(clip_grad_norm(model, clip))
-        if scaler:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+        norms.append(_clip_and_step(model, opt, scaler=scaler, clip=clip))
         if world > 1:
             dist.all_reduce(total)
             total /= world
         losses.append(float(total))
+    return {"loss": losses, "norm": norms}
+
+
+def train_mixed(
+    model: nn.Module,
+    batches: torch.Tensor,
+    *,
+    dp: int,
+    param_dtype: torch.dtype,
+    fp32_norms: bool = False,
+    scaler: Any = None,
+    lr: float = 2e-3,
+    clip: float = 1.0,
+) -> dict[str, list[float]]:
+    """What FSDP2's mixed precision computes, written out in one process: the reference
+    for the low-precision parity variants (an fp32 reference differs from them by
+    bf16's own rounding, ~1e-2, and so cannot tell a right reduction from a wrong one).
+
+    Each of ``dp`` ranks runs forward and backward on its slice with a copy of the fp32
+    master weights cast to ``param_dtype`` (norm weights kept fp32 with ``fp32_norms``:
+    ``Precision.norm_policy``, whose bf16 output the fp32 RMSNorm gives itself; buffers
+    stay fp32, as FSDP2 leaves them); the low-precision gradients are cast to fp32 and
+    averaged in fp32 (``reduce_dtype``), then clipped and stepped by the same AdamW (and
+    scaler) as ``train``. ``model`` is the master and is trained in place."""
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=lr, weight_decay=0.1, eps=1e-6, foreach=True,
+    )  # fmt: skip
+    norm_params = {id(p) for m in model.modules() if is_norm(m) for p in m.parameters()}
+    losses, norms = [], []
+    for step in batches:
+        assert step.shape[0] == 1, "train_mixed: no gradient accumulation"
+        compute = copy.deepcopy(model)  # ties survive the copy and the in-place cast
+        for master, p in zip(model.parameters(), compute.parameters()):
+            if not (fp32_norms and id(master) in norm_params):
+                p.data = p.data.to(param_dtype)
+        summed = [torch.zeros_like(p) for p in model.parameters()]
+        total = 0.0
+        for rank in range(dp):
+            compute.zero_grad(set_to_none=True)
+            loss = lm_loss(compute, local(step[0], rank, dp))
+            (scaler.scale(loss) if scaler else loss).backward()
+            total += float(loss.detach())
+            for acc, p in zip(summed, compute.parameters()):
+                acc += p.grad.float()
+        for p, acc in zip(model.parameters(), summed):
+            p.grad = acc / dp
+        norms.append(_clip_and_step(model, opt, scaler=scaler, clip=clip))
+        losses.append(total / dp)
     return {"loss": losses, "norm": norms}
 
 

@@ -2,8 +2,8 @@
 
 fp32, 2 gloo ranks, 10 steps of the trainer's own ``train_step`` on the same data:
 ``parallel.accum_sync = every`` against ``last`` at 2 and 4 micro-batches (and with
-``accum_keep_unsharded``), the three AdamW kernels against each other (and auto
-under fp16's grad scaler), explicit forward / backward prefetch against FSDP2's
+``accum_keep_unsharded``), the three AdamW kernels against each other (and foreach
+against for-loop under fp16's grad scaler), explicit forward / backward prefetch against FSDP2's
 implicit one. Losses and final parameters
 agree within 1e-5 relative; the reduce-scatters of each micro-batch are counted as
 tests/distributed/test_accumulation.py counts them. One 4-rank HSDP run checks that
@@ -42,7 +42,7 @@ VARIANTS: dict[str, tuple[int, list[str]]] = {
     "foreach": (1, ["train.optimizer_impl=foreach"]),
     "fused": (1, ["train.optimizer_impl=fused"]),
     "fp16-foreach": (1, ["precision.mode=fp16", "train.optimizer_impl=foreach"]),
-    "fp16-auto": (1, ["precision.mode=fp16", "train.optimizer_impl=auto"]),
+    "fp16-for-loop": (1, ["precision.mode=fp16", "train.optimizer_impl=for-loop"]),
     "prefetch-off": (1, []),
     "prefetch-on": (1, ["parallel.forward_prefetch=2", "parallel.backward_prefetch=2"]),
 }
@@ -87,7 +87,8 @@ def _train(rank: int, world: int, cfg: RunConfig, micro: int) -> dict[str, Any]:
             mark=mark,
         )
         losses.append(float(result.loss))
-    return {"loss": losses, "params": full_state(model), "per_micro": per_micro}
+    out = {"loss": losses, "params": full_state(model), "per_micro": per_micro}
+    return out | {"impl": impl, "opt_defaults": {k: opt.defaults[k] for k in ("foreach", "fused")}}
 
 
 def _variants(rank: int, world: int) -> dict[str, Any]:
@@ -125,12 +126,27 @@ def _assert_same(a: dict[str, Any], b: dict[str, Any], *, tensorwise: bool = Fal
         ("last-4", "every-4-keep"),
         ("foreach", "for-loop"),
         ("foreach", "fused"),
-        ("fp16-foreach", "fp16-auto"),  # auto is foreach under the grad scaler
+        # under the grad scaler (fused is refused there: [Note: AdamW kernels])
+        ("fp16-foreach", "fp16-for-loop"),
         ("prefetch-off", "prefetch-on"),
     ],
 )
 def test_lever_on_equals_off(runs: dict[str, Any], off: str, on: str) -> None:
     _assert_same(runs[off], runs[on])
+
+
+def test_kernel_variants_step_with_the_kernel_they_name(runs: dict[str, Any]) -> None:
+    """The kernel comparisons above compare different kernels (the fp16 pair once
+    compared foreach with auto, which is foreach under the scaler)."""
+    switches = {
+        "fused": {"foreach": None, "fused": True},
+        "foreach": {"foreach": True, "fused": None},
+        "for-loop": {"foreach": False, "fused": None},
+    }  # torch.optim.AdamW's defaults as each kernel leaves them
+    for name in ("for-loop", "foreach", "fused", "fp16-foreach", "fp16-for-loop"):
+        impl = name.removeprefix("fp16-")
+        assert runs[name]["impl"] == impl, name
+        assert runs[name]["opt_defaults"] == switches[impl], (name, runs[name]["opt_defaults"])
 
 
 @pytest.mark.parametrize("micro", [2, 4])

@@ -5,7 +5,8 @@ blocks_per_unit 1 and 3, an int reshard_after_forward, a large untied vocabulary
 whose embedding, final norm and head get units of their own), a real
 model is sharded on gloo ranks by the trainer's own builder and ``shard()``; what
 FSDP2 and the checkpoint wrapper then hold — units, their blocks, resharding after
-forward, compute and reduce dtypes, checkpointed blocks — is read back from the
+forward, compute and reduce dtypes, checkpointed blocks and which of them run under
+the selective policy — is read back from the
 modules and compared with the planner's scenario of the same config.
 """
 
@@ -25,6 +26,7 @@ from fsdpkit.models.factory import build_model
 from fsdpkit.planner.scenario import model_shape, scenario
 from fsdpkit.precision import PRESETS
 from fsdpkit.sharding import choose_blocks
+from fsdpkit.sharding.activations import checkpoint_mode
 from fsdpkit.sharding.policy import effective_reshard
 from fsdpkit.strategies import STRATEGIES
 from fsdpkit.testing import run_ranks
@@ -40,7 +42,10 @@ MODEL = [
 EDGES = {"model.embed_tokens": "embedding", "model.norm": "norm", "lm_head": "head"}
 """The untied model's edge units ([Note: edge units] in fsdpkit.sharding.edges)."""
 
-AC = (["activations.mode=none"], ["activations.mode=full"], ["activations.mode=every"])
+AC = (
+    ["activations.mode=none"], ["activations.mode=full"], ["activations.mode=every"],
+    ["activations.mode=selective"],
+)  # fmt: skip
 
 
 def _cases(world: int) -> list[list[str]]:
@@ -101,7 +106,10 @@ def _applied(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
         "units": units,
         "edges": edges,
         "root": _unit_facts(built.module),  # type: ignore[arg-type]
-        "checkpointed": [checkpoint.state(b) is not None for b in blocks],
+        "checkpointed": [
+            checkpoint.state(b) is not None or checkpoint_mode(b) is not None for b in blocks
+        ],
+        "selective": [checkpoint_mode(b) == "selective" for b in blocks],
     }
 
 
@@ -129,6 +137,9 @@ def _planned(world: int, overrides: list[str]) -> dict[str, Any]:
         "edges": {u.name: facts(u, 1) for u in sc.edges},
         "root": facts(sc.root, 1) if sc.root.numel else None,
         "checkpointed": [c for u in sc.units for c in u.checkpointed],
+        "selective": [
+            c and cfg.activations.mode == "selective" for u in sc.units for c in u.checkpointed
+        ],
     }
 
 

@@ -3,14 +3,19 @@
 Three configurations of bench/plan_accuracy.py's matrix, two fine-tuning ones (LoRA;
 frozen leading blocks) and two model.hf ones (HF Llama, GPT-2) train real steps on 2
 gloo ranks in one spawn; the true peak is c10's process-wide allocator count (see
-[Note: measuring CPU peaks]). Bounds from the issue: analytic within 10%, traced
-within 5%. (Measured today: the three within 0.1%; LoRA analytic +0.9%, traced 0.0%;
-frozen lead analytic 0.0%, traced 0.0%.)
+[Note: measuring CPU peaks]). The planner plans the quiet step, the one without a
+late-freed all-gather buffer ([Note: late frees]): the lowest of the measured steps.
+
+Measured on 2026-12-01 (3 runs of 3 steps; identical on every run): traced within
+0.04% on every row (docs/planner.md: 0.1%); analytic within 0.1% on the fp32
+built-in and LoRA rows, -1.0% on "bf16 full" and +1.6% on "hf llama +AC". The bounds
+are those plus a margin for the allocator's 512-byte rounding: ``TRACED_BOUND`` and
+``ANALYTIC_BOUND``. The median step moved by 4.1% between runs on "bf16 full" (two of
+three steps with a late free), so the median is not what the bounds are checked on.
 """
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 
 import pytest
@@ -46,13 +51,18 @@ CASES = {
 
 
 STEPS = 3
-"""Measured steady-state steps per configuration (the median is the typical step)."""
+"""Measured steady-state steps per configuration (the lowest is the quiet step)."""
 
 
 HF = {"hf llama +AC": ("llama", True), "hf gpt2": ("gpt2", False)}
 """model.hf directories (issue 10): HF Llama is planned analytically too, GPT-2 is
-traced only (measured with the chunked loss default: llama +AC analytic +1.4%, traced
-+1.8%; gpt2 traced +1.8%)."""
+traced only."""
+TRACED_BOUND = 0.001
+"""Traced plan vs the quiet step (measured worst 0.04%)."""
+ANALYTIC_BOUND = {"bf16 full": 0.015, "hf llama +AC": 0.025}
+"""Analytic plan vs the quiet step, where it is not within 0.2% (measured 0.1%): the
+tiny bf16 model (-1.0%) and HF Llama (+1.6%; docs/planner.md reports 2.5% over the
+whole matrix)."""
 HF_SHAPE = {"dim": 128, "layers": 3, "heads": 4, "kv_heads": 2, "ffn": 344, "vocab_size": 2048}
 
 
@@ -84,7 +94,7 @@ def measured(hf_root: Path) -> dict[str, int]:
     out = {}
     for name, _, _ in specs:  # each step's peak over the ranks
         steps = [max(rank[name][i] for rank in per_rank) for i in range(STEPS)]
-        out[name] = {"typical": statistics.median(steps), "worst": max(steps)}
+        out[name] = {"quiet": min(steps), "worst": max(steps)}
     return out
 
 
@@ -92,16 +102,16 @@ def measured(hf_root: Path) -> dict[str, int]:
 def test_planner_matches_the_measured_peak(
     measured: dict[str, dict[str, float]], hf_root: Path, name: str
 ) -> None:
-    """The plan is of the typical step ([Note: late frees]: gloo frees an all-gather
+    """The plan is of the quiet step ([Note: late frees]: gloo frees an all-gather
     buffer late on some steps); the plan's own bound, peak + spread, covers the worst."""
-    true = measured[name]["typical"]
+    true = measured[name]["quiet"]
     traced = plan(_config(name, hf_root), world_size=2, trace=True)
     assert measured[name]["worst"] <= traced.memory.peak.bytes + traced.memory.spread, name
-    # 3% for HF models too since [Note: HF masks under fake tensors] (was +0.75 MiB)
-    assert abs(traced.memory.peak.bytes - true) / true <= 0.03, (name, traced.memory.peak, true)
+    error = (traced.memory.peak.bytes - true) / true
+    assert abs(error) <= TRACED_BOUND, (name, f"traced {error:+.3%}", traced.memory.peak, true)
     if name in HF and HF[name][0] != "llama":
         assert traced.other is None  # no analytic model of GPT-2 blocks: traced only
         return
     assert traced.other is not None
-    analytic = traced.other.peak.bytes
-    assert abs(analytic - true) / true <= 0.10, (name, analytic, true)
+    error = (traced.other.peak.bytes - true) / true
+    assert abs(error) <= ANALYTIC_BOUND.get(name, 0.002), (name, f"analytic {error:+.3%}", true)

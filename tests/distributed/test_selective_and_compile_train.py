@@ -22,7 +22,7 @@ from fsdpkit.config import ActivationsConfig, RunConfig, TrainConfig
 from fsdpkit.init import init_weights
 from fsdpkit.loss.contract import next_token_loss
 from fsdpkit.testing import run_ranks
-from support import MLPNet, build, full_state, global_batches, train
+from support import MLPNet, build, full_state, global_batches, needs_cxx, train
 
 pytestmark = pytest.mark.distributed
 
@@ -127,6 +127,7 @@ def test_selective_matches_no_checkpointing(results: dict[str, Any], model: str)
     _assert_parity(got, want, tol=1e-5, what=f"{model} selective vs none")
 
 
+@needs_cxx
 @pytest.mark.slow
 def test_compiled_blocks_match_eager() -> None:
     """Compiled blocks (with selective checkpointing inside the compiled forward)

@@ -9,9 +9,12 @@ from pathlib import Path
 import pytest
 from clirun import FAST, fsdpkit, metrics
 
+from support import needs_cxx
+
 pytestmark = pytest.mark.e2e
 
 
+@needs_cxx
 @pytest.mark.slow
 def test_compile_time_is_reported_apart(tmp_path: Path) -> None:
     result = fsdpkit(

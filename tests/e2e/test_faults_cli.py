@@ -149,21 +149,21 @@ def _listen_silently() -> socket.socket:
 
 
 @pytest.mark.parametrize("nodes", ["1", "2"])
-def test_6_busy_rendezvous_port_fails_in_seconds_naming_the_holder(
+def test_6_busy_rendezvous_port_fails_without_waiting_naming_the_holder(
     tmp_path: Path, nodes: str
 ) -> None:
     with _listen_silently() as sock:
         port = sock.getsockname()[1]
-        t0 = time.monotonic()
+        # timeout=120 is a hang guard under the rendezvous' 600-s join timeout: a run
+        # that waited for the busy port raises TimeoutExpired here
         result = fsdpkit(
             "train", "--nnodes", nodes, "--nproc", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
             *FAST, f"logging.run_dir={tmp_path / 'run'}", cwd=tmp_path, timeout=120,
         )  # fmt: skip
-        elapsed = time.monotonic() - t0
     assert result.returncode == 2, result.stderr[-2000:]
     err = result.stderr
     assert f"127.0.0.1:{port}" in err and f"pid {os.getpid()}" in err and "free port" in err
-    assert "Traceback" not in err and elapsed < 90  # import time on a loaded machine
+    assert "Traceback" not in err
 
 
 @contextlib.contextmanager

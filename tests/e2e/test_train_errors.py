@@ -97,4 +97,5 @@ def test_compile_without_a_cpu_compiler_fails_before_launch(tmp_path: Path) -> N
     assert result.returncode == 2, result.stderr[-3000:]
     assert "C++ compiler (no-such-cxx) is not on PATH" in result.stderr
     assert "train.compile = false" in result.stderr and "Traceback" not in result.stderr
+    assert "`fsdpkit doctor` runs the same check: 'compile'" in result.stderr
     assert not (tmp_path / "run").exists()  # refused before the run dir was made

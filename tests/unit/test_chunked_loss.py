@@ -27,7 +27,7 @@ from fsdpkit.loss.sft import sft_loss
 from fsdpkit.planner import plan
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.scenario import scenario
-from support import TINY, build, build_mlp
+from support import TINY, build, build_mlp, needs_cxx
 
 GiB = 1024**3
 
@@ -277,6 +277,7 @@ def test_grad_into_weight_leaves_the_same_gradient_with_a_tied_embedding() -> No
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-7)
 
 
+@needs_cxx
 @pytest.mark.slow  # inductor compiles two kernels per dtype (~8 s on 2 cores)
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-3)])
 def test_compiled_chunks_equal_eager_ones(dtype: torch.dtype, tol: float) -> None:

@@ -7,12 +7,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fsdpkit.sharding.compile import compile_seconds
+from fsdpkit.sharding.compile import compile_blocks, compile_seconds
 
 
 class Block(nn.Module):
-    """A block of the user's own class (dynamo runs torch.nn's own containers, such as
-    ``nn.Sequential``, without compiling them at the top level)."""
+    """A block of the user's own class (``nn.Module.compile`` of torch.nn's own
+    containers, such as ``nn.Sequential``, compiles nothing: see the last test)."""
 
     def __init__(self, dim: int = 16) -> None:
         super().__init__()
@@ -38,4 +38,24 @@ def test_compile_seconds_counts_the_forward_and_the_lazy_backward_compile() -> N
     assert both > forward
     block(x).sum().backward()  # same shapes: the guards hold, no compile
     assert compile_seconds() == both
+    torch._dynamo.reset()
+
+
+def test_compile_blocks_compiles_blocks_whose_forward_is_torchs() -> None:
+    """[Note: blocks whose forward is torch's own]: ``.compile()`` of an ``nn.Sequential``
+    block compiled nothing; ``compile_blocks`` gives it a frame dynamo compiles, with
+    the eager numbers."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    x = torch.randn(4, 16)
+    plain = nn.Sequential(*eager)  # the same modules, compiled as before
+    plain.compile(backend="aot_eager")
+    plain(x)
+    assert compile_seconds() == 0.0  # torch's own forward: no frame, no graph
+    compiled = nn.Sequential(*eager)
+    compile_blocks([compiled], backend="aot_eager")
+    out = compiled(x)
+    assert compile_seconds() > 0.0
+    torch.testing.assert_close(out, eager(x), rtol=0, atol=0)
     torch._dynamo.reset()

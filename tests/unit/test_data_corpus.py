@@ -7,7 +7,6 @@ a prepared dataset stores it.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -43,13 +42,11 @@ def test_builtin_corpus_files_are_sorted_stdlib_sources() -> None:
     assert not any("site-packages" in parts or "test" in parts for parts in inside)
 
 
-def test_byte_tokenizing_4mb_is_fast(tmp_path: Path) -> None:
+def test_byte_tokenizing_4mb_cuts_at_a_character(tmp_path: Path) -> None:
     (tmp_path / "big.txt").write_text("héllo wörld, " * 330_000)  # 15 bytes each, ~5 MB
     # 3_999_999 = 266_666 * 15 + 9: the budget ends inside the 2-byte 'ö' at offset 8
     cfg = DataConfig(path=str(tmp_path / "big.txt"), max_bytes=3_999_999)
-    start = time.perf_counter()
-    tokens = load_token_stream(cfg, BYTES)
-    assert time.perf_counter() - start < 2.0  # typically ~0.2 s (prepared and read back)
+    tokens = load_token_stream(cfg, BYTES)  # its speed: bench/wall_clock.py
     assert tokens.numel() == 3_999_998 + 2  # the cut character is dropped, not replaced
     assert "\ufffd" not in text(tokens[-100:])
 

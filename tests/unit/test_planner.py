@@ -6,7 +6,6 @@ No process group and no tensors: the analytic planner replays FSDP2 over shapes.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -95,11 +94,10 @@ def test_grad_accumulation_keeps_unsharded_fp32_grads() -> None:
     assert two.peak.breakdown["unsharded_grads"] >= 4 * params
 
 
-def test_405b_at_1024_ranks_plans_in_under_a_second() -> None:
+def test_405b_at_1024_ranks_plans_its_optimizer_shard() -> None:
+    # how long it takes (well under a second) is bench/wall_clock.py's to measure
     cfg = load(None, ["model.preset=llama3-405b", "data.seq_len=8192", "train.micro_batch_size=1"])
-    start = time.perf_counter()
     p = plan(cfg, world_size=1024, device=parse_device("h100"))
-    assert time.perf_counter() - start < 1.0
     assert p.memory.model_states["optimizer_states"] == pytest.approx(
         8 * p.scenario.model.num_params() / 1024, rel=1e-3
     )
@@ -184,9 +182,7 @@ def test_fit_verdict_uses_margin_and_reserve() -> None:
 
 def test_recommend_finds_a_fitting_config_and_explains() -> None:
     cfg = load(None, LLAMA3_8B)
-    start = time.perf_counter()
-    rec = recommend(cfg, world_size=8, device=parse_device("h100"))
-    assert time.perf_counter() - start < 10
+    rec = recommend(cfg, world_size=8, device=parse_device("h100"))  # timed: bench/wall_clock.py
     assert rec.current is not None and not rec.current.fits  # no AC: ~148 GiB
     assert rec.best is not None and rec.best.fits
     # checkpointing is needed to fit: every block (2 x 8192), or every 2nd block with

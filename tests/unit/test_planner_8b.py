@@ -1,12 +1,11 @@
 """Llama 3 8B: the analytic and traced planners agree at 8 and 64 ranks.
 
-The traced plan runs the whole 8B model's step under FakeTensorMode (~20-25 s per
-plan on 2 cores), hence ``slow``; the issue's bound is 3 minutes at 64 ranks.
+The traced plan runs the whole 8B model's step under FakeTensorMode (~10-25 s per
+plan on 2 cores), hence ``slow``; how long it takes is measured by
+``bench/plan_speed.py``, not asserted here.
 """
 
 from __future__ import annotations
-
-import time
 
 import pytest
 
@@ -14,6 +13,10 @@ from fsdpkit.config import load
 from fsdpkit.planner import parse_device, plan
 
 pytestmark = pytest.mark.slow
+
+AGREEMENT = {8: 0.015, 64: 1e-4}
+"""Relative bound on traced vs analytic peak. Measured 2026-12-01: +1.38% at 8 ranks
+(19.22 vs 18.96 GB), +2e-7 at 64 ranks (docs/planner.md states both)."""
 
 
 @pytest.mark.parametrize("world", [8, 64])
@@ -25,9 +28,7 @@ def test_llama3_8b_analytic_matches_traced(world: int) -> None:
             "activations.mode=full",
         ],
     )  # fmt: skip
-    start = time.perf_counter()
     traced = plan(cfg, world_size=world, device=parse_device("h100"), trace=True)
-    elapsed = time.perf_counter() - start
     assert traced.other is not None
-    assert traced.memory.peak.bytes == pytest.approx(traced.other.peak.bytes, rel=0.10)
-    assert elapsed < 180
+    error = (traced.memory.peak.bytes - traced.other.peak.bytes) / traced.other.peak.bytes
+    assert abs(error) <= AGREEMENT[world], (world, f"traced vs analytic {error:+.4%}")

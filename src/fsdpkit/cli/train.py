@@ -159,7 +159,10 @@ def _check_compile(cfg: configuration.RunConfig) -> None:
     toolchain = compile_toolchain(os.environ)
     check = check_compile(gpu=bool(local_gpus()), compile_blocks=True, **toolchain)
     if check.status == "fail":
-        raise UserError(f"{check.message}. Fix: {check.fix}.")
+        raise UserError(
+            f"{check.message}. Fix: {check.fix}. (`fsdpkit doctor` runs the same check: "
+            f"'{check.name}'.)"
+        )
 
 
 def _print_slurm_script(args: argparse.Namespace, nproc: int) -> int:

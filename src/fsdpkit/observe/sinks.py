@@ -97,4 +97,4 @@ def check_installed(*, tensorboard: bool, wandb: str) -> None:
     if tensorboard:
         require("tensorboard", field="logging.tensorboard", pip="'fsdpkit[tensorboard]'")
     if wandb != "off":
-        require("wandb", field="logging.wandb", pip="wandb")
+        require("wandb", field="logging.wandb", pip="'fsdpkit[wandb]'")

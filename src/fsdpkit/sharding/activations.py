@@ -160,4 +160,12 @@ def checkpoint_forward(block: nn.Module, *, cfg: ActivationsConfig) -> None:
             inner, *args, use_reentrant=False, **extra, **kwargs
         )
 
+    forward.checkpoint_mode = cfg.mode  # type: ignore[attr-defined]
     block.forward = forward  # type: ignore[method-assign]
+
+
+def checkpoint_mode(block: nn.Module) -> str | None:
+    """The ``activations.mode`` that ``checkpoint_forward`` applied to ``block``, or
+    None: how a test (tests/distributed/test_plan_matches_shard.py) reads back which
+    blocks run under the selective policy, which leaves no module state of its own."""
+    return getattr(block.forward, "checkpoint_mode", None)

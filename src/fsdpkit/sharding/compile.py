@@ -16,6 +16,16 @@ A compiled block therefore calls ``torch.utils.checkpoint`` inside its forward
 (fsdpkit.sharding.activations.checkpoint_forward), which dynamo traces as one
 region and whose policy the partitioner applies (6.0 MiB kept: selective as meant).
 
+[Note: blocks whose forward is torch's own]
+``nn.Module.compile`` compiles the module's ``_call_impl``; dynamo does not start a
+frame in torch's own files, so it compiles the first frame of user code below that:
+the block's ``forward``. A block whose ``forward`` is torch's (``nn.Sequential``, a
+bare ``nn.Linear`` chosen as the block) has none, and ``.compile()`` compiled nothing
+(measured: 0 s of compile time and no graph for an ``nn.Sequential`` of LayerNorm and
+Linear, with or without FSDP2). Such a block gets its ``forward`` replaced by a
+compiled fsdpkit function that calls it, which dynamo starts a frame in and traces
+through (as ``torch.compile(module)`` does with ``external_utils.wrap_inline``).
+
 [Note: compile time]
 The first step compiles (forward graphs when first called, backward graphs lazily
 at the first backward). ``compile_seconds`` reads dynamo's own timers for both; the
@@ -26,17 +36,39 @@ the step time without it (fsdpkit.train.loop).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+import torch
 from torch import nn
 
 _TIMERS = ("_compile.compile_inner", "backward._backward_impl")
 """dynamo's timers: tracing + AOT + inductor of a frame; the lazy backward compile."""
 
 
-def compile_blocks(blocks: Sequence[nn.Module]) -> None:
-    """``torch.compile`` each block in place."""
+def compile_blocks(blocks: Sequence[nn.Module], *, backend: str = "inductor") -> None:
+    """``torch.compile`` each block in place ([Note: blocks whose forward is torch's
+    own]); ``backend`` is dynamo's (tests use ``aot_eager``, which needs no C++
+    compiler)."""
     for block in blocks:
-        block.compile()
+        if _forward_is_torchs(block):
+            _compile_forward(block, backend=backend)
+        else:
+            block.compile(backend=backend)
+
+
+def _forward_is_torchs(block: nn.Module) -> bool:
+    """Whether ``block.forward`` is code in torch's own package, where dynamo starts
+    no frame."""
+    return (getattr(block.forward, "__module__", None) or "").startswith("torch.")
+
+
+def _compile_forward(block: nn.Module, *, backend: str) -> None:
+    inner = block.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return inner(*args, **kwargs)
+
+    block.forward = torch.compile(forward, backend=backend)  # type: ignore[method-assign]
 
 
 def compile_seconds() -> float:
