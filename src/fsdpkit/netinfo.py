@@ -50,20 +50,29 @@ def _hex_address(text: str) -> str:
     return str(mapped or address)
 
 
-def _socket_table() -> list[Listener]:
+def parse_listening(text: str) -> list[Listener]:
+    """The listening sockets in the text of ``/proc/net/tcp`` and/or ``tcp6`` (header
+    lines are skipped), without pids."""
     out = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) < 10 or fields[3] != _LISTEN:
+            continue
+        host, port = fields[1].rsplit(":", 1)
+        out.append(Listener(_hex_address(host), int(port, 16), int(fields[9])))
+    return out
+
+
+def _socket_table(net: str = "/proc/net") -> list[Listener]:
+    """Listening sockets of one network namespace: ``/proc/net`` is this process's,
+    ``/proc/PID/net`` that of process PID (a container's or ``ip netns``'s)."""
+    texts = []
+    for table in ("tcp", "tcp6"):
         try:
-            lines = Path(table).read_text().splitlines()[1:]
+            texts.append(Path(net, table).read_text())
         except OSError:
             continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) < 10 or fields[3] != _LISTEN:
-                continue
-            host, port = fields[1].rsplit(":", 1)
-            out.append(Listener(_hex_address(host), int(port, 16), int(fields[9])))
-    return out
+    return parse_listening("\n".join(texts))
 
 
 def _socket_inodes(pid: int) -> set[int]:
@@ -88,10 +97,15 @@ def _all_pids() -> list[int]:
 
 def listeners(pids: Iterable[int] | None = None) -> list[Listener]:
     """Listening TCP sockets of ``pids`` (default: every process whose fds are
-    readable), each with its pid."""
-    table = {lst.inode: lst for lst in _socket_table()}
+    readable), each with its pid. Each given pid's sockets are looked up in its own
+    network namespace's table, so processes in other namespaces are seen too."""
+    tables: dict[str, dict[int, Listener]] = {}
     out = []
     for pid in _all_pids() if pids is None else pids:
+        net = "/proc/net" if pids is None else f"/proc/{pid}/net"
+        if net not in tables:
+            tables[net] = {lst.inode: lst for lst in _socket_table(net)}
+        table = tables[net]
         for inode in _socket_inodes(pid) & table.keys():
             lst = table[inode]
             out.append(Listener(lst.address, lst.port, inode, pid))

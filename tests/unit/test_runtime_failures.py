@@ -49,3 +49,17 @@ def test_a_signal_death_is_the_root_cause_and_oom_counters_are_read(tmp_path: Pa
     assert "/proc/vmstat" in failures.OomCounters.read().counts
     assert failures.is_secondary("RuntimeError: Connection reset by peer")
     assert "no complete checkpoint" in failures.newest_checkpoint_note(tmp_path)
+
+
+def test_a_node_lost_is_named_by_the_peer_address_gloo_gives() -> None:
+    """[Note: lost node]: rank 0's only error was its peer on node 1 going away."""
+    message = (
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+        "closed by peer [10.213.118.2]:35557. This is typically caused by a remote worker "
+        "crashing.\n\nTraceback (most recent call last): ..."
+    )
+    said = failures.describe_lost_node(message, local_ranks=[0, 1], world_size=4)
+    assert said.startswith("lost the node at 10.213.118.2 (ranks 2, 3):"), said
+    assert "connection closed by peer 10.213.118.2:35557" in said and "Traceback" not in said
+    vague = failures.describe_lost_node("Connection reset", local_ranks=[0], world_size=2)
+    assert vague.startswith("lost another node of the job (ranks 1)"), vague

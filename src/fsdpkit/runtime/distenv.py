@@ -21,7 +21,13 @@ from fsdpkit import netinfo
 from fsdpkit.devices import device_type, local_gpus
 from fsdpkit.runtime import slurm
 from fsdpkit.runtime.lifetime import bind_to_parent
-from fsdpkit.runtime.rendezvous import ANSWER_S, RendezvousError, connect_store, serve_store
+from fsdpkit.runtime.rendezvous import (
+    ANSWER_S,
+    ROUND_VAR,
+    RendezvousError,
+    connect_store,
+    serve_store,
+)
 
 if TYPE_CHECKING:
     pass
@@ -117,7 +123,9 @@ def rendezvous_store(env: DistEnv, *, timeout: datetime.timedelta) -> Any:
     After the elastic agent restarts workers (``--max-restarts``), the store it serves
     still holds the previous attempt's peer addresses; gloo would dial dead ports
     ("Connection refused"). Prefixing every key with the attempt number gives each
-    attempt a clean namespace on the same store.
+    attempt a clean namespace on the same store: under fsdpkit's launcher the
+    rendezvous round, which every node agrees on (a node that came back has a restart
+    count of 0, [Note: rejoined node] in fsdpkit.runtime.rendezvous).
     """
     from torch.distributed import PrefixStore
 
@@ -137,7 +145,7 @@ def rendezvous_store(env: DistEnv, *, timeout: datetime.timedelta) -> Any:
             ) from None
     else:
         store = connect_store(host, port, timeout=timeout, answer_s=None if agent else ANSWER_S)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = os.environ.get(ROUND_VAR) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return PrefixStore(f"fsdpkit/attempt-{attempt}", store)
 
 

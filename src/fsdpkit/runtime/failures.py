@@ -12,11 +12,20 @@ worker that raises writes a record (``rank-R-attempt-A.json``, see
    (``/proc/vmstat`` oom_kill, the cgroup's ``memory.events`` / ``memory.oom_control``)
    taken before and after tell whether the OOM killer did it;
 3. else the earliest record.
+
+[Note: lost node]
+With several nodes, a rank whose only error is a lost peer ("Connection closed by
+peer [ADDR]:PORT") and no local rank that died means another node went away: its
+launcher was killed, its machine died, or the network to it failed. The surviving
+node says that, naming the peer's address (gloo's message carries it) and the ranks
+that were not on this node, instead of rank 0's traceback; the lost node's own log
+says why it stopped.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,4 +184,24 @@ def newest_checkpoint_note(run_dir: Path | None) -> str:
     return (
         f"The newest complete checkpoint is step {newest.step} ({newest.path}); the same "
         "command resumes from it."
+    )
+
+
+_PEER = re.compile(r"by peer \[?([0-9A-Za-z:.%-]+?)\]?:(\d+)")
+
+
+def describe_lost_node(message: str, *, local_ranks: list[int], world_size: int) -> str:
+    """One paragraph for a node whose ranks failed only because a peer on another
+    node went away ([Note: lost node])."""
+    first = message.strip().splitlines()[0] if message.strip() else "?"
+    peer = _PEER.search(first)
+    others = sorted(set(range(world_size)) - set(local_ranks))
+    where = f"the node at {peer.group(1)}" if peer else "another node of the job"
+    ranks = f" (ranks {', '.join(map(str, others))})" if others else ""
+    said = f"connection closed by peer {peer.group(1)}:{peer.group(2)}" if peer else first[:200]
+    return (
+        f"lost {where}{ranks}: this node's ranks stopped when their collective failed "
+        f"({said}). That node's launcher was killed, its machine went down, or the "
+        "network to it failed; its own log says which. Bring it back and rerun the same "
+        "command on every node."
     )

@@ -40,7 +40,7 @@ from fsdpkit.runtime.distenv import (
 )
 from fsdpkit.runtime.hangs import HangWatch
 from fsdpkit.runtime.interrupts import ImmediateStop, LauncherSignals
-from fsdpkit.runtime.rendezvous import register
+from fsdpkit.runtime.rendezvous import NodeLostError, register
 from fsdpkit.runtime.signals import describe_stop
 
 if TYPE_CHECKING:
@@ -83,7 +83,6 @@ def _launch_config(opts: SpawnOptions) -> Any:
     if local is None:
         host = endpoint.rsplit(":", 1)[0].strip("[]")
         local = "127.0.0.1" if opts.nnodes == 1 else netinfo.local_address_for(host)
-    static = opts.node_rank is not None
     return LaunchConfig(
         min_nodes=opts.nnodes,
         max_nodes=opts.nnodes,
@@ -91,7 +90,7 @@ def _launch_config(opts: SpawnOptions) -> Any:
         run_id=opts.run_id or _default_run_id(opts),
         rdzv_backend=register(),
         rdzv_endpoint=endpoint,
-        rdzv_configs={"rank": opts.node_rank} if static else {},
+        rdzv_configs=_rdzv_configs(opts),
         max_restarts=opts.max_restarts,
         monitor_interval=0.2,
         start_method="spawn",
@@ -99,6 +98,14 @@ def _launch_config(opts: SpawnOptions) -> Any:
         # fsdpkit.runtime.interrupts handles them ([Note: stopping a spawned run])
         signals_to_handle="",
     )
+
+
+def _rdzv_configs(opts: SpawnOptions) -> dict[str, Any]:
+    """The static rendezvous's node rank, or the joined store's timeout ([Note: lost
+    rendezvous] in fsdpkit.runtime.rendezvous)."""
+    if opts.node_rank is not None:
+        return {"rank": opts.node_rank}
+    return {"store_timeout": int(max(opts.timeout_s, 1))} if opts.nnodes > 1 else {}
 
 
 def _worker_env(opts: SpawnOptions, control: str, local_addr: str) -> dict[str, str]:
@@ -172,6 +179,10 @@ def _launch(config: Any, argv: list[str], *, control: Path, opts: SpawnOptions) 
         except ImmediateStop as exc:
             signals.settled = True
             return _report_immediate(exc.signum, opts=opts)
+        except NodeLostError as exc:  # [Note: lost rendezvous]
+            signals.settled = True
+            _say(f"error: {exc} {failures.newest_checkpoint_note(opts.run_dir)}")
+            return 1
     return 0
 
 
@@ -240,6 +251,13 @@ def _report_failure(
         oom = failures.OomCounters.read().rose_since(oom_before)
         death = failures.describe_signal_death(deaths[0], oom=oom)
         _say(f"error: {death} {failures.newest_checkpoint_note(opts.run_dir)}")
+        return 1
+    if cause is not None and opts.nnodes > 1:  # [Note: lost node]
+        local = sorted(int(r) for r in getattr(exc, "failures", {}))
+        lost = failures.describe_lost_node(
+            str(cause["message"]), local_ranks=local, world_size=opts.nproc * opts.nnodes
+        )
+        _say(f"error: {lost} {failures.newest_checkpoint_note(opts.run_dir)}")
         return 1
     if cause is not None:
         _say(f"error on rank {cause['rank']}: {cause['message']}")

@@ -1,4 +1,5 @@
-"""Helpers for testing distributed code on CPU: a multi-process spawn harness."""
+"""Helpers for testing distributed code on CPU: a multi-process spawn harness, and
+nodes made of network namespaces (fsdpkit.testing.netns; Linux, root, iproute2)."""
 
 from fsdpkit.testing.spawn import RankFailure, run_ranks
 

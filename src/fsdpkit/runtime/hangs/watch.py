@@ -20,7 +20,9 @@ checkpoint, and the newest complete checkpoint is untouched. The launcher then
 prints the report's paragraph instead of the workers' deaths.
 
 On several nodes each node's launcher sees only its own ranks; its report is
-``report-HOST.txt`` and compares those.
+``report-nodeN.txt`` (N: the node's rank in the job, its first rank // nproc; host
+names are not unique: two launchers may share a machine) and compares those, and
+its paragraph names the node.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class HangWatch:
         self.nproc = nproc
         self.stall_s = stall_s
         self.timeout_s = timeout_s
-        self.name = f"report-{socket.gethostname()}" if several_nodes else "report"
+        self.several_nodes = several_nodes
         self.report: HangReport | None = None
         self._records: dict[int, Record] = {}
         self._fired_pids: set[int] = set()
@@ -161,9 +163,15 @@ class HangWatch:
     def _finish(self, views: list[RankView], trigger: str) -> HangReport:
         """Judge, write the report, and say it."""
         verdict = judge(views)
-        path = self.hang_dir / f"{self.name}.txt"
+        name = "report"
+        if self.several_nodes and views:
+            node = min(v.rank for v in views) // max(self.nproc, 1)
+            name = f"report-node{node}"
+            ranks = ", ".join(str(v.rank) for v in views)
+            trigger = f"on node {node} (host {socket.gethostname()}, ranks {ranks}), {trigger}"
+        path = self.hang_dir / f"{name}.txt"
         try:
-            write_report(self.hang_dir, verdict, trigger=trigger, name=self.name)
+            write_report(self.hang_dir, verdict, trigger=trigger, name=name)
         except OSError as exc:  # the paragraph still names the rank behind
             trigger += f" (the report could not be written to {path}: {exc.strerror or exc})"
         message = paragraph(verdict, trigger=trigger, report=path)
