@@ -7,6 +7,8 @@
 # with one, PyPI's default Linux x86_64 build, which is CUDA 13 and pulls triton and 17
 # nvidia-*/cuda-* packages (several GB). fsdpkit[dev] then finds torch installed and
 # adds none of that. Override with TORCH_INDEX=URL (TORCH_INDEX= for PyPI's default).
+# --retries 1: where that index cannot be reached (a mirror-only network) pip moves on to
+# its configured mirrors in seconds instead of retrying each package for ~8 s.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
@@ -18,7 +20,7 @@ STAMP := $(VENV)/.fsdpkit-installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install -q --retries 1 "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
