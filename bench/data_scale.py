@@ -36,23 +36,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
-import subprocess
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import results_io
 
 from fsdpkit.config import DataConfig
 from fsdpkit.data import build_tokenizer, prepare
 from fsdpkit.testing import run_ranks
 
 BASE_MB = 64
-RESULTS = Path(__file__).parent / "results" / "data_scale.json"
+NAME = "data_scale"
 
 
 def _lines(mb: int, seed: int) -> list[str]:
@@ -256,15 +254,6 @@ def _probe(rank: int, world: int, dataset: str, work: str, kind: str) -> dict[st
     }
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -376,31 +365,19 @@ def _report(rows: list[dict[str, Any]], args: argparse.Namespace, seconds: float
                 f"  {kind}: {hi['mb']} MB vs {lo['mb']} MB: "
                 + ", ".join(f"{k} x{v:.2f}" for k, v in ratios[kind].items())
             )
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(
-        json.dumps(
-            {
-                "command": (
-                    f"python bench/data_scale.py --sizes {args.sizes} --bpe-max-mb "
-                    f"{args.bpe_max_mb} --raw-sample-mb {args.raw_sample_mb}"
-                ),
-                "commit": _commit(),
-                "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores",
-                "date": datetime.now(UTC).isoformat(timespec="seconds"),
-                "seconds": round(seconds, 1),
-                "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()],
-                "rows": rows,
-                "large_vs_small": ratios,
-            },
-            indent=1,
-        )
-        + "\n"
+    results_io.write(
+        NAME,
+        command=(
+            f"python bench/data_scale.py --sizes {args.sizes} --bpe-max-mb "
+            f"{args.bpe_max_mb} --raw-sample-mb {args.raw_sample_mb}"
+        ),
+        seconds=round(seconds, 1),
+        rows=rows,
+        large_vs_small=ratios,
     )
-    print(f"wrote {RESULTS} ({seconds:.0f}s)")
 
 
-DOCS = Path(__file__).parents[1] / "docs" / "data.md"
-BEGIN, END = "<!-- data_scale:begin -->", "<!-- data_scale:end -->"
+DOCS = results_io.ROOT / "docs" / "data.md"
 
 
 def _cell(row: dict[str, Any], when: str) -> str:
@@ -416,9 +393,7 @@ def render(results: dict[str, Any]) -> str:
     """The docs table of a results file (docs/data.md holds exactly this between the
     markers; tests/unit/test_bench_docs.py checks it)."""
     head = (
-        f"`{results['command']}` (commit {results['commit']}, {results['machine']}, "
-        f"{results['date'][:10]}, load {results.get('load_avg_1_5_15', '?')}; "
-        "`bench/results/data_scale.json`).\n\n"
+        results_io.provenance(results, NAME) + "\n\n"
         "| corpus | tokenizer | prepare MB/s | raw MB/s | ratio | CPU ratio | I/O floor / "
         "prepare | open, first step, RSS per rank: cold | | | warm | | |\n"
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
@@ -442,11 +417,7 @@ def render(results: dict[str, Any]) -> str:
 
 def render_docs() -> None:
     """Rewrite docs/data.md's benchmark table from the results file."""
-    text = DOCS.read_text()
-    lo, hi = text.index(BEGIN) + len(BEGIN), text.index(END)
-    table = render(json.loads(RESULTS.read_text()))
-    DOCS.write_text(text[:lo] + "\n" + table + text[hi:])
-    print(f"rendered {DOCS} from {RESULTS}")
+    results_io.render_into(DOCS, NAME, render(results_io.read(NAME)))
 
 
 if __name__ == "__main__":

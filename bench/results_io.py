@@ -1,0 +1,103 @@
+"""Results files every bench writes, and the docs tables rendered from them.
+
+A bench calls ``write(NAME, command=..., rows=..., **figures)``: ``bench/results/NAME.json``
+gets the command line, the commit, the machine, the date and the load average beside
+the figures, so a number in the docs can be traced to the run that measured it. A
+docs table quoting a bench is not typed: it lives between ``<!-- NAME:begin -->`` and
+``<!-- NAME:end -->`` in a Markdown file, and ``render_into(doc, NAME, text)`` writes
+it from the bench's own ``render(results)``; ``tests/unit/test_bench_docs.py`` checks
+every such block against its results file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).parent
+ROOT = BENCH.parent
+RESULTS = BENCH / "results"
+BLOCK = re.compile(r"<!-- ([a-z0-9_]+):begin -->\n(.*?)<!-- \1:end -->", re.S)
+"""A rendered block in a Markdown file: its bench's name and its text."""
+
+
+def commit() -> str:
+    """The short commit of the tree the bench ran on (``+dirty`` with local changes)."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=ROOT,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=ROOT,
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+    return f"{head}+dirty" if head and dirty else head or "unknown"
+
+
+def machine() -> str:
+    return f"{platform.node()} {platform.machine()} {os.cpu_count()} cores"
+
+
+def path(name: str) -> Path:
+    return RESULTS / f"{name}.json"
+
+
+def write(name: str, *, command: str | None = None, **figures: Any) -> Path:
+    """``bench/results/NAME.json``: where and when it ran, and ``figures``."""
+    out = path(name)
+    out.parent.mkdir(exist_ok=True)
+    record = {
+        "command": command or "python " + " ".join(sys.argv),
+        "commit": commit(),
+        "machine": machine(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()],
+        **figures,
+    }
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {out}")
+    return out
+
+
+def read(name: str) -> dict[str, Any]:
+    return json.loads(path(name).read_text())
+
+
+def provenance(results: dict[str, Any], name: str) -> str:
+    """The line under a rendered table: command, commit, machine, date, load."""
+    load = results.get("load_avg_1_5_15")
+    return (
+        f"`{results['command']}` (commit {results['commit']}, {results['machine']}, "
+        f"{results['date'][:10]}" + (f", load {load}" if load else "") + f"; "
+        f"`bench/results/{name}.json`)."
+    )
+
+
+def render_into(doc: Path, name: str, text: str) -> None:
+    """Replace the ``name`` block of ``doc`` with ``text``."""
+    source = doc.read_text()
+    begin, end = f"<!-- {name}:begin -->\n", f"<!-- {name}:end -->"
+    lo, hi = source.index(begin) + len(begin), source.index(end)
+    doc.write_text(source[:lo] + text.rstrip("\n") + "\n" + source[hi:])
+    print(f"rendered {doc.relative_to(ROOT)} from {path(name).relative_to(ROOT)}")
+
+
+def blocks(doc: Path) -> list[tuple[str, str]]:
+    """(bench name, rendered text) of every block in ``doc``."""
+    return [(m.group(1), m.group(2)) for m in BLOCK.finditer(doc.read_text())]
