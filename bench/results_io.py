@@ -28,26 +28,18 @@ BLOCK = re.compile(r"<!-- ([a-z0-9_]+):begin -->\n(.*?)<!-- \1:end -->", re.S)
 """A rendered block in a Markdown file: its bench's name and its text."""
 
 
+def _git(*args: str) -> str:
+    try:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, check=False, cwd=ROOT)
+    except OSError:
+        return ""
+    return done.stdout.strip()
+
+
 def commit() -> str:
     """The short commit of the tree the bench ran on (``+dirty`` with local changes)."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=False,
-            cwd=ROOT,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=False,
-            cwd=ROOT,
-        ).stdout.strip()
-    except OSError:
-        return "unknown"
-    return f"{head}+dirty" if head and dirty else head or "unknown"
+    head = _git("rev-parse", "--short", "HEAD") or "unknown"
+    return f"{head}+dirty" if _git("status", "--porcelain", "--untracked-files=no") else head
 
 
 def machine() -> str:
