@@ -21,8 +21,16 @@ pytestmark = pytest.mark.distributed
 STALL_S = 1.0
 
 
-def _asleep_after_the_first_step(seconds: float) -> None:
-    time.sleep(seconds)
+def _asleep_after_the_first_step(hang_dir: Path, *, limit_s: float) -> None:
+    """Asleep until both ranks' reports hold their stacks (bounded): on a loaded
+    machine a fixed nap could end before a triage thread got the CPU to write."""
+    deadline = time.monotonic() + limit_s
+    reports = [hang_dir / f"rank-{r}.txt" for r in (0, 1)]
+    while time.monotonic() < deadline:
+        if all(p.exists() and "most recent call first" in p.read_text() for p in reports):
+            time.sleep(0.5)  # the rest of the stacks
+            return
+        time.sleep(0.1)
 
 
 def _ranks(rank: int, world_size: int, run_dir: str) -> str:
@@ -40,7 +48,7 @@ def _ranks(rank: int, world_size: int, run_dir: str) -> str:
     probe.step_done(1)  # from here a stall is a hang
     probe.phase("data")
     if rank == 1:
-        _asleep_after_the_first_step(STALL_S + 2.5)
+        _asleep_after_the_first_step(Path(run_dir) / "hang", limit_s=60)
     dist.all_reduce(t)  # rank 0 waits here for rank 1
     probe.phase("finish")
     probe.close()
