@@ -34,6 +34,10 @@ def test_the_docs_have_rendered_blocks() -> None:
     ("doc", "name", "text"), BLOCKS, ids=[f"{d.name}:{n}" for d, n, _ in BLOCKS]
 )
 def test_block_is_rendered_from_its_results_file(doc: Path, name: str, text: str) -> None:
+    assert results_io.path(name).is_file(), (
+        f"{doc.name} quotes bench/{name}.py but there is no results file behind it: run "
+        f"`python bench/{name}.py` (it writes bench/results/{name}.json) and commit the file"
+    )
     results = results_io.read(name)
     for key in ("command", "commit", "machine", "date"):
         assert results.get(key), f"bench/results/{name}.json has no {key!r}"
