@@ -74,11 +74,11 @@ def _reset_rss_peak() -> int:
 
 def _load_fsdpkit(model_dir: str) -> None:
     from fsdpkit import build_mesh, shard
-    from fsdpkit.config import ModelConfig, ParallelConfig, RunConfig
+    from fsdpkit.config import ModelConfig, RunConfig
     from fsdpkit.models.factory import build_model
 
     built = build_model(ModelConfig(hf=model_dir), vocab_size=256, seq_len=128, seed=0)
-    cfg = RunConfig(parallel=ParallelConfig(block_classes=built.block_classes))
+    cfg = RunConfig(model=ModelConfig(hf=model_dir))  # blocks: the model's _no_split_modules
     shard(built.module, cfg, mesh=build_mesh(), init=built.init)
     _load_fsdpkit.model = built.module  # type: ignore[attr-defined]  # alive while measured
 
