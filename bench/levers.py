@@ -283,12 +283,13 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=3, help="alternating rounds")
     p.add_argument("--steps", type=int, default=6, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per run")
-    p.add_argument("--render-docs", action="store_true", help="only re-render docs/levers.md")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser(__doc__ or "").parse_args(argv)
+    p = parser(__doc__ or "")  # bench/gpu_levers.py shares it; rendering is CPU-only
+    p.add_argument("--render-docs", action="store_true", help="only re-render docs/levers.md")
+    args = p.parse_args(argv)
     if args.render_docs:
         render_docs()
         return 0
