@@ -105,6 +105,7 @@ def bench(name: str) -> ModuleType:
     if spec is None or spec.loader is None or not (BENCH / f"{name}.py").is_file():
         raise FileNotFoundError(f"a block names bench/{name}.py, which does not exist")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
