@@ -89,6 +89,12 @@ def render_into(doc: Path, name: str, text: str) -> None:
     """Replace the ``name`` block of ``doc`` with ``text``."""
     source = doc.read_text()
     begin, end = f"<!-- {name}:begin -->\n", f"<!-- {name}:end -->"
+    if begin not in source or end not in source:
+        raise SystemExit(
+            f"{doc.relative_to(ROOT)} has no {name} block: bench/results/{name}.json is "
+            f"written; add the lines '{begin.strip()}' and '{end}' where its table goes "
+            f"and run `python bench/{name}.py --render-docs`"
+        )
     lo, hi = source.index(begin) + len(begin), source.index(end)
     doc.write_text(source[:lo] + text.rstrip("\n") + "\n" + source[hi:])
     print(f"rendered {doc.relative_to(ROOT)} from {path(name).relative_to(ROOT)}")
