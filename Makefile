@@ -16,7 +16,7 @@ TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,https://download
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fsdpkit-installed
 
-.PHONY: venv demo test test-fast lint bench bench-peers clean
+.PHONY: venv demo test test-fast lint bench bench-docs bench-peers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/step_overhead.py
+
+# Every rendered table in README.md, BENCHMARKS.md and docs/ from the committed
+# bench/results/*.json, without rerunning a bench (tests/unit/test_bench_docs.py checks it).
+bench-docs: $(STAMP)
+	$(PY) bench/results_io.py
 
 # Peers (Accelerate, Lightning, DeepSpeed, torchtitan) come only from the `bench` extra,
 # installed with torch pinned so no peer can replace it; then the side-by-side table.

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/checkpoint_io.py [--reps 5] [--layers 6] [--dim 768] [--dir /tmp]
     .venv/bin/python bench/checkpoint_io.py --large     # ~1B params, ~12 GB: needs the disk/RAM
+    .venv/bin/python bench/checkpoint_io.py --render-docs   # only re-render docs/checkpoints.md
 
 A Llama (~62M params by default) with AdamW state (~750 MB in fp32) is sharded over 2
 CPU ranks. In the same run and directory each rank also writes and reads its share of
@@ -18,12 +19,15 @@ all rows alike. Every time is wall time between two barriers (both ranks done); 
 step rows are the slower rank's seconds inside the operation; all are medians over
 the repetitions. "raw ... (control)" repeats the raw operation: its ratio shows the
 noise. The async rows reuse one Checkpointer, as a training run does (its first save
-allocates the staging buffers and is reported separately).
+allocates the staging buffers and is reported separately). Writes
+``bench/results/checkpoint_io.json`` (every figure, the slower rank's) and renders
+docs/checkpoints.md's step-by-step table from it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import results_io
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -300,30 +305,47 @@ _ROWS = [
 ]
 
 
-_W = max(len(label) for label, _, _ in _ROWS)
+NAME = "checkpoint_io"
+DOCS = results_io.ROOT / "docs" / "checkpoints.md"
 
 
 def _table(r: dict[str, Any]) -> str:
+    """The step-by-step table in Markdown: seconds, GB/s against the checkpoint's bytes,
+    and the ratio against the row's reference (raw speed / this, or this / sync save)."""
     gb = r["bytes"] / 1e9
     lines = [
-        f"model {r['params'] / 1e6:.1f}M params + AdamW, checkpoint {gb:.3f} GB, 2 CPU ranks",
-        f"| {'operation':<{_W}} | {'seconds':>7} | {'GB/s':>6} | {'ratio':>6} |",
-        f"|{'-' * (_W + 2)}|{'-' * 9}|{'-' * 8}|{'-' * 8}|",
+        f"Llama {r['params'] / 1e6:.1f}M params + AdamW, checkpoint {gb:.3f} GB, 2 CPU ranks; "
+        "ratio: raw seconds / the row's for save and load rows (1.00 = raw disk speed), the "
+        "row's seconds / a sync save for async rows.",
+        "",
+        "| operation | seconds | GB/s | ratio |",
+        "| --- | ---: | ---: | ---: |",
     ]
     for label, key, ref in _ROWS:
         seconds = r[key]
-        rate = f"{gb / seconds:6.2f}" if ref and not ref.startswith("/") else ""
+        rate = f"{gb / seconds:.2f}" if ref and not ref.startswith("/") else ""
         ratio = ""
         if ref:
-            ratio = f"{seconds / r[ref[1:]]:6.2f}" if ref[0] == "/" else f"{r[ref] / seconds:6.2f}"
-        lines.append(f"| {label:<{_W}} | {seconds:7.3f} | {rate:>6} | {ratio:>6} |")
+            ratio = f"{seconds / r[ref[1:]]:.2f}" if ref[0] == "/" else f"{r[ref] / seconds:.2f}"
+        lines.append(f"| {label.strip()} | {seconds:.3f} | {rate} | {ratio} |")
     direct = r["resume.direct_bytes"] / max(r["resume.bytes"], 1)
-    lines.append(
+    lines += [
+        "",
         f"{r['items']:.0f} tensors per rank; staging buffers held per rank: "
         f"{r['staging_bytes'] / 1e6:,.1f} MB; bytes read straight into the targets on "
-        f"resume: {direct:.1%} of this rank's reads"
-    )
+        f"resume: {direct:.1%} of this rank's reads.",
+    ]
     return "\n".join(lines)
+
+
+def render(results: dict[str, Any]) -> str:
+    """docs/checkpoints.md's table (tests/unit/test_bench_docs.py checks it)."""
+    head = results_io.provenance(results, NAME) + f" Medians of {results['reps']} repetitions."
+    return head + "\n\n" + _table(results["slowest"]) + "\n"
+
+
+def render_docs() -> None:
+    results_io.render_into(DOCS, NAME, render(results_io.read(NAME)))
 
 
 def main() -> None:
@@ -334,14 +356,22 @@ def main() -> None:
     parser.add_argument("--large", action="store_true", help="16 layers x 2048 (~1B params)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where to write")
+    parser.add_argument("--render-docs", action="store_true", help="only re-render the docs")
     args = parser.parse_args()
+    if args.render_docs:
+        render_docs()
+        return
     shape = (16, 2048, 5632) if args.large else (args.layers, args.dim, args.ffn)
     where = tempfile.mkdtemp(prefix="fsdpkit-ckpt-bench-", dir=args.dir)
     try:
         results = run_ranks(_bench, world_size=2, args=(shape, args.reps, where), timeout_s=3600)
     finally:
         shutil.rmtree(where, ignore_errors=True)
-    print(_table(_slowest(results)))
+    results = json.loads(json.dumps(results, default=float))  # NumPy scalars: plain floats
+    slowest = _slowest(results)
+    print(_table(slowest))
+    results_io.write(NAME, shape=list(shape), reps=args.reps, slowest=slowest, ranks=results)
+    render_docs()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python bench/finetune_memory.py                     # HF Llama d=512, 8 layers, vocab 32000
     python bench/finetune_memory.py --world 2 4 --rank 8 64
     python bench/finetune_memory.py --dim 1024 --vocab 4096  # blocks dominate, not embeddings
+    python bench/finetune_memory.py --render-docs            # only re-render docs/finetune.md
 
 Writes a random-weight Hugging Face Llama directory once (under --cache), then for each
 row runs on N gloo ranks what ``fsdpkit train model.hf=DIR ...`` does: build on meta,
@@ -18,7 +19,11 @@ step (batch 2 x 256 tokens per rank, fp32). Per rank it reports:
 - the ratio of that peak to the full fine-tune's at the same world size.
 
 Memory is exact and repeatable here (not a timing), so one run per row suffices; the
-"full (again)" row is a same-vs-same control that must read 1.00.
+"full (again)" row is a same-vs-same control that must read 1.00. Each ``--dim`` is paired
+with the ``--vocab`` at the same position (by default both shapes of docs/finetune.md's
+table: d=512 with vocabulary 32000, embeddings a large share; d=1024 with 4096, blocks
+dominate); every row goes to ``bench/results/finetune_memory.json`` and docs/finetune.md's
+table is rendered from it.
 """
 
 from __future__ import annotations
@@ -27,7 +32,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+import results_io
+
 from fsdpkit.testing import run_ranks
+
+NAME = "finetune_memory"
+DOCS = results_io.ROOT / "docs" / "finetune.md"
 
 ROWS: dict[str, list[str]] = {
     "full fine-tune": [],
@@ -87,44 +97,102 @@ def _measure(
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--world", type=int, nargs="+", default=[2])
-    p.add_argument("--rank", type=int, nargs="+", default=[16], help="LoRA ranks to measure")
-    p.add_argument("--dim", type=int, default=512, help="hidden size")
-    p.add_argument("--vocab", type=int, default=32000, help="vocabulary")
-    p.add_argument("--cache", default="/tmp/fsdpkit-bench-finetune", help="model directory cache")
-    args = p.parse_args()
-    model_dir = Path(args.cache) / f"llama-d{args.dim}-v{args.vocab}-l8"
+def _model_dir(cache: str, dim: int, vocab: int) -> Path:
+    model_dir = Path(cache) / f"llama-d{dim}-v{vocab}-l8"
     if not (model_dir / "config.json").is_file():
         from fsdpkit.testing.hf import write_tiny_model
 
         write_tiny_model(
-            model_dir, arch="llama", vocab_size=args.vocab, dim=args.dim, layers=8, heads=8,
-            kv_heads=4, ffn=args.dim * 11 // 4, tokenizer=False,
+            model_dir, arch="llama", vocab_size=vocab, dim=dim, layers=8, heads=8,
+            kv_heads=4, ffn=dim * 11 // 4, tokenizer=False,
         )  # fmt: skip
+    return model_dir
+
+
+def _measure_shape(
+    model_dir: Path, *, dim: int, vocab: int, world: int, rows: list[tuple[str, list[str]]]
+) -> list[dict[str, Any]]:
+    """Every row at one model shape and world size; peaks relative to the first row."""
+    out: list[dict[str, Any]] = []
+    full = None
+    for name, overrides in rows:
+        job = (str(model_dir), overrides, vocab)
+        got = run_ranks(_measure, world_size=world, args=job, timeout_s=900)
+        peak = max(g["peak"] for g in got)
+        full = full or peak
+        g = got[0]
+        row = {
+            "dim": dim, "vocab": vocab, "world": world, "row": name,
+            "params": g["total"], "trainable_rank0": g["trainable"],
+            "trainable_share": sum(x["trainable"] for x in got) / g["total"],
+            "optimizer_bytes_rank0": g["optimizer_bytes"],
+            "optimizer_8b_per_elem": all(x["optimizer_bytes"] == 8 * x["trainable"] for x in got),
+            "step_peak_bytes": peak, "x_full": round(peak / full, 4),
+        }  # fmt: skip
+        print(
+            f"{world:>5} d={dim:<5} {name:<28} {g['trainable']:>12,} "
+            f"{100 * row['trainable_share']:>7.2f}% {g['optimizer_bytes'] / MIB:>9.2f} MiB "
+            f"{'yes' if row['optimizer_8b_per_elem'] else 'NO':>4} {peak / MIB:>9.1f} MiB "
+            f"{peak / full:>6.2f}",
+            flush=True,
+        )
+        out.append(row)
+    return out
+
+
+def render(results: dict[str, Any]) -> str:
+    """docs/finetune.md's table (tests/unit/test_bench_docs.py checks it)."""
+    lines = [
+        results_io.provenance(results, NAME),
+        "",
+        "| model | ranks | row | trainable / rank | of total | AdamW state / rank | "
+        "= 8 B x trainable | step peak / rank | x full |",
+        "| --- | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: |",
+    ]
+    shown = None
+    for r in results["rows"]:
+        key = (r["dim"], r["vocab"], r["world"])
+        model = f"d={r['dim']}, V={r['vocab']} ({r['params'] / 1e6:.1f}M)" if key != shown else ""
+        shown = key
+        lines.append(
+            f"| {model} | {r['world']} | {r['row']} | {r['trainable_rank0']:,} | "
+            f"{100 * r['trainable_share']:.2f}% | {r['optimizer_bytes_rank0'] / MIB:.2f} MiB | "
+            f"{'yes' if r['optimizer_8b_per_elem'] else 'NO'} | "
+            f"{r['step_peak_bytes'] / MIB:.1f} MiB | {r['x_full']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def render_docs() -> None:
+    results_io.render_into(DOCS, NAME, render(results_io.read(NAME)))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--world", type=int, nargs="+", default=[2])
+    p.add_argument("--rank", type=int, nargs="+", default=[16], help="LoRA ranks to measure")
+    p.add_argument("--dim", type=int, nargs="+", default=[512, 1024], help="hidden sizes")
+    p.add_argument("--vocab", type=int, nargs="+", default=[32000, 4096], help="one per --dim")
+    p.add_argument("--cache", default="/tmp/fsdpkit-bench-finetune", help="model directory cache")
+    p.add_argument("--render-docs", action="store_true", help="only re-render docs/finetune.md")
+    args = p.parse_args()
+    if args.render_docs:
+        render_docs()
+        return
+    if len(args.dim) != len(args.vocab):
+        p.error(f"--dim has {len(args.dim)} values and --vocab {len(args.vocab)}: give one each")
     rows = []
     for name, overrides in ROWS.items():
         for r in args.rank if "{r}" in name else [None]:
             rows.append((name.format(r=r), [o.format(r=r) for o in overrides]))
-    print(f"model: {model_dir} (HF Llama, fp32), batch 2 x 256 tokens per rank, AdamW")
-    head = ("world", "row", "trainable/rank", "of total", "optimizer/rank", "= 8 B/elem")
-    print("{:>5}  {:<28} {:>15} {:>9} {:>15} {:>10}".format(*head), "step peak/rank  x full")
-    for world in args.world:
-        full = None
-        for name, overrides in rows:
-            job = (str(model_dir), overrides, args.vocab)
-            got = run_ranks(_measure, world_size=world, args=job, timeout_s=900)
-            peak = max(g["peak"] for g in got)
-            full = full or peak
-            g = got[0]
-            share = 100 * sum(x["trainable"] for x in got) / g["total"]
-            exact = all(x["optimizer_bytes"] == 8 * x["trainable"] for x in got)
-            print(
-                f"{world:>5}  {name:<28} {g['trainable']:>15,} {share:>8.2f}% "
-                f"{g['optimizer_bytes'] / MIB:>11.2f} MiB {'yes' if exact else 'NO':>10} "
-                f"{peak / MIB:>11.1f} MiB {peak / full:>7.2f}"
-            )
+    print("HF Llama, 8 layers, fp32, batch 2 x 256 tokens per rank, AdamW")
+    measured = []
+    for dim, vocab in zip(args.dim, args.vocab, strict=True):
+        model_dir = _model_dir(args.cache, dim, vocab)
+        for world in args.world:
+            measured += _measure_shape(model_dir, dim=dim, vocab=vocab, world=world, rows=rows)
+    results_io.write(NAME, rows=measured)
+    render_docs()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python bench/hf_load_memory.py                      # Llama, d=1024, 8 layers, vocab 32000
     python bench/hf_load_memory.py --dim 2048 --layers 4 --world 2 4
+    python bench/hf_load_memory.py --render-docs        # only re-render docs/models.md
 
 Writes a random-weight Llama directory once (under --cache), then on N gloo ranks runs
 what ``fsdpkit train model.hf=DIR`` does before the first step: build on meta, shard,
@@ -17,18 +18,20 @@ read each rank's own slices (DCP's HuggingFaceStorageReader). It measures, per r
 
 The control row is what a factory without meta does: the whole model built on the
 CPU in every rank, its weights loaded, then sharded; measured the same way. Ratios
-are against the full model's fp32 bytes.
+are against the full model's fp32 bytes. Every row goes to
+``bench/results/hf_load_memory.json``; docs/models.md's table is rendered from it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import results_io
 
 from fsdpkit.testing import run_ranks
 
@@ -71,11 +74,11 @@ def _reset_rss_peak() -> int:
 
 def _load_fsdpkit(model_dir: str) -> None:
     from fsdpkit import build_mesh, shard
-    from fsdpkit.config import ModelConfig, ParallelConfig, RunConfig
+    from fsdpkit.config import ModelConfig, RunConfig
     from fsdpkit.models.factory import build_model
 
     built = build_model(ModelConfig(hf=model_dir), vocab_size=256, seq_len=128, seed=0)
-    cfg = RunConfig(parallel=ParallelConfig(block_classes=built.block_classes))
+    cfg = RunConfig(model=ModelConfig(hf=model_dir))  # blocks: the model's _no_split_modules
     shard(built.module, cfg, mesh=build_mesh(), init=built.init)
     _load_fsdpkit.model = built.module  # type: ignore[attr-defined]  # alive while measured
 
@@ -137,6 +140,39 @@ def _write(cache: Path, *, dim: int, layers: int, vocab: int) -> tuple[Path, int
     return out, nbytes
 
 
+NAME = "hf_load_memory"
+DOCS = results_io.ROOT / "docs" / "models.md"
+MIB = 2**20
+
+
+def render(results: dict[str, Any]) -> str:
+    """docs/models.md's table (tests/unit/test_bench_docs.py checks it)."""
+    full = results["full_copy_bytes"]
+    lines = [
+        results_io.provenance(results, NAME),
+        "",
+        f"Llama d={results['dim']}, {results['layers']} layers, vocabulary {results['vocab']}: "
+        f"{full / MIB:.0f} MiB of fp32 weights (one full copy); per rank, at the peak of loading.",
+        "",
+        "| load | ranks | tensor peak | x full copy | held after | RSS increase | x full copy "
+        "| anonymous | file pages | seconds |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results["rows"]:
+        load = "`model.hf`" if r["load"] == "model.hf" else "full copy (control)"
+        lines.append(
+            f"| {load} | {r['ranks']} | {r['tensor_peak'] / MIB:.0f} MiB | "
+            f"{r['tensor_peak'] / full:.2f} | {r['held_after'] / MIB:.0f} MiB | "
+            f"{r['rss'] / MIB:.0f} MiB | {r['rss'] / full:.2f} | {r['anon'] / MIB:.0f} MiB | "
+            f"{r['file'] / MIB:.0f} MiB | {r['seconds']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def render_docs() -> None:
+    results_io.render_into(DOCS, NAME, render(results_io.read(NAME)))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dim", type=int, default=1024)
@@ -144,27 +180,27 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--world", type=int, nargs="+", default=[2])
     p.add_argument("--cache", default="/tmp/fsdpkit-bench-hf")
+    p.add_argument("--render-docs", action="store_true", help="only re-render docs/models.md")
     args = p.parse_args()
+    if args.render_docs:
+        render_docs()
+        return
     os.environ["HF_HUB_OFFLINE"] = "1"
     model_dir, full = _write(Path(args.cache), dim=args.dim, layers=args.layers, vocab=args.vocab)
-    print(f"model: {model_dir} ({full / 2**20:.0f} MiB of fp32 weights = one full copy)\n")
-    mib = 2**20
-    print(
-        f"{'load':<12}{'ranks':>6}{'tensor peak/rank':>18}{'x full':>8}{'held after':>12}"
-        f"{'RSS +peak':>11}{'x full':>8}{'anon +peak':>12}{'file +peak':>12}{'s':>7}"
-    )
-    rows = [("model.hf", w) for w in args.world] + [("full copy", args.world[0])]
-    for how, world in rows:
+    print(f"model: {model_dir} ({full / MIB:.0f} MiB of fp32 weights = one full copy)\n")
+    rows = []
+    for how, world in [("model.hf", w) for w in args.world] + [("full copy", args.world[0])]:
         res = run_ranks(_measure, world_size=world, args=(str(model_dir), how), timeout_s=900)
         worst = max(res, key=lambda r: r["tensor_peak"])
-        rss, anon, file = (max(r[k] for r in res) for k in ("rss", "anon", "file"))
-        peak = worst["tensor_peak"]
-        print(
-            f"{how:<12}{world:>6}{peak / mib:>16.0f} M{peak / full:>8.2f}"
-            f"{worst['held_after'] / mib:>10.0f} M{rss / mib:>9.0f} M{rss / full:>8.2f}"
-            f"{anon / mib:>10.0f} M{file / mib:>10.0f} M{max(r['seconds'] for r in res):>7.1f}"
-        )
-        sys.stdout.flush()
+        row = {"load": how, "ranks": world, "tensor_peak": worst["tensor_peak"]}
+        row["held_after"] = worst["held_after"]
+        row |= {k: max(r[k] for r in res) for k in ("rss", "anon", "file", "seconds")}
+        print(row, flush=True)
+        rows.append(row)
+    results_io.write(
+        NAME, dim=args.dim, layers=args.layers, vocab=args.vocab, full_copy_bytes=full, rows=rows
+    )
+    render_docs()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ bench/plan_accuracy.py measures it (c10's process-wide allocator count, [Note:
 measuring CPU peaks] in fsdpkit.cpumem), above what the rank held before the
 session was built, max over ranks. Reported per lever: median tokens/s and peak of
 each side over the rounds, and on/off ratios. bench/gpu_levers.py prints the same
-table on GPUs (NCCL, torchrun; peak = torch.cuda.max_memory_allocated).
+table on GPUs (NCCL, torchrun; peak = torch.cuda.max_memory_allocated). A run of every
+lever (no ``--only``) writes ``bench/results/levers.json`` and renders docs/levers.md's
+table from it; ``--render-docs`` only re-renders.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import results_io
 import torch
 
 Lever = tuple[str, tuple[str, ...], tuple[str, ...]]
@@ -217,6 +220,58 @@ def table(merged: dict[str, Any], *, memory: str) -> str:
     return "\n".join(lines)
 
 
+NAME = "levers"
+DOCS = results_io.ROOT / "docs" / "levers.md"
+
+
+def rows(merged: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per lever: each round's tokens/s and peak bytes of both sides, and the medians."""
+    out = []
+    for name, sides in merged.items():
+        (t_off, p_off), (t_on, p_on) = sides["off"], sides["on"]
+        out.append(
+            {
+                "lever": name, "off_tok_s": t_off, "on_tok_s": t_on, "off_peak": p_off,
+                "on_peak": p_on, "off_tok_s_median": statistics.median(t_off),
+                "on_tok_s_median": statistics.median(t_on),
+                "off_peak_median": statistics.median(p_off),
+                "on_peak_median": statistics.median(p_on),
+            }
+        )  # fmt: skip
+    return out
+
+
+def render(results: dict[str, Any]) -> str:
+    """docs/levers.md's table (tests/unit/test_bench_docs.py checks it)."""
+    mib = 2**20
+    lines = [
+        results_io.provenance(results, NAME),
+        "",
+        f"2 CPU ranks (gloo), fp32, {results['base']}, seq 256 x 2 per rank; "
+        f"{results['reps']} alternating rounds x ({results['warmup']} warm-up + "
+        f"{results['steps']} timed steps) per side, {results['seconds']:.0f} s. Peak: true "
+        "peak of live CPU tensor bytes per rank (c10 allocator count), max over ranks; "
+        "tokens/s: global (all ranks), median over rounds.",
+        "",
+        "| lever | off tok/s | on tok/s | ratio | off peak | on peak | ratio | tok/s ratio "
+        "per round |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in results["rows"]:
+        to, tn = r["off_tok_s_median"], r["on_tok_s_median"]
+        po, pn = r["off_peak_median"], r["on_peak_median"]
+        rounds = " ".join(f"{b / a:.2f}" for a, b in zip(r["off_tok_s"], r["on_tok_s"]))
+        lines.append(
+            f"| {r['lever']} | {to:,.0f} | {tn:,.0f} | {tn / to:.2f} | {po / mib:.1f} MiB | "
+            f"{pn / mib:.1f} MiB | {pn / po:.2f} | {rounds} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def render_docs() -> None:
+    results_io.render_into(DOCS, NAME, render(results_io.read(NAME)))
+
+
 def select(only: str) -> list[Lever]:
     chosen = [lv for lv in LEVERS if only.lower() in lv[0].lower()]
     return [LEVERS[0], *[lv for lv in chosen if lv is not LEVERS[0]]]  # always the control
@@ -232,7 +287,12 @@ def parser(doc: str) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser(__doc__ or "").parse_args(argv)
+    p = parser(__doc__ or "")  # bench/gpu_levers.py shares it; rendering is CPU-only
+    p.add_argument("--render-docs", action="store_true", help="only re-render docs/levers.md")
+    args = p.parse_args(argv)
+    if args.render_docs:
+        render_docs()
+        return 0
     from fsdpkit.testing import run_ranks
 
     levers = select(args.only)
@@ -249,7 +309,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.steps} timed steps) per side; {time.perf_counter() - start:.0f} s"
     )
     memory = "true peak of live CPU tensor bytes per rank (c10 allocator count), max over ranks"
-    print(table(merge(per_rank), memory=memory))
+    merged = merge(per_rank)
+    print(table(merged, memory=memory))
+    if not args.only:
+        results_io.write(
+            NAME, base=" ".join(BASE[:7]), reps=args.reps, steps=args.steps,
+            warmup=args.warmup, seconds=round(time.perf_counter() - start, 1), rows=rows(merged),
+        )  # fmt: skip
+        render_docs()
     return 0
 
 

@@ -9,7 +9,8 @@ minus one-hot, the two gradient matmuls) as a plain function, eager and compiled
 inductor (``torch.compile(fullgraph=True)``), alternating eager / compiled / eager
 again (the control) per repetition. Prints per dtype the median time of each and the
 ratios; compile time is measured apart (the first call). ``train.compile`` compiles
-the blocks only: this bench is why.
+the blocks only: this bench is why. Writes ``bench/results/loss_compile.json`` and
+renders docs/levers-act.md's table from it (``--render-docs`` only re-renders).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
+import results_io
 import torch
 
 from fsdpkit.data.batch import IGNORE_INDEX
@@ -40,7 +43,11 @@ def _time(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def measure(*, dtype: torch.dtype, tokens: int, vocab: int, dim: int, reps: int) -> str:
+NAME = "loss_compile"
+DOCS = results_io.ROOT / "docs" / "levers-act.md"
+
+
+def measure(*, dtype: torch.dtype, tokens: int, vocab: int, dim: int, reps: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     h = torch.randn(tokens, dim, generator=g).to(dtype)
     w = (torch.randn(vocab, dim, generator=g) * dim**-0.5).to(dtype)
@@ -55,12 +62,43 @@ def measure(*, dtype: torch.dtype, tokens: int, vocab: int, dim: int, reps: int)
         times["compiled"].append(_time(lambda: compiled(h, w, tgt)))
         times["eager (again)"].append(_time(lambda: chunk_step(h, w, tgt)))
     med = {k: statistics.median(v) for k, v in times.items()}
-    name = str(dtype).removeprefix("torch.")
-    return (
-        f"{name:<6} {med['eager'] * 1e3:>9.1f} {med['compiled'] * 1e3:>11.1f} "
-        f"{med['eager (again)'] * 1e3:>9.1f} {med['eager'] / med['compiled']:>9.2f}x "
-        f"{med['eager'] / med['eager (again)']:>8.2f}x {first:>9.1f} {gap:>9.1e}"
-    )
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "eager_ms": round(med["eager"] * 1e3, 1),
+        "compiled_ms": round(med["compiled"] * 1e3, 1),
+        "eager_again_ms": round(med["eager (again)"] * 1e3, 1),
+        "speedup": round(med["eager"] / med["compiled"], 3),
+        "control": round(med["eager"] / med["eager (again)"], 3),
+        "compile_s": round(first, 1),
+        "rel_gap": gap,
+    }
+
+
+def render(results: dict[str, Any]) -> str:
+    """docs/levers-act.md's table (tests/unit/test_bench_docs.py checks it)."""
+    lines = [
+        results_io.provenance(results, NAME),
+        "",
+        f"One chunk of the chunked loss, forward + backward: {results['tokens']} tokens x "
+        f"vocab {results['vocab']} x d {results['dim']}, {results['threads']} thread(s), "
+        f"median of {results['reps']}; speedup = eager / compiled, control = eager / eager "
+        "again.",
+        "",
+        "| dtype | eager ms | compiled ms | eager again ms | speedup | control | compile s "
+        "| rel. gap |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results["rows"]:
+        lines.append(
+            f"| {r['dtype']} | {r['eager_ms']:.1f} | {r['compiled_ms']:.1f} | "
+            f"{r['eager_again_ms']:.1f} | {r['speedup']:.2f}x | {r['control']:.2f}x | "
+            f"{r['compile_s']:.1f} | {r['rel_gap']:.1e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def render_docs() -> None:
+    results_io.render_into(DOCS, NAME, render(results_io.read(NAME)))
 
 
 def main() -> int:
@@ -70,16 +108,22 @@ def main() -> int:
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--render-docs", action="store_true", help="only re-render the docs table")
     args = p.parse_args()
+    if args.render_docs:
+        render_docs()
+        return 0
     torch.set_num_threads(args.threads)
-    print(
-        f"one chunk of the chunked loss, forward + backward: {args.tokens} tokens x vocab "
-        f"{args.vocab} x d {args.dim}, {args.threads} thread(s), median of {args.reps}"
-    )
-    print("dtype  eager ms  compiled ms  again ms   speedup  control  compile s  rel. gap")
+    rows = []
     for dtype in (torch.float32, torch.bfloat16):
-        print(measure(dtype=dtype, tokens=args.tokens, vocab=args.vocab, dim=args.dim,
-                      reps=args.reps))  # fmt: skip
+        rows.append(measure(dtype=dtype, tokens=args.tokens, vocab=args.vocab, dim=args.dim,
+                            reps=args.reps))  # fmt: skip
+        print(rows[-1], flush=True)
+    results_io.write(
+        NAME, tokens=args.tokens, vocab=args.vocab, dim=args.dim, threads=args.threads,
+        reps=args.reps, rows=rows,
+    )  # fmt: skip
+    render_docs()
     return 0
 
 

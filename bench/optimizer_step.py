@@ -13,7 +13,9 @@ and 1-D norms in the trainer's two parameter groups — fills the gradients, and
 alternating order (ABCABC...), each on its own optimizer with its own states. A
 control row times the first implementation twice as two separate entries (same vs
 same: the noise floor). Reported: median seconds per step, elements per second, and
-each implementation's speed relative to the slowest.
+each implementation's speed relative to the for-loop row (never to the control row:
+that is the noise floor, not a baseline). Writes ``bench/results/optimizer_step.json``
+and renders docs/levers.md's table from it (``--render-docs`` only re-renders).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
+import results_io
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -35,6 +39,8 @@ from torch.distributed.fsdp import fully_shard
 from fsdpkit.config import TrainConfig
 from fsdpkit.trainable.optim import build_optimizer
 
+NAME = "optimizer_step"
+DOCS = results_io.ROOT / "docs" / "levers.md"
 IMPLS = ("for-loop", "foreach", "fused")
 
 
@@ -103,18 +109,53 @@ def run(elements: int, *, reps: int, deepspeed: bool) -> tuple[int, dict[str, li
     return numel, times
 
 
-def table(numel: int, times: dict[str, list[float] | str]) -> str:
-    medians = {k: statistics.median(v) for k, v in times.items() if isinstance(v, list)}
-    slowest = max(medians.values())
-    lines = [f"{'implementation':<22}{'s/step':>9}{'Melem/s':>10}{'vs slowest':>12}  runs"]
+def rows(numel: int, times: dict[str, list[float] | str]) -> list[dict[str, Any]]:
+    """One row per implementation: median, spread and speed relative to the for-loop."""
+    base = statistics.median(times[IMPLS[0]])  # type: ignore[arg-type]
+    out: list[dict[str, Any]] = []
     for name, value in times.items():
         if isinstance(value, str):
-            lines.append(f"{name:<22}{'-':>9}{'-':>10}{'-':>12}  not run: {value[:120]}")
+            out.append({"implementation": name, "not_run": value[:200]})
             continue
-        m = medians[name]
-        spread = f"{min(value):.3f}-{max(value):.3f}s"
-        lines.append(f"{name:<22}{m:>9.3f}{numel / m / 1e6:>10.1f}{slowest / m:>11.2f}x  {spread}")
-    return "\n".join(lines)
+        m = statistics.median(value)
+        out.append(
+            {
+                "implementation": name,
+                "median_s": round(m, 4),
+                "min_s": round(min(value), 4),
+                "max_s": round(max(value), 4),
+                "melem_s": round(numel / m / 1e6, 1),
+                "vs_for_loop": round(base / m, 2),
+            }
+        )
+    return out
+
+
+def render(results: dict[str, Any]) -> str:
+    """docs/levers.md's table (tests/unit/test_bench_docs.py checks it)."""
+    lines = [
+        results_io.provenance(results, NAME),
+        "",
+        f"{results['elements'] / 1e6:.1f}M fp32 elements (DTensor, FSDP2), "
+        f"{results['threads']} thread(s), torch {results['torch']}, {results['reps']} "
+        "alternating rounds, median; speed relative to the for-loop row.",
+        "",
+        "| implementation | s/step | Melem/s | vs for-loop | runs |",
+        "| --- | ---: | ---: | ---: | --- |",
+    ]
+    for r in results["rows"]:
+        if "not_run" in r:
+            lines.append(f"| {r['implementation']} | - | - | - | not run: {r['not_run']} |")
+            continue
+        lines.append(
+            f"| {r['implementation']} | {r['median_s']:.3f} | {r['melem_s']:,.1f} | "
+            f"{r['vs_for_loop']:.2f}x | {r['min_s']:.3f}-{r['max_s']:.3f} s |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def render_docs() -> None:
+    results_io.render_into(DOCS, NAME, render(results_io.read(NAME)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,7 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=6, help="alternating rounds")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--deepspeed", action="store_true", help="add DeepSpeed's CPUAdam")
+    parser.add_argument(
+        "--render-docs", action="store_true", help="only re-render docs/levers.md's table"
+    )
     args = parser.parse_args(argv)
+    if args.render_docs:
+        render_docs()
+        return 0
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -137,7 +184,18 @@ def main(argv: list[str] | None = None) -> int:
         f"(DTensor, FSDP2), {args.threads} thread(s), torch {torch.__version__}, "
         f"{args.reps} alternating rounds, median"
     )
-    print(table(numel, times))
+    table = rows(numel, times)
+    for r in table:
+        print(r)
+    results_io.write(
+        NAME,
+        elements=numel,
+        threads=args.threads,
+        reps=args.reps,
+        torch=torch.__version__,
+        rows=table,
+    )
+    render_docs()
     return 0
 
 

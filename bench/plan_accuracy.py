@@ -3,6 +3,7 @@
     python bench/plan_accuracy.py            # the whole matrix (~6-10 min on 2 cores)
     python bench/plan_accuracy.py --quick    # the subset the tests use
     python bench/plan_accuracy.py --only V   # rows whose name starts with V
+    python bench/plan_accuracy.py --render-docs   # only re-render docs/planner.md's table
 
 Every configuration trains real steps with the trainer's own model, ``shard()`` and
 step function on gloo ranks (fsdpkit.testing.run_ranks) and measures the true peak of
@@ -12,6 +13,9 @@ over ranks per step). "typical" is the median step, "worst" the highest. The par
 plans the same configuration analytically and traced and prints the table.
 Targets: within 3% of the typical step and 5% of the worst one (issue 8); the
 planner's own bound (peak + the late-free spread it reports) should cover the worst.
+A run of the whole matrix writes ``bench/results/plan_accuracy.json`` (every row) and
+renders docs/planner.md's table from it; ``--only`` / ``--quick`` runs print only (a
+subset must not replace the matrix the docs quote).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import results_io
 
 from fsdpkit.config import RunConfig, load
 from fsdpkit.models.llama import LlamaConfig
@@ -309,30 +316,103 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+NAME = "plan_accuracy"
+DOCS = results_io.ROOT / "docs" / "planner.md"
+MIB = 2**20
+
+
+def record(r: Result) -> dict[str, Any]:
+    """One row of the results file: the measured steps and both plans, in bytes."""
+    return {
+        "configuration": r.case.name, "world": r.case.world, "steps": list(r.steps),
+        "typical": r.typical, "worst": r.worst, "analytic": r.analytic, "traced": r.traced,
+        "spread": r.spread, "peak_at": r.where,
+    }  # fmt: skip
+
+
+def _err(predicted: int | None, truth: int) -> str:
+    return "-" if predicted is None else f"{(predicted - truth) / truth:+.1%}"
+
+
+def render(results: dict[str, Any]) -> str:
+    """docs/planner.md's table and its worst errors (tests/unit/test_bench_docs.py)."""
+    lines = [
+        results_io.provenance(results, NAME),
+        "",
+        "| configuration | ranks | typical | worst | analytic | err | (worst) | traced | err "
+        "| (worst) | bound | peak at |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    for r in results["rows"]:
+        bound = r["analytic"] if r["analytic"] is not None else r["traced"]
+        covered = "ok" if bound + r["spread"] >= r["worst"] * 0.995 else "BELOW"
+        a = "-" if r["analytic"] is None else f"{r['analytic'] / MIB:.2f} MiB"
+        lines.append(
+            f"| {r['configuration']} | {r['world']} | {r['typical'] / MIB:.2f} MiB | "
+            f"{r['worst'] / MIB:.2f} MiB | {a} | {_err(r['analytic'], r['typical'])} | "
+            f"{_err(r['analytic'], r['worst'])} | {r['traced'] / MIB:.2f} MiB | "
+            f"{_err(r['traced'], r['typical'])} | {_err(r['traced'], r['worst'])} | {covered} "
+            f"| {r['peak_at']} |"
+        )
+    w = results["worst_error"]
+    lines += [
+        "",
+        f"{len(results['rows'])} configurations x {results['steps']} steps in "
+        f"{results['seconds']:.0f} s. Worst error vs the typical step: analytic "
+        f"{w['analytic_typical']:.1%}, traced {w['traced_typical']:.1%} (target 3%); vs the "
+        f"worst step: analytic {w['analytic_worst']:.1%}, traced {w['traced_worst']:.1%} "
+        "(target 5%).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def worst_errors(results: list[Result]) -> dict[str, float]:
+    analytic = [r for r in results if r.analytic is not None]
+    return {
+        "analytic_typical": max((abs(r.error(r.analytic)) for r in analytic), default=0.0),  # type: ignore[arg-type]
+        "traced_typical": max(abs(r.error(r.traced)) for r in results),
+        "analytic_worst": max(
+            (abs(r.error(r.analytic, worst=True)) for r in analytic),  # type: ignore[arg-type]
+            default=0.0,
+        ),
+        "traced_worst": max(abs(r.error(r.traced, worst=True)) for r in results),
+    }
+
+
+def render_docs() -> None:
+    results_io.render_into(DOCS, NAME, render(results_io.read(NAME)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only the tests' subset")
     parser.add_argument("--only", default="", help="rows whose name starts with this")
     parser.add_argument("--steps", type=int, default=6, help="measured steps per row")
+    parser.add_argument("--render-docs", action="store_true", help="only re-render the docs")
     args = parser.parse_args(argv)
+    if args.render_docs:
+        render_docs()
+        return 0
     start = time.perf_counter()
     cases = [c for c in (QUICK if args.quick else CASES) if c.name.startswith(args.only)]
     results = rows(cases, steps=args.steps)
+    seconds = time.perf_counter() - start
     print(table(results))
-    analytic = [r for r in results if r.analytic is not None]
-    worst_a = max((abs(r.error(r.analytic)) for r in analytic if r.analytic), default=0.0)
-    worst_t = max(abs(r.error(r.traced)) for r in results)
-    worst_aw = max(
-        (abs(r.error(r.analytic, worst=True)) for r in analytic if r.analytic), default=0.0
-    )
-    worst_tw = max(abs(r.error(r.traced, worst=True)) for r in results)
+    w = worst_errors(results)
     print(
-        f"\nworst error vs the typical step: analytic {worst_a:.1%}, traced {worst_t:.1%} "
-        f"(target 3%); vs the worst step: analytic {worst_aw:.1%}, traced {worst_tw:.1%} "
-        f"(target 5%); {len(results)} configurations x {args.steps} steps in "
-        f"{time.perf_counter() - start:.0f} s"
+        f"\nworst error vs the typical step: analytic {w['analytic_typical']:.1%}, traced "
+        f"{w['traced_typical']:.1%} (target 3%); vs the worst step: analytic "
+        f"{w['analytic_worst']:.1%}, traced {w['traced_worst']:.1%} (target 5%); "
+        f"{len(results)} configurations x {args.steps} steps in {seconds:.0f} s"
     )
-    return 0 if max(worst_a, worst_t) <= 0.03 and max(worst_aw, worst_tw) <= 0.05 else 1
+    if cases == CASES:
+        results_io.write(
+            NAME, steps=args.steps, seconds=round(seconds, 1), worst_error=w,
+            rows=[record(r) for r in results],
+        )  # fmt: skip
+        render_docs()
+    typical = max(w["analytic_typical"], w["traced_typical"])
+    return 0 if typical <= 0.03 and max(w["analytic_worst"], w["traced_worst"]) <= 0.05 else 1
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ every such block against its results file.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -19,11 +20,14 @@ import subprocess
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 BENCH = Path(__file__).parent
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
+DOCS = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
+"""Every Markdown file a rendered block may live in."""
 BLOCK = re.compile(r"<!-- ([a-z0-9_]+):begin -->\n(.*?)<!-- \1:end -->", re.S)
 """A rendered block in a Markdown file: its bench's name and its text."""
 
@@ -85,6 +89,12 @@ def render_into(doc: Path, name: str, text: str) -> None:
     """Replace the ``name`` block of ``doc`` with ``text``."""
     source = doc.read_text()
     begin, end = f"<!-- {name}:begin -->\n", f"<!-- {name}:end -->"
+    if begin not in source or end not in source:
+        raise SystemExit(
+            f"{doc.relative_to(ROOT)} has no {name} block: bench/results/{name}.json is "
+            f"written; add the lines '{begin.strip()}' and '{end}' where its table goes "
+            f"and run `python bench/{name}.py --render-docs`"
+        )
     lo, hi = source.index(begin) + len(begin), source.index(end)
     doc.write_text(source[:lo] + text.rstrip("\n") + "\n" + source[hi:])
     print(f"rendered {doc.relative_to(ROOT)} from {path(name).relative_to(ROOT)}")
@@ -93,3 +103,26 @@ def render_into(doc: Path, name: str, text: str) -> None:
 def blocks(doc: Path) -> list[tuple[str, str]]:
     """(bench name, rendered text) of every block in ``doc``."""
     return [(m.group(1), m.group(2)) for m in BLOCK.finditer(doc.read_text())]
+
+
+def bench(name: str) -> ModuleType:
+    """``bench/NAME.py`` as a module (its ``render`` makes NAME's blocks)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    if spec is None or spec.loader is None or not (BENCH / f"{name}.py").is_file():
+        raise FileNotFoundError(f"a block names bench/{name}.py, which does not exist")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def render_all() -> None:
+    """Re-render every block in ``DOCS`` from its committed results file (``make
+    bench-docs``): nothing is rerun, so only a changed ``render`` or results file moves."""
+    for doc in DOCS:
+        for name in dict.fromkeys(n for n, _ in blocks(doc)):
+            render_into(doc, name, bench(name).render(read(name)))
+
+
+if __name__ == "__main__":
+    render_all()

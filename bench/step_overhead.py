@@ -6,7 +6,9 @@ Both models are the same Llama shape with the same settings (full shard, fp32, A
 one FSDP unit per decoder layer + root), built in the same 2-rank CPU run and timed in
 alternating blocks, so machine noise hits both alike. A same-vs-same control row (two
 hand-written copies) shows the noise floor. Prints a table; ratio = hand / fsdpkit
-time (>= 1 means fsdpkit is as fast or faster).
+time (>= 1 means fsdpkit is as fast or faster). Writes
+``bench/results/step_overhead.json`` and renders docs/benchmarks.md's table from it
+(``--render-docs`` only re-renders).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
+import results_io
 import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
@@ -23,6 +27,14 @@ from fsdpkit import RunConfig, build_mesh, clip_grad_norm, shard
 from fsdpkit.init import init_weights
 from fsdpkit.models.llama import Llama, preset
 from fsdpkit.testing import run_ranks
+
+NAME = "step_overhead"
+DOCS = results_io.ROOT / "docs" / "benchmarks.md"
+LABELS = {
+    "hand": "hand-written FSDP2",
+    "hand-2": "hand-written (control)",
+    "fsdpkit": "fsdpkit.shard",
+}
 
 SHAPE = preset("tiny", n_layers=4, dim=256, ffn_dim=688, max_seq_len=256)
 SEQ, BATCH = 256, 4
@@ -76,26 +88,66 @@ def _bench(rank: int, world: int, steps: int, reps: int) -> dict[str, list[float
     return times
 
 
+def render(results: dict[str, Any]) -> str:
+    """docs/benchmarks.md's table (tests/unit/test_bench_docs.py checks it)."""
+    lines = [
+        results_io.provenance(results, NAME),
+        "",
+        f"Llama {results['params_m']:.1f}M params, seq {SEQ}, batch {BATCH}/rank, 2 CPU ranks x "
+        f"1 thread, fp32, {results['reps']} alternating blocks of {results['steps']} steps; "
+        "ratio = hand-written s/step over the row's (>= 1: as fast or faster).",
+        "",
+        "| variant | s/step (median) | min | max | ratio hand/x |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results["rows"]:
+        lines.append(
+            f"| {r['variant']} | {r['median_s']:.4f} | {r['min_s']:.4f} | {r['max_s']:.4f} | "
+            f"{r['ratio']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def render_docs() -> None:
+    results_io.render_into(DOCS, NAME, render(results_io.read(NAME)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
     parser.add_argument("--reps", type=int, default=6, help="alternating blocks per variant")
+    parser.add_argument(
+        "--render-docs", action="store_true", help="only re-render docs/benchmarks.md's table"
+    )
     args = parser.parse_args()
+    if args.render_docs:
+        render_docs()
+        return
     times = run_ranks(_bench, world_size=2, args=(args.steps, args.reps), timeout_s=3600)[0]
     base = statistics.median(times["hand"])
-    print(
-        f"model {SHAPE.num_params() / 1e6:.1f}M params, seq {SEQ}, batch {BATCH}/rank, "
-        f"2 CPU ranks x 1 thread, fp32, {args.reps} alternating blocks of {args.steps} steps"
-    )
-    print(f"{'variant':<24}{'s/step (median)':>16}{'min':>10}{'max':>10}{'ratio hand/x':>14}")
-    for name, label in [
-        ("hand", "hand-written FSDP2"),
-        ("hand-2", "hand-written (control)"),
-        ("fsdpkit", "fsdpkit.shard"),
-    ]:
+    rows = []
+    for name, label in LABELS.items():
         t = times[name]
         med = statistics.median(t)
-        print(f"{label:<24}{med:>16.4f}{min(t):>10.4f}{max(t):>10.4f}{base / med:>14.3f}")
+        rows.append(
+            {
+                "variant": label,
+                "median_s": round(med, 4),
+                "min_s": round(min(t), 4),
+                "max_s": round(max(t), 4),
+                "ratio": round(base / med, 3),
+                "times_s": [round(x, 4) for x in t],
+            }
+        )
+        print(rows[-1])
+    results_io.write(
+        NAME,
+        params_m=round(SHAPE.num_params() / 1e6, 2),
+        steps=args.steps,
+        reps=args.reps,
+        rows=rows,
+    )
+    render_docs()
 
 
 if __name__ == "__main__":
