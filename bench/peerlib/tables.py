@@ -20,6 +20,10 @@ def _ratio(r: list[float | None] | None) -> str:
     return f"{r[0]:.3f} ({_f(r[1], '.2f')}-{_f(r[2], '.2f')})"
 
 
+def _span(r: dict[str, Any]) -> str:
+    return "-" if r["low"] is None else f"{r['low']:,.0f}-{r['high']:,.0f}"
+
+
 def _median(values: list[float]) -> float | None:
     ordered = sorted(values)
     n = len(ordered)
@@ -55,8 +59,7 @@ def speed_table(rows: list[dict[str, Any]], *, twin: bool) -> str:
         share = f"1/{round(1 / r['shard_fraction'])}" if r["shard_fraction"] else "-"
         peaks = " / ".join(f"{m:.1f}" for m in r["peak_mib"]) or "-"
         lines.append(
-            f"| {r['label']} | {_f(r['median'], ',.0f')} | {_f(r['low'], ',.0f')}-"
-            f"{_f(r['high'], ',.0f')} | {_ratio(r['ratio'])} | "
+            f"| {r['label']} | {_f(r['median'], ',.0f')} | {_span(r)} | {_ratio(r['ratio'])} | "
             + (f"{_ratio(r['vs_shared'])} | " if twin else "")
             + f"{peaks} | {share} | {_f(r['max_loss_diff'], '.1e')} | "
             f"{_f(_median(r['wall_s']), '.0f')} | {r['verdict']} |"
