@@ -1,22 +1,30 @@
 """fsdpkit against the frameworks a user would pick instead, on the same work.
 
     make venv && .venv/bin/pip install -e '.[bench]' -c <(echo torch==2.13.0)
-    .venv/bin/python bench/peers.py                    # defaults: < 15 min on 2 CPU cores
-    .venv/bin/python bench/peers.py --reps 8 --out bench-out --rows fsdpkit-train,ddp
+    .venv/bin/python bench/peers.py                    # defaults: ~15 min on 2 CPU cores
+    .venv/bin/python bench/peers.py --reps 2 --out bench-out --rows hand-A,fsdpkit-train,hand-B
+    .venv/bin/python bench/peers.py --render-docs      # BENCHMARKS.md from the results file
 
 Same model (tiny Llama preset, fsdpkit's deterministic weights), same per-rank batches
 (fsdpkit's packed loader), same global batch, fp32, full sharding with every block its
-own unit, same AdamW (decay on matrices only) and clipping, constant LR, same number of
-steps, 2 gloo ranks x 1 thread. Rows run in alternating order (ABBA) for ``--reps``
-repetitions in this one invocation; "hand-written FSDP2 A/B" is the same script twice,
-so its ratio is the noise floor. Each row: tokens/s over steps 3..N-1 (median, min-max),
-the ratio to ``fsdpkit train`` (median over median; min-max of the per-repetition
-ratios), the peak of live tensor memory per rank during step N (c10's process-wide
-allocator count), the parameter share each rank holds (1/N = sharded), and the largest
-loss difference from DDP (the unsharded reference) over every step: above 1e-5 the row
-is WRONG. Then: what Accelerate, Lightning and torchtitan do on CPU as shipped (probes),
-and per-rank memory at world size 1, 2, 4 per strategy with a plot (peers_memory.png).
-Results (raw JSON, logs, plot) go to --out.
+own unit, AdamW with decay on matrices only, clipping, constant LR, same number of
+steps, 2 gloo ranks x 1 thread. Two groups of rows (peerlib/rows.py): at the **shared
+settings** every row steps the same torch AdamW kernel (fused, passed explicitly) and
+the full-logits loss; at the **defaults** each framework steps what it picks itself
+(fsdpkit train: fused AdamW and its chunked loss; torch AdamW's own kernel, for-loop
+on CPU, which the hand-written loop, Accelerate, Fabric and DDP all pass through;
+DeepSpeed's own AdamW). Rows run in alternating order (ABBA) for ``--reps``
+repetitions in this one invocation; "hand-written FSDP2 B" is the A script again, so
+B/A is the noise floor. Each row: tokens/s over steps 3..N-1 (median, min-max), the
+ratio to hand-written A (median over median; min-max of the per-repetition ratios),
+defaults rows also to their own framework at the shared settings, the peak of live
+tensor memory per rank during step N (c10's process-wide allocator count), the
+parameter share each rank holds (1/N = sharded), the largest loss difference from DDP
+(the unsharded reference) over every step (above 1e-5 the row is WRONG), and the wall
+seconds of a launch. Then what Accelerate, Lightning and torchtitan do on CPU as
+shipped (probes), and per-rank memory at world size 1, 2, 4 per strategy. Writes
+bench/results/peers.json (results_io) and renders BENCHMARKS.md's peers block; logs and
+the memory plot go to --out.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import re
 import sys
 import tempfile
@@ -34,28 +43,21 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peerlib import scaling
+import results_io
+from peerlib import scaling, tables
 from peerlib.common import Spec
 from peerlib.launch import LaunchFailed, run_ranks
-from peerlib.stats import Runs, Summary, abba, summarize
+from peerlib.rows import BASELINE, CONTROL, REFERENCE, ROWS, cli_adamw
+from peerlib.stats import Runs, Summary, abba, ratio, summarize
 
-BASELINE, REFERENCE = "fsdpkit-train", "ddp"
-# row -> (implementation module or None for the CLI, the package it needs, label)
-ROWS: dict[str, tuple[str | None, str | None, str]] = {
-    "hand-A": ("impl_hand", None, "hand-written FSDP2 (A)"),
-    "hand-B": ("impl_hand", None, "hand-written FSDP2 (B, same script)"),
-    "fsdpkit-train": (None, None, "fsdpkit train (CLI)"),
-    "fsdpkit-api": ("impl_fsdpkit_api", None, "fsdpkit library API"),
-    "accelerate": ("impl_accelerate", "accelerate", "Accelerate FSDP2 plugin*"),
-    "fabric": ("impl_fabric", "lightning", "Lightning Fabric FSDP2"),
-    "deepspeed": ("impl_deepspeed", "deepspeed", "DeepSpeed ZeRO-3"),
-    "ddp": ("impl_ddp", None, "DDP (unsharded reference)"),
-}
+NAME = "peers"
+DOCS = results_io.ROOT / "BENCHMARKS.md"
 WORLD = 2
 
 
-def _kit_train(spec: Spec, *, tmp: Path, tag: str) -> dict[str, Any]:
-    """``fsdpkit train`` as a user runs it, set to the spec; step N profiled for memory."""
+def _kit_train(spec: Spec, *, extra: tuple[str, ...], tmp: Path, tag: str) -> dict[str, Any]:
+    """``fsdpkit train`` as a user runs it, set to the spec and the row's ``extra``
+    overrides; step N profiled for memory."""
     run_dir = tmp / f"kit-{tag}"
     overrides = [
         f"model.preset={spec.preset}", f"data.seq_len={spec.seq_len}",
@@ -67,7 +69,7 @@ def _kit_train(spec: Spec, *, tmp: Path, tag: str) -> dict[str, Any]:
         "train.sample_tokens=0", "precision.mode=fp32", "parallel.strategy=full",
         "checkpoint.resume=never", "logging.progress=none", "logging.report=false",
         f"logging.profile_steps=[{spec.memory_step},{spec.memory_step}]",
-        f"logging.run_dir={run_dir}",
+        f"logging.run_dir={run_dir}", *extra,
     ]  # fmt: skip
     argv = ["-m", "fsdpkit", "train", "--nproc", str(WORLD), *overrides]
     run_ranks(argv, nproc=0, spec=None, log=tmp / f"kit-{tag}.log", timeout_s=600)
@@ -84,16 +86,15 @@ def _kit_train(spec: Spec, *, tmp: Path, tag: str) -> dict[str, Any]:
     }
 
 
-def _one(row: str, spec: Spec, *, tmp: Path, rep: int) -> dict[str, Any]:
-    module, _, _ = ROWS[row]
-    tag = f"{row}-{rep}"
-    if module is None:
-        return _kit_train(spec, tmp=tmp, tag=tag)
+def _one(key: str, spec: Spec, *, tmp: Path, rep: int) -> dict[str, Any]:
+    row, tag = ROWS[key], f"{key}-{rep}"
+    if row.module is None:
+        return {**_kit_train(spec, extra=row.cli, tmp=tmp, tag=tag), "adamw": cli_adamw(row)}
     out = tmp / f"{tag}.json"
     run_ranks(
-        ["-m", f"peerlib.{module}"],
+        ["-m", f"peerlib.{row.module}"],
         nproc=WORLD,
-        spec=replace(spec, out=str(out)),
+        spec=replace(spec, out=str(out), adamw=row.adamw),
         log=tmp / f"{tag}.log",
         timeout_s=600,
     )
@@ -110,58 +111,67 @@ def _error_line(exc: LaunchFailed) -> str:
     return (lines[-1] if lines else str(exc).splitlines()[0])[:300]
 
 
-def measure_rows(rows: list[str], spec: Spec, *, reps: int, tmp: Path) -> dict[str, Runs]:
-    runs = {r: Runs() for r in rows}
-    for rep, row in abba(rows, reps):
-        if runs[row].error:
-            continue
-        t0 = time.monotonic()
-        try:
-            result = _one(row, spec, tmp=tmp, rep=rep)
-        except LaunchFailed as exc:
-            runs[row].error = _error_line(exc)
-            print(f"  rep {rep} {row}: FAILED {runs[row].error}", flush=True)
-            continue
-        r = runs[row]
-        r.tokens_per_s.append(_tokens_per_s(result))
-        r.losses.append(result["losses"])
-        r.peak_mib = [b / 2**20 for b in result["peak_bytes_per_rank"]]
-        r.shard_fraction = result.get("shard_fraction")
-        r.note = result.get("note", "")
-        took = time.monotonic() - t0
-        print(f"  rep {rep} {row}: {r.tokens_per_s[-1]:,.0f} tok/s ({took:.0f}s)", flush=True)
-    return runs
+def measure_rows(
+    rows: list[str], spec: Spec, *, reps: int, tmp: Path
+) -> tuple[dict[str, Runs], list[float]]:
+    """Every row ``reps`` times in ABBA order; also the 1-minute load average after
+    each repetition."""
+    runs, loads = {r: Runs() for r in rows}, []
+    order = abba(rows, reps)
+    for i, (rep, key) in enumerate(order):
+        if not runs[key].error:
+            _measure_one(key, spec, runs=runs[key], tmp=tmp, rep=rep)
+        if i + 1 == len(order) or order[i + 1][0] != rep:
+            loads.append(round(os.getloadavg()[0], 2))
+            print(f"  after repetition {rep}: load {loads[-1]}", flush=True)
+    return runs, loads
 
 
-def _f(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def format_table(summaries: list[Summary], runs: dict[str, Runs]) -> str:
-    head = (
-        f"| {'implementation':<36} | tokens/s median | min-max | vs fsdpkit train (paired "
-        "min-max) | peak MiB/rank | params/rank | max abs loss diff vs DDP | verdict |"
+def _measure_one(key: str, spec: Spec, *, runs: Runs, tmp: Path, rep: int) -> None:
+    t0 = time.monotonic()
+    try:
+        result = _one(key, spec, tmp=tmp, rep=rep)
+    except LaunchFailed as exc:
+        runs.error = _error_line(exc)
+        print(f"  rep {rep} {key}: FAILED {runs.error}", flush=True)
+        return
+    runs.tokens_per_s.append(_tokens_per_s(result))
+    runs.losses.append(result["losses"])
+    runs.peak_mib = [b / 2**20 for b in result["peak_bytes_per_rank"]]
+    runs.shard_fraction = result.get("shard_fraction")
+    runs.note = result.get("note", "")
+    runs.adamw = result.get("adamw", "")
+    runs.wall_s.append(round(time.monotonic() - t0, 1))
+    print(
+        f"  rep {rep} {key}: {runs.tokens_per_s[-1]:,.0f} tok/s ({runs.wall_s[-1]:.0f}s)",
+        flush=True,
     )
-    lines = [head, "|" + "---|" * 8]
-    for s in summaries:
-        r = runs[s.name]
-        share = f"1/{round(1 / r.shard_fraction)}" if r.shard_fraction else "-"
-        lines.append(
-            f"| {ROWS[s.name][2]:<36} | {_f(s.median, ',.0f')} | "
-            f"{_f(s.low, ',.0f')}-{_f(s.high, ',.0f')} | {_f(s.ratio, '.3f')} "
-            f"({_f(s.ratio_low, '.2f')}-{_f(s.ratio_high, '.2f')}) | "
-            f"{' / '.join(f'{m:.1f}' for m in r.peak_mib) or '-'} | {share} | "
-            f"{_f(s.max_loss_diff, '.1e')} | {s.verdict} |"
-        )
-    return "\n".join(lines)
 
 
-def _control(summaries: list[Summary]) -> str:
-    by = {s.name: s for s in summaries}
-    a, b = by.get("hand-A"), by.get("hand-B")
-    if not (a and b and a.median and b.median):
-        return ""
-    return f"A/A control: hand-written B / A = {b.median / a.median:.3f} (noise floor)"
+def row_record(s: Summary, runs: dict[str, Runs]) -> dict[str, Any]:
+    """One row of the results file: its settings as built, and what it measured."""
+    row, r = ROWS[s.name], runs[s.name]
+    twin = runs.get(row.shared_twin or "")
+    return {
+        "key": s.name,
+        "label": row.label,
+        "defaults": row.defaults,
+        "adamw": r.adamw,
+        "loss": row.loss,
+        "units": row.units,
+        "tokens_per_s": [round(v, 1) for v in r.tokens_per_s],
+        "median": s.median,
+        "low": s.low,
+        "high": s.high,
+        "ratio": [s.ratio, s.ratio_low, s.ratio_high],
+        "vs_shared": list(ratio(r.tokens_per_s, twin.tokens_per_s)) if twin else None,
+        "peak_mib": [round(m, 2) for m in r.peak_mib],
+        "shard_fraction": r.shard_fraction,
+        "max_loss_diff": s.max_loss_diff,
+        "verdict": s.verdict,
+        "note": r.note,
+        "wall_s": r.wall_s,
+    }
 
 
 def probes(tmp: Path) -> dict[str, Any]:
@@ -197,27 +207,41 @@ def _torchtitan(tmp: Path) -> str:
     return "ran (unexpected on CPU: compare it by hand)"
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=6)
+    parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated row names")
     parser.add_argument("--out", type=Path, default=None, help="keep logs, JSON and the plot")
     parser.add_argument("--no-probes", action="store_true")
     parser.add_argument("--no-scaling", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--render-docs", action="store_true", help="only re-render BENCHMARKS.md")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = _args()
+    if args.render_docs:
+        render_docs()
+        return
     spec = Spec(steps=args.steps)
     rows = [r for r in args.rows.split(",") if r]
-    missing = [r for r in rows if ROWS[r][1] and importlib.util.find_spec(ROWS[r][1]) is None]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        sys.exit(f"--rows: unknown row(s) {unknown}; the rows are {', '.join(ROWS)}")
+    missing = [
+        r for r in rows if ROWS[r].package and importlib.util.find_spec(ROWS[r].package) is None
+    ]
     with tempfile.TemporaryDirectory(prefix="peers-") as scratch:
         tmp = args.out or Path(scratch)
         tmp.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         print(f"{len(rows)} rows x {args.reps} alternating repetitions; spec {asdict(spec)}")
-        runs = measure_rows([r for r in rows if r not in missing], spec, reps=args.reps, tmp=tmp)
+        live = [r for r in rows if r not in missing]
+        runs, loads = measure_rows(live, spec, reps=args.reps, tmp=tmp)
         for r in missing:
-            runs[r] = Runs(error=f"{ROWS[r][1]} not installed (pip install -e '.[bench]')")
-        summaries = summarize(runs, baseline=BASELINE, reference=REFERENCE)
+            runs[r] = Runs(error=f"{ROWS[r].package} not installed (pip install -e '.[bench]')")
+        summaries = summarize({r: runs[r] for r in rows}, baseline=BASELINE, reference=REFERENCE)
         found = {} if args.no_probes else probes(tmp)
         scale = None
         if not args.no_scaling:
@@ -225,48 +249,32 @@ def main() -> None:
                 worlds=(1, 2, 4), seq_len=spec.seq_len, micro_batch=spec.micro_batch
             )
             scaling.plot(scale, tmp / "peers_memory.png")
-        report(summaries, runs, found, scale, tmp=tmp, seconds=time.monotonic() - t0)
-
-
-def report(summaries: list[Summary], runs: dict[str, Runs], found: dict[str, Any],
-           scale: dict[int, Any] | None, *, tmp: Path, seconds: float) -> None:  # fmt: skip
-    print()
-    print(format_table(summaries, runs))
-    print(_control(summaries))
-    notes = {ROWS[n][2]: r.note for n, r in runs.items() if r.note}
-    for label, note in notes.items():
-        print(f"  {label}: {note}")
-    for name, seen in found.items():
-        print(f"probe {name}: {json.dumps(seen)}")
-    if scale is not None:
-        print()
-        print(format_scaling(scale))
-        print(f"plot: {tmp / 'peers_memory.png'}")
-    raw = {n: asdict(r) for n, r in runs.items()}
-    (tmp / "results.json").write_text(json.dumps({"rows": raw, "probes": found, "scaling": scale}))
-    print(f"total {seconds / 60:.1f} min; raw results in {tmp / 'results.json'}")
-
-
-def format_scaling(scale: dict[int, Any]) -> str:
-    worlds = sorted(scale)
-    head = (
-        "| strategy | "
-        + " | ".join(f"N={w} state / peak MiB" for w in worlds)
-        + " | state x N (ideal: constant) |"
-    )
-    lines = [head, "|" + "---|" * (len(worlds) + 2)]
-    for strategy in scaling.STRATEGIES:
-        cells = []
-        for w in worlds:
-            ranks = scale[w]
-            state = max(r[strategy]["model_state"] for r in ranks) / 2**20
-            peak = max(r[strategy]["peak"] for r in ranks) / 2**20
-            cells.append(f"{state:.1f} / {peak:.1f}")
-        ideal = " / ".join(
-            f"{max(r[strategy]['model_state'] for r in scale[w]) * w / 2**20:.1f}" for w in worlds
+        spec_record = {k: v for k, v in asdict(spec).items() if k not in ("out", "adamw")}
+        results_io.write(
+            NAME,
+            command=f"python bench/peers.py --reps {args.reps} --steps {args.steps}"
+            + ("" if args.rows == ",".join(ROWS) else f" --rows {args.rows}"),
+            spec=spec_record,
+            reps=args.reps,
+            world=WORLD,
+            control=CONTROL,
+            minutes=round((time.monotonic() - t0) / 60, 2),
+            load_1min_per_rep=loads,
+            rows=[row_record(s, runs) for s in summaries],
+            probes=found,
+            scaling=scale,
         )
-        lines.append(f"| {strategy} | " + " | ".join(cells) + f" | {ideal} |")
-    return "\n".join(lines)
+    print(render(results_io.read(NAME)))
+    render_docs()
+
+
+def render(results: dict[str, Any]) -> str:
+    """BENCHMARKS.md's peers block (tests/unit/test_bench_docs.py checks it)."""
+    return tables.render(results, provenance=results_io.provenance(results, NAME))
+
+
+def render_docs() -> None:
+    results_io.render_into(DOCS, NAME, render(results_io.read(NAME)))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@
 - the model: fsdpkit's Llama preset with fsdpkit's deterministic init (the same weights
   that ``fsdpkit.shard`` materializes from the meta device);
 - the loss (next-token cross-entropy on fp32 logits), the AdamW parameter groups
-  (no decay on 1-D parameters, as fsdpkit) and the measurement loop: wall time per
+  (no decay on 1-D parameters, as fsdpkit), the AdamW kernel (``Spec.adamw``: the
+  same one passed explicitly to every framework at the shared settings, or
+  ``"default"``: whatever the framework does when the user names none) and the
+  measurement loop: wall time per
   step, the global mean loss of every step, and the peak of live tensor memory during
   one fixed step (c10's process-wide CPU allocator count, as fsdpkit.planner.measure;
   everything the process holds in tensors, the data included, as ``fsdpkit train``'s
@@ -53,6 +56,10 @@ class Spec:
     grad_clip: float = 1.0
     seed: int = 0
     max_bytes: int = 300_000
+    adamw: str = "fused"
+    """torch AdamW kernel: fused, foreach or for-loop, passed explicitly; "default":
+    the framework's own choice (torch.optim.AdamW's: for-loop on CPU; DeepSpeed's
+    config optimizer without ``torch_adam``)."""
     out: str = ""
 
     @property
@@ -114,8 +121,35 @@ def param_groups(model: nn.Module, spec: Spec) -> list[dict[str, Any]]:
     ]
 
 
+def adamw_kwargs(spec: Spec) -> dict[str, bool]:
+    """torch.optim.AdamW's switches for ``spec.adamw`` (none for "default")."""
+    switches = {"fused": {"fused": True}, "foreach": {"foreach": True}}
+    switches["for-loop"] = {"foreach": False}
+    if spec.adamw != "default" and spec.adamw not in switches:
+        raise ValueError(f"Spec.adamw = {spec.adamw!r}: use fused, foreach, for-loop or default")
+    return switches.get(spec.adamw, {})
+
+
 def adamw(model: nn.Module, spec: Spec) -> torch.optim.AdamW:
-    return torch.optim.AdamW(param_groups(model, spec), lr=spec.lr, betas=(spec.beta1, spec.beta2))
+    return torch.optim.AdamW(
+        param_groups(model, spec), lr=spec.lr, betas=(spec.beta1, spec.beta2), **adamw_kwargs(spec)
+    )
+
+
+def kernel_of(opt: torch.optim.Optimizer) -> str:
+    """The AdamW kernel ``opt`` steps with, as built (recorded per row); a framework's
+    wrapper (Accelerate's, DeepSpeed's) is looked through."""
+    while not isinstance(opt, torch.optim.AdamW) and hasattr(opt, "optimizer"):
+        opt = opt.optimizer
+    if not isinstance(opt, torch.optim.AdamW):
+        return type(opt).__module__.split(".")[0] + "." + type(opt).__name__
+    if opt.defaults.get("fused"):
+        return "torch fused"
+    if opt.defaults.get("foreach"):
+        return "torch foreach"
+    if opt.defaults.get("foreach") is None:
+        return "torch for-loop (torch's CPU default)"
+    return "torch for-loop"
 
 
 def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,7 @@ def main() -> None:
 
     extra = {
         "shard_fraction": common.local_shard_fraction(model),
+        "adamw": common.kernel_of(opt),
         "note": f"as shipped: {fell_back_to}; forced DistributedType.FSDP",
     }
     common.run(spec, step, batches=batches, baseline=base, extra=extra)

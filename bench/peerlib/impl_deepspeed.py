@@ -4,9 +4,12 @@ with a config dict (ZeRO stage 3, AdamW, gradient clipping), ``engine.backward``
 first run JIT-compiles a small shared-memory communication op with ninja).
 
 Differences a reader should know: ZeRO-3 partitions each parameter on its own and
-gathers by prefetch buckets, not by transformer block; its AdamW is DeepSpeed's
-choice for the device (``torch_adam: true`` asks for torch.optim.AdamW, the one every
-other row uses); clipping is done inside ``engine.step``.
+gathers by prefetch buckets, not by transformer block; clipping is done inside
+``engine.step``. The AdamW: at the shared settings ``torch_adam: true`` with the
+shared kernel's switch (``fused: true``) among the optimizer params, which DeepSpeed
+passes on to torch.optim.AdamW, the one every other row steps; at DeepSpeed's defaults
+(``Spec.adamw = "default"``) no ``torch_adam``, so DeepSpeed picks its own (its
+``FusedAdam`` op, JIT-built for the CPU accelerator).
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ def main() -> None:
                 "betas": [spec.beta1, spec.beta2],
                 "eps": 1e-8,
                 "weight_decay": spec.weight_decay,
-                "torch_adam": True,
+                **({} if spec.adamw == "default" else {"torch_adam": True}),
+                **common.adamw_kwargs(spec),
             },
         },
         "steps_per_print": 10**9,
@@ -57,7 +61,7 @@ def main() -> None:
 
     extra = {
         "shard_fraction": common.local_shard_fraction(engine.module),
-        "note": f"optimizer {type(engine.optimizer.optimizer).__name__} under ZeRO stage 3",
+        "adamw": common.kernel_of(engine.optimizer.optimizer),
     }
     common.run(spec, step, batches=batches, baseline=base, extra=extra)
     common.finish()

@@ -54,7 +54,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         return loss
 
-    extra = {"shard_fraction": common.local_shard_fraction(model)}
+    extra = {"shard_fraction": common.local_shard_fraction(model), "adamw": common.kernel_of(opt)}
     common.run(spec, step, batches=batches, baseline=base, extra=extra)
     common.finish()
 

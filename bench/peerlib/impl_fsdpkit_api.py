@@ -1,5 +1,9 @@
 """fsdpkit's library API as its README shows it: meta-device model, ``fsdpkit.shard``
-(every block its own unit, full sharding), AdamW after sharding, ``fsdpkit.clip_grad_norm``."""
+(every block its own unit, full sharding), AdamW after sharding, ``fsdpkit.clip_grad_norm``.
+
+At the shared settings: the shared AdamW (``common.adamw``) and full-logits loss
+(``common.loss_of``) as every other row; the units are the hand-written loop's (the
+tiny preset ties its embedding and head, so ``parallel.edge_units`` adds none)."""
 
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         return loss
 
-    extra = {"shard_fraction": common.local_shard_fraction(model)}
+    extra = {"shard_fraction": common.local_shard_fraction(model), "adamw": common.kernel_of(opt)}
     common.run(spec, step, batches=batches, baseline=base, extra=extra)
     common.finish()
 

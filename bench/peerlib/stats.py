@@ -4,8 +4,9 @@
   backward when odd (A B C, C B A, A B C, ...), so slow drift on a shared machine hits
   every row alike.
 - ``summarize``: per row the median tokens/s with its min-max over repetitions, the
-  ratio to the baseline row (median over median, and the min-max of the per-repetition
-  ratios, which pair runs made next to each other), the largest loss difference from the
+  ratio to the baseline row (``ratio``: median over median, and the min-max of the
+  per-repetition ratios, which pair runs made in the same repetition), the largest
+  loss difference from the
   reference row over every step of every repetition, and the verdict: a row whose loss
   differs from the reference by more than ``tol`` at any step is WRONG, whatever its speed.
 """
@@ -27,6 +28,8 @@ class Runs:
     shard_fraction: float | None = None
     note: str = ""
     error: str | None = None
+    adamw: str = ""  # the AdamW kernel the row's optimizer was built with
+    wall_s: list[float] = field(default_factory=list)  # each launch, start to exit
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,17 @@ def abba(names: list[str], reps: int) -> list[tuple[int, str]]:
     for r in range(reps):
         order += [(r, n) for n in (names if r % 2 == 0 else list(reversed(names)))]
     return order
+
+
+def ratio(
+    values: list[float], base: list[float]
+) -> tuple[float | None, float | None, float | None]:
+    """(median / median, min and max of the per-repetition ratios) of ``values`` to
+    ``base``, repetition i paired with repetition i; Nones where either is empty."""
+    paired = [v / b for v, b in zip(values, base) if b > 0]
+    if not values or not base or not paired:
+        return None, None, None
+    return statistics.median(values) / statistics.median(base), min(paired), max(paired)
 
 
 def max_loss_diff(losses: list[list[float]], reference: list[float]) -> float:
@@ -82,22 +96,20 @@ def summarize(
     ref = rows.get(reference)
     ref_losses = ref.losses[0] if ref is not None and ref.losses else None
     base = rows[baseline].tokens_per_s if baseline in rows else []
-    base_median = statistics.median(base) if base else None
     out = []
     for name, runs in rows.items():
         values = runs.tokens_per_s
-        median = statistics.median(values) if values else None
-        paired = [v / b for v, b in zip(values, base) if b > 0]
         diff = max_loss_diff(runs.losses, ref_losses) if ref_losses and runs.losses else None
+        mid, low, high = ratio(values, base)
         out.append(
             Summary(
                 name=name,
-                median=median,
+                median=statistics.median(values) if values else None,
                 low=min(values) if values else None,
                 high=max(values) if values else None,
-                ratio=median / base_median if median and base_median else None,
-                ratio_low=min(paired) if paired else None,
-                ratio_high=max(paired) if paired else None,
+                ratio=mid,
+                ratio_low=low,
+                ratio_high=high,
                 max_loss_diff=diff,
                 verdict=_verdict(runs, diff, tol),
             )

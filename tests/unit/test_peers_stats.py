@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from peerlib.stats import Runs, abba, max_loss_diff, summarize
+from peerlib.stats import Runs, abba, max_loss_diff, ratio, summarize
 
 REF = [5.0, 4.0, 3.0]
 
@@ -63,3 +63,11 @@ def test_rows_off_the_reference_loss_are_wrong() -> None:
 
 def test_max_loss_diff_over_repetitions() -> None:
     assert max_loss_diff([REF, [5.0, 4.5, 3.0]], REF) == 0.5
+
+
+def test_ratio_pairs_each_repetition_with_the_baselines() -> None:
+    mid, low, high = ratio([90.0, 110.0, 100.0], [100.0, 100.0, 125.0])
+    assert mid == pytest.approx(100 / 100)  # median over median
+    assert (low, high) == (pytest.approx(0.8), pytest.approx(1.1))  # 100/125 and 110/100
+    assert ratio([], [1.0]) == (None, None, None)
+    assert ratio([1.0], []) == (None, None, None)
