@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from fsdpkit.config.batch import batch_split
+from fsdpkit.config.dims import parallel_dims
 from fsdpkit.config.schema import ModelConfig, RunConfig
 from fsdpkit.errors import ConfigError
 from fsdpkit.precision import PRESETS
@@ -24,6 +25,8 @@ def _positive(cfg: RunConfig) -> list[tuple[str, Any]]:
         ("train.eval_batches", cfg.train.eval_batches),
         ("train.loss_chunk_tokens", cfg.train.loss_chunk_tokens),
         ("parallel.blocks_per_unit", cfg.parallel.blocks_per_unit),
+        ("parallel.tp", cfg.parallel.tp),
+        ("parallel.cp", cfg.parallel.cp),
         ("parallel.timeout_s", cfg.parallel.timeout_s),
         ("activations.every", cfg.activations.every),
         ("checkpoint.keep", cfg.checkpoint.keep),
@@ -240,18 +243,18 @@ def _validate_model_source(m: ModelConfig) -> None:
 
 
 def mesh_shape(cfg: RunConfig, *, world_size: int, local_world_size: int) -> tuple[int, int]:
-    """(replicate degree, shard degree) for this strategy at this world size; hybrid
-    strategies shard over ``parallel.shard_degree`` ranks, by default one node's."""
-    p = cfg.parallel
-    return strategy(p.strategy).mesh_shape(
-        world_size=world_size, shard_degree=p.shard_degree or local_world_size
-    )
+    """(replicate degree, shard degree) of the data-parallel ranks ([Note: parallel
+    dimensions] in fsdpkit.config.dims); hybrid strategies shard over
+    ``parallel.shard_degree`` ranks, by default one node's data-parallel ranks."""
+    dims = parallel_dims(cfg, world_size=world_size, local_world_size=local_world_size)
+    return dims.replicate, dims.shard
 
 
 def validate_for_world(cfg: RunConfig, *, world_size: int, local_world_size: int) -> None:
     """Checks that depend on the world size, run before any process group starts."""
-    batch_split(cfg.train, dp_world=world_size)
-    _, shard = mesh_shape(cfg, world_size=world_size, local_world_size=local_world_size)
+    dims = parallel_dims(cfg, world_size=world_size, local_world_size=local_world_size)
+    batch_split(cfg.train, dp_world=dims.dp)
+    shard = dims.fsdp_shard
     raf = cfg.parallel.reshard_after_forward
     if isinstance(raf, int) and not isinstance(raf, bool) and shard % raf:
         raise ConfigError(
