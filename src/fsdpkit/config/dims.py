@@ -54,6 +54,11 @@ class ParallelDims:
         """Whether a tp or cp axis exists (an N-D mesh rather than FSDP's own)."""
         return self.tp > 1 or self.cp > 1
 
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel index of global ``rank`` (which batches it reads): ranks
+        that differ only in their cp or tp coordinate read the same ones."""
+        return rank // (self.cp * self.tp)
+
     def describe(self) -> str:
         parts = [f"{n} {d}" for n, d in self.named() if d > 1 or n == "shard"]
         return " x ".join(parts)

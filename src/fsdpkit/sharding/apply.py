@@ -42,7 +42,9 @@ from fsdpkit.sharding.blocks import choose_blocks
 from fsdpkit.sharding.compile import compile_blocks
 from fsdpkit.sharding.edges import edge_modules
 from fsdpkit.sharding.materialize import is_meta, materialize
+from fsdpkit.sharding.mesh import fsdp_mesh, tp_mesh
 from fsdpkit.sharding.policy import offload_policy, reshard_after_forward, resolve_precision
+from fsdpkit.sharding.tensor import tensor_parallel
 from fsdpkit.sharding.units import UnitSpec, block_specs, unit_specs
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,8 @@ class ShardPlan:
     """Whether each block was torch.compile'd (train.compile)."""
     edges: tuple[str, ...] = ()
     """Edge modules in units of their own ([Note: edge units]): "embedding", "norm", "head"."""
+    model_parallel: str | None = None
+    """The tensor / context parallelism applied before FSDP2 (None: FSDP alone)."""
 
     def describe(self) -> str:
         if not self.units:
@@ -94,6 +98,7 @@ class ShardPlan:
             f"activation checkpointing on {self.checkpointed}/{self.blocks} blocks; precision "
             f"{self.precision}; reshard_after_forward={self.reshard_after_forward}"
             + ("; blocks compiled" if self.compiled else "")
+            + (f"; {self.model_parallel}" if self.model_parallel else "")
         )
 
     def _ac(self) -> str:
@@ -147,6 +152,8 @@ def shard(
     precision = resolve_precision(cfg.precision, device_type=device_type)
     choice = choose_blocks(model, class_names=cfg.parallel.block_classes or None)
     blocks = list(choice.blocks)  # the class name is taken before FSDP renames it
+    model_parallel = _model_parallel(model, mesh=mesh, blocks=blocks, cp=cfg.parallel.cp)
+    mesh = fsdp_mesh(mesh)  # FSDP2 shards over the data axes only
     edges = edge_modules(model, blocks=blocks, enabled=cfg.parallel.edge_units)
     fp32_norms = cfg.precision.norms_fp32 and precision.low_precision
     if fp32_norms:  # every norm is an fp32 unit of its own already
@@ -183,9 +190,20 @@ def shard(
         reshard_after_forward=reshard_after_forward(cfg.parallel),
         specs=specs,
         edges=tuple(edges),
+        model_parallel=model_parallel,
     )
     log.info("fsdpkit.shard: %s", plan.describe())
     return plan
+
+
+def _model_parallel(
+    model: nn.Module, *, mesh: DeviceMesh, blocks: list[nn.Module], cp: int
+) -> str | None:
+    """Tensor parallelism over the mesh's tp axis, before anything wraps the blocks."""
+    tp = tp_mesh(mesh)
+    if tp is None:
+        return None
+    return tensor_parallel(model, mesh=tp, blocks=blocks, cp=cp).describe(tp.size())
 
 
 def _unit_modules(

@@ -41,6 +41,7 @@ from fsdpkit.models.llama import Llama, LlamaConfig
 from fsdpkit.precision import Precision
 from fsdpkit.sharding import ShardPlan, detect_blocks, resolve_precision, shard
 from fsdpkit.sharding.materialize import is_meta
+from fsdpkit.sharding.tensor import check_model
 from fsdpkit.trainable.optim import build_optimizer
 
 
@@ -93,6 +94,8 @@ def build_unsharded(
         compiled=cfg.train.compile and precision.low_precision,  # where it helps
     )
     detect_blocks(built.module, class_names=cfg.parallel.block_classes or None)
+    if cfg.parallel.tp > 1 or cfg.parallel.cp > 1:
+        check_model(built.module, tp=cfg.parallel.tp, cp=cfg.parallel.cp)
     return Unsharded(built, finetune, precision, loss.loss_fn, loss.note)
 
 
