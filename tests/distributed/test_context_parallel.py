@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from fsdpkit.data.batch import IGNORE_INDEX, SFTBatch
 from fsdpkit.errors import ConfigError
-from fsdpkit.loss.contract import next_token_loss
+from fsdpkit.loss.contract import logits_of, next_token_loss
 from fsdpkit.loss.sft import sft_loss
 from fsdpkit.models.llama import causal_attention, document_mask
 from fsdpkit.sharding.context import (
@@ -32,6 +32,7 @@ from fsdpkit.sharding.context import (
     apply_context_parallel,
     check_cp_heads,
     gather_positions,
+    local_attention,
 )
 from fsdpkit.sharding.context_batch import context_parallel_loss, slice_batch
 from fsdpkit.testing import run_ranks
@@ -49,7 +50,8 @@ SHAPES = {"mha": (4, 4), "gqa": (4, 2), "gqa-repeat": (8, 2)}
 
 def _exchange_case(mesh: Any, *, heads: tuple[int, int], packed: bool) -> dict[str, float]:
     cp, rank = mesh.size(), mesh.get_local_rank()
-    g = torch.Generator().manual_seed(11 + heads[0] + heads[1])
+    group_index = dist.get_rank() // cp  # the cp groups of dp2 x cp2 hold different data
+    g = torch.Generator().manual_seed(11 + heads[0] + heads[1] + 100 * group_index)
     b, d = 2, 8
     q, k, v = (torch.randn(b, h, SEQ, d, generator=g) for h in (heads[0], heads[1], heads[1]))
     up = torch.randn(b, heads[0], SEQ, d, generator=g)
@@ -141,7 +143,11 @@ def _parity(model: torch.nn.Module, mesh: Any, batch: Any, loss_fn: Any) -> dict
     for name, grad in grads.items():
         dist.all_reduce(grad, group=group)  # FSDP's gradient mean over the cp ranks
         worst = max(worst, (grad / cp - ref_grads[name]).abs().max().item())
+    whole = batch if isinstance(batch, torch.Tensor) else batch.inputs
+    with torch.no_grad(), local_attention(model):  # sampling: every rank runs it all
+        local = logits_of(model(whole), tokens=whole) - logits_of(ref(whole), tokens=whole)
     return {
+        "local": local.abs().max().item(),
         "loss": abs(mean_loss.item() / cp - ref_loss.item()),
         "grad": worst,
         "switched": switched,
@@ -199,6 +205,7 @@ def test_model_at_cp2_matches_unsharded(models: dict[str, dict[str, float]], cas
     assert diffs["switched"] == (2 if hf else TINY.n_layers), "every attention layer switched"
     assert diffs["hf_implementation"] == (HF_ATTENTION if hf else "core")
     assert diffs["loss"] <= 1e-5 and diffs["grad"] <= 1e-5, f"{case}: {diffs}"
+    assert diffs["local"] <= 1e-5, f"{case}: local_attention differs from the model's own"
 
 
 # --- the batch split and the refusals (no process group) ---------------------------------

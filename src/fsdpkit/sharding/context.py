@@ -33,6 +33,8 @@ The loss side is ``context_parallel_loss`` (fsdpkit.sharding.context_batch).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpkit.errors import ConfigError
 from fsdpkit.models.hf_init import is_hf_model
-from fsdpkit.models.llama import Attention, Llama, document_mask
+from fsdpkit.models.llama import Attention, Llama, causal_attention, document_mask
 
 HF_ATTENTION = "fsdpkit_context_parallel"
 """The name fsdpkit registers with transformers' ``AttentionInterface``."""
@@ -92,8 +94,8 @@ def heads_to_sequence(x: torch.Tensor, *, group: ProcessGroup, cp: int) -> torch
 
 def gather_positions(positions: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
     """(b, s) local position ids -> (b, cp * s): the whole sequence's, in rank order."""
-    gathered = funcol.all_gather_tensor(positions.contiguous(), gather_dim=1, group=group)
-    return funcol.wait_tensor(gathered)
+    gathered = funcol.all_gather_single(positions.transpose(0, 1).contiguous(), 0, group)
+    return funcol.wait_tensor(gathered).transpose(0, 1)
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,7 @@ class UlyssesAttention:
         return heads_to_sequence(out, group=self.group, cp=self.cp)
 
 
-@dataclass
+@dataclass(eq=False)
 class _GlobalPositions:
     """The built-in Llama's whole-sequence document mask of the current forward.
 
@@ -150,8 +152,12 @@ class _GlobalPositions:
     group: ProcessGroup
     max_seq_len: int
     mask: torch.Tensor | None = None
+    enabled: bool = True
+    """False inside ``local_attention``."""
 
     def hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
         positions = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
         if positions is None:
             raise ConfigError(
@@ -193,6 +199,35 @@ def apply_context_parallel(model: nn.Module, *, mesh: DeviceMesh) -> int:
         "attention goes through transformers' AttentionInterface (Llama, Qwen2, "
         "Mistral, ...). Set parallel.cp = 1 for this model."
     )
+
+
+@contextlib.contextmanager
+def local_attention(model: nn.Module) -> Iterator[None]:
+    """Inside: a model prepared by ``apply_context_parallel`` attends over the tokens
+    each rank was given, with no exchange: for sampling text, where every cp rank runs
+    the same whole sequence (the FSDP all-gathers still need all ranks)."""
+    if is_hf_model(model):
+        model.set_attn_implementation("sdpa")  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            model.set_attn_implementation(HF_ATTENTION)  # type: ignore[operator]
+        return
+    cores = {m: m.core for m in model.modules() if isinstance(m, Attention)}
+    states = {c.positions for c in cores.values() if isinstance(c, UlyssesAttention)}
+    for attn in cores:
+        attn.core = causal_attention
+    for state in states:
+        if state is not None:
+            state.enabled = False
+    try:
+        yield
+    finally:
+        for attn, core in cores.items():
+            attn.core = core
+        for state in states:
+            if state is not None:
+                state.enabled = True
 
 
 def _apply_hf(model: nn.Module, *, group: ProcessGroup, cp: int) -> int:
