@@ -170,7 +170,8 @@ class _GlobalPositions:
         if full.shape[1] > self.max_seq_len:
             raise ConfigError(
                 f"the whole sequence is {full.shape[1]} tokens (parallel.cp ranks x "
-                f"{positions.shape[1]}), more than model.max_seq_len = {self.max_seq_len}."
+                f"{positions.shape[1]}), more than model.max_seq_len = {self.max_seq_len}: "
+                "the RoPE table ends there. Lower data.seq_len or raise model.max_seq_len."
             )
         self.mask = document_mask(full)
 
