@@ -1,12 +1,14 @@
-"""Tensor (and sequence) parallelism with FSDP2 on a 4-rank gloo mesh matches the
-unsharded model trained in one process.
+"""Tensor (and sequence) parallelism and context parallelism with FSDP2 on a 4-rank
+gloo mesh match the unsharded model trained in one process.
 
 One spawn runs every variant (process start-up dominates). Each variant builds its
-model on meta, applies ``fsdpkit.shard`` with ``parallel.tp`` (the built-in Llama
-with sequence parallelism; transformers' Llama and Qwen2 with their own
-``base_model_tp_plan``; LoRA adapters on the split linears), and takes 10 AdamW
-steps with clipping; the parent compares losses, grad norms and the final
-parameters with the same model and batches in one process (fp32: 1e-5).
+model on meta, applies ``fsdpkit.shard`` with ``parallel.tp`` / ``parallel.cp`` (the
+built-in Llama with sequence parallelism; transformers' Llama and Qwen2 with their
+own ``base_model_tp_plan``; LoRA adapters on the split linears; the Ulysses exchange
+with plain and packed SFT rows, the loss through ``context_parallel_loss`` as
+``fsdpkit train`` wraps it), and takes 10 AdamW steps with clipping; the parent
+compares losses, grad norms and the final parameters with the same model, batches
+and loss in one process (fp32: 1e-5).
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ import torch
 
 from fsdpkit import build_mesh, shard
 from fsdpkit.config import RunConfig, load, parallel_dims
+from fsdpkit.data.batch import IGNORE_INDEX, SFTBatch
 from fsdpkit.finetune import prepare
 from fsdpkit.loss.contract import next_token_loss
+from fsdpkit.loss.sft import sft_loss
 from fsdpkit.models.factory import build_model
 from fsdpkit.precision import PRESETS
+from fsdpkit.sharding.context_batch import context_parallel_loss
 from fsdpkit.sharding.materialize import materialize
+from fsdpkit.sharding.mesh import cp_mesh
 from fsdpkit.testing import run_ranks
 from support import TINY, build, full_state, global_batches, train, untied
 
@@ -47,6 +53,13 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "hf-qwen2-tp2": ("hf-qwen2", ["parallel.tp=2"]),
     "hf-llama-lora-tp2": ("hf-llama", ["parallel.tp=2", "lora.rank=4", "lora.alpha=8"]),
     "llama-lora-tp2": ("llama", ["parallel.tp=2", "lora.rank=4", "lora.alpha=8"]),
+    "dp2xcp2": ("llama", ["parallel.cp=2"]),
+    "dp2xcp2-ac-full": ("llama", ["parallel.cp=2", "activations.mode=full"]),
+    "tp2xcp2": ("llama", ["parallel.tp=2", "parallel.cp=2"]),
+    "dp2xcp2-packed-sft": ("llama", ["parallel.cp=2"]),
+    "tp2xcp2-packed-sft": ("llama", ["parallel.tp=2", "parallel.cp=2"]),
+    "hf-llama-cp2": ("hf-llama", ["parallel.cp=2"]),
+    "hf-qwen2-tp2xcp2": ("hf-qwen2", ["parallel.tp=2", "parallel.cp=2"]),
 }
 
 
@@ -74,6 +87,25 @@ def _model(kind: str, cfg: RunConfig, *, sharded: bool) -> tuple[torch.nn.Module
     return model, init
 
 
+def packed(tokens: torch.Tensor) -> SFTBatch:
+    """Packed SFT rows: two examples per row (positions restart at 7, so the second
+    crosses the cp slice boundary at 8), the first tokens of each masked as prompt."""
+    b, s = tokens.shape[0], tokens.shape[1] - 1
+    positions = torch.cat([torch.arange(7), torch.arange(s - 7)]).expand(b, s)
+    targets = tokens[:, 1:].clone()
+    targets[:, :3] = IGNORE_INDEX
+    targets[:, 7:9] = IGNORE_INDEX
+    return SFTBatch(inputs=tokens[:, :-1], targets=targets, positions=positions)
+
+
+def _loss(name: str, cp: Any = None) -> Any:
+    """The variant's loss: next-token or packed SFT, sliced over cp when there is one."""
+    sft = name.endswith("packed-sft")
+    base = sft_loss if sft else next_token_loss
+    loss = base if cp is None else context_parallel_loss(base, mesh=cp)
+    return (lambda model, tokens: loss(model, packed(tokens))) if sft else loss
+
+
 def _run_variant(rank: int, name: str, dirs: dict[str, str]) -> dict[str, Any]:
     kind, overrides = VARIANTS[name]
     cfg = _config(kind, overrides, dirs)
@@ -89,7 +121,7 @@ def _run_variant(rank: int, name: str, dirs: dict[str, str]) -> dict[str, Any]:
         rank=dims.dp_rank(rank),
         world=WORLD,
         dp_world=dims.dp,
-        loss_fn=next_token_loss,
+        loss_fn=_loss(name, cp_mesh(mesh)),
     )
     out["params"] = full_state(model)
     out["plan"] = plan.describe()
@@ -124,7 +156,7 @@ def _reference(name: str, dirs: dict[str, str]) -> dict[str, Any]:
     cfg = _config(kind, overrides, dirs)
     torch.set_num_threads(1)
     model, _ = _model(kind, cfg, sharded=False)
-    ref = train(model, global_batches(STEPS, vocab=VOCAB), loss_fn=next_token_loss)
+    ref = train(model, global_batches(STEPS, vocab=VOCAB), loss_fn=_loss(name))
     ref["params"] = full_state(model)
     return ref
 
@@ -138,7 +170,12 @@ def test_matches_unsharded_reference(
     results: dict[str, Any], hf_dirs: dict[str, str], name: str
 ) -> None:
     got, ref = results[name], _reference(name, hf_dirs)
-    assert "tensor parallel" in got["plan"], got["plan"]
+    for degree, words in (
+        ("parallel.tp=", "tensor parallel"),
+        ("parallel.cp=", "context parallel"),
+    ):
+        if any(o.startswith(degree) for o in VARIANTS[name][1]):
+            assert words in got["plan"], got["plan"]
     for step, (a, b) in enumerate(zip(got["loss"], ref["loss"], strict=True)):
         assert _rel(a, b) <= 1e-5, f"{name}: step {step} loss {a} vs reference {b}"
     for step, (a, b) in enumerate(zip(got["norm"], ref["norm"], strict=True)):

@@ -40,9 +40,10 @@ from fsdpkit.models.hf_init import own_initializer
 from fsdpkit.sharding.activations import checkpoint_forward
 from fsdpkit.sharding.blocks import choose_blocks
 from fsdpkit.sharding.compile import compile_blocks
+from fsdpkit.sharding.context import apply_context_parallel
 from fsdpkit.sharding.edges import edge_modules
 from fsdpkit.sharding.materialize import is_meta, materialize
-from fsdpkit.sharding.mesh import fsdp_mesh, tp_mesh
+from fsdpkit.sharding.mesh import cp_mesh, fsdp_mesh, tp_mesh
 from fsdpkit.sharding.policy import offload_policy, reshard_after_forward, resolve_precision
 from fsdpkit.sharding.tensor import tensor_parallel
 from fsdpkit.sharding.units import UnitSpec, block_specs, unit_specs
@@ -199,11 +200,18 @@ def shard(
 def _model_parallel(
     model: nn.Module, *, mesh: DeviceMesh, blocks: list[nn.Module], cp: int
 ) -> str | None:
-    """Tensor parallelism over the mesh's tp axis, before anything wraps the blocks."""
-    tp = tp_mesh(mesh)
-    if tp is None:
-        return None
-    return tensor_parallel(model, mesh=tp, blocks=blocks, cp=cp).describe(tp.size())
+    """Tensor parallelism over the mesh's tp axis, then context parallelism over its cp
+    axis, before anything wraps the blocks; what was applied, for the first lines."""
+    done = []
+    tp, cp_axis = tp_mesh(mesh), cp_mesh(mesh)
+    if tp is not None:
+        done.append(tensor_parallel(model, mesh=tp, blocks=blocks, cp=cp).describe(tp.size()))
+    if cp_axis is not None:
+        layers = apply_context_parallel(model, mesh=cp_axis)
+        done.append(
+            f"context parallel {cp_axis.size()} (Ulysses all-to-all in {layers} attention layers)"
+        )
+    return "; ".join(done) or None
 
 
 def _unit_modules(
