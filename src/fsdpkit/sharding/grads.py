@@ -23,6 +23,7 @@ parameters held), whichever way gradients are reduced.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Literal
@@ -112,6 +113,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, *, foreach: bool = True) 
     if len(groups) == 1:
         total = torch.nn.utils.clip_grad_norm_(params, limit, foreach=foreach)
         return total.full_tensor() if isinstance(total, DTensor) else total
+    _quiet_redistribute()
     norms = []
     for group in groups:
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=foreach)
@@ -120,6 +122,24 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, *, foreach: bool = True) 
     for group in groups:
         torch.nn.utils.clip_grads_with_norm_(group, limit, total, foreach=foreach)
     return total
+
+
+class _SequentialReduceNotice(logging.Filter):
+    """Drops DTensor's notice that a norm partial over two mesh axes is reduced in two
+    all-reduces: for 0-d norms the cost is nil, and the notice would print once per
+    rank at every tensor-parallel run's first step."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "sequential all_reduce" not in record.getMessage()
+
+
+_NOTICE = _SequentialReduceNotice()
+
+
+def _quiet_redistribute() -> None:
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    if _NOTICE not in logger.filters:
+        logger.addFilter(_NOTICE)
 
 
 def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -10,6 +10,8 @@ batches a rank reads is ``ParallelDims.dp_rank`` (fsdpkit.config.dims).
 
 from __future__ import annotations
 
+import warnings
+
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -103,7 +105,11 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if "tp" not in names and "cp" not in names:
         return mesh
     shard = "shard_cp" if "cp" in names else "shard"
-    return mesh["replicate", shard] if "replicate" in names else mesh[shard]
+    with warnings.catch_warnings():
+        # torch 2.13 slices the flattened shard x cp axis from the root mesh as asked,
+        # and announces a future deprecation of doing so on every call
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return mesh["replicate", shard] if "replicate" in names else mesh[shard]
 
 
 def tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
