@@ -23,7 +23,9 @@ communication = all-gather + reduce-scatter bytes over the shard group's link (N
 inside a node, the network across) + replica all-reduce + 50 us per collective,
 overlapped with compute as FSDP2 prefetching does; offload = host copies over PCIe
 plus the CPU AdamW step (16 bytes per local parameter at host memory speed).
-Ranking adds 2% per changed key, so the config as given wins a near tie.
+Ranking is by that time per token of the global batch (a tp x cp layout has fewer
+data-parallel ranks: its step may read fewer tokens) and adds 2% per changed key, so
+the config as given wins a near tie.
 """
 
 from __future__ import annotations
@@ -271,9 +273,16 @@ def _planned(o: _Option, search: _Search) -> Candidate:
     return Candidate(o.changes, o.config, p, step_cost(p.scenario))
 
 
+def _per_token(c: Candidate | _Option) -> float:
+    """Seconds per token of the global batch: a tp x cp layout has fewer data-parallel
+    ranks, so its step reads fewer tokens (unless train.global_batch_size fixes them)."""
+    sc = c.plan.scenario if isinstance(c, Candidate) else c.scenario
+    return c.cost.total_s / max(sc.dp * sc.tokens * sc.grad_accum, 1)
+
+
 def _rank_key(c: Candidate | _Option) -> tuple[float, int]:
     peak = c.plan.memory.peak.bytes if isinstance(c, Candidate) else 0
-    return c.cost.total_s * (1 + CHANGE_PENALTY * len(c.changes)), peak
+    return _per_token(c) * (1 + CHANGE_PENALTY * len(c.changes)), peak
 
 
 def _planned_options(options: list[_Option], search: _Search, *, top: int) -> list[Candidate]:
@@ -336,7 +345,7 @@ def recommend(
     unfit = sorted((c for c in candidates if not c.fits), key=_rank_key)
     best = fitting[0] if fitting else None
     cheaper = None
-    if unfit and (best is None or unfit[0].cost.total_s < best.cost.total_s):
+    if unfit and (best is None or _per_token(unfit[0]) < _per_token(best)):
         cheaper = unfit[0]
     return Recommendation(
         best=best,

@@ -253,8 +253,13 @@ def _cost(c: Candidate) -> str:
         f"comm {k.comm_s:.2f} overlapped"
         + (f", tp/cp exchange {k.exchange_s:.2f}" if k.exchange_s else "")
         + (f", offload {k.offload_s:.2f}" if k.offload_s else "")
-        + ")"
+        + f"; {_tokens(c.plan.scenario):,} tokens/step)"
     )
+
+
+def _tokens(sc: Scenario) -> int:
+    """Tokens of one optimizer step over all data-parallel ranks."""
+    return sc.dp * sc.tokens * sc.grad_accum
 
 
 def _peak(c: Candidate) -> str:
