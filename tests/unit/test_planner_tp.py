@@ -20,9 +20,11 @@ from fsdpkit.planner.blockmem import (
 )
 from fsdpkit.planner.layouts import layout_groups
 from fsdpkit.planner.mparallel import exchange_traffic
+from fsdpkit.planner.replay import Step
 from fsdpkit.planner.report import format_plan, format_recommendation
 from fsdpkit.planner.scenario import scenario
 from fsdpkit.planner.sizing import head_sizes, sizes
+from fsdpkit.planner.states import model_states
 
 H100 = parse_device("h100")
 ISSUE = ["precision.mode=bf16", "activations.mode=full", "train.micro_batch_size=1"]
@@ -174,3 +176,25 @@ def test_bad_layouts_are_refused_naming_the_field(
 def test_trace_refuses_model_parallel_layouts() -> None:
     with pytest.raises(PlanError, match=r"--trace with parallel\.tp = 2"):
         plan(_cfg("model.preset=tiny", "parallel.tp=2"), world_size=2, trace=True)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.tp=2"],
+        ["parallel.cp=2"],
+        ["parallel.tp=2", "parallel.cp=2", "activations.mode=none"],
+        ["parallel.cp=2", "activations.mode=selective"],
+    ],
+)
+def test_a_step_frees_everything_but_the_sharded_grads(layout: list[str]) -> None:
+    # the whole replay balances under tp / cp: every activation, exchange buffer and
+    # gathered parameter is freed; what stays is the sharded gradient (model_states)
+    sc = scenario(_8b(4096, *layout), world_size=8, device=H100)
+    step = Step(sc)
+    step.persistent()
+    before = dict(step.led.live)
+    step.forward()
+    step.backward(sync=True)
+    left = {k: v - before.get(k, 0) for k, v in step.led.live.items() if v != before.get(k, 0)}
+    assert left == {"gradients": model_states(sc)["gradients"]}

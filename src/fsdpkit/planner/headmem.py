@@ -155,6 +155,12 @@ def hidden_grad_scatter(s: Sizes, hs: Sizes) -> list[Event]:
     return [(TEMP, s.nde), (TEMP, -hs.nde)] if hs.n != s.n else []
 
 
+def embedding_grad_gather(s: Sizes, hs: Sizes) -> list[Event]:
+    """The embedding's backward under sequence parallelism: the grad of its output
+    shard (``s.n`` tokens, live) all-gathered to the whole ``hs.n`` tokens."""
+    return [(TEMP, hs.nde), (TEMP, -s.nde)] if hs.n != s.n else []
+
+
 def embedding_output(s: Sizes, hs: Sizes) -> list[Event]:
     """The embedding's output (replicated over tp), cut to the rank's sequence shard
     under sequence parallelism (a copy: the whole output dies after it)."""

@@ -24,6 +24,7 @@ from fsdpkit.planner.headmem import (
     chunked_loss_backward,
     chunked_loss_forward,
     embedding_backward,
+    embedding_grad_gather,
     embedding_output,
     final_norm_backward,
     head_backward,
@@ -341,7 +342,7 @@ class Step:
         else:
             self.gathered(embedding, forward=False)
             tied, in_place = self.m.tie_embeddings, self.sc.loss_chunk is not None
-            grad = hidden_grad_scatter(self.hs, s)  # reversed: the grad gathered to m tokens
+            grad = embedding_grad_gather(s, self.hs)
             led.apply(grad + embedding_backward(self.hs, tied=tied, in_place=in_place))
             if embedding is not None:
                 self.post_backward(embedding, sync=sync)
