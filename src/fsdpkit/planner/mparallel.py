@@ -30,8 +30,10 @@ Traffic per block and micro-batch, B = m x d x e bytes (ring: each rank moves
 
 - tensor parallel: forward 2 all-gathers + 2 reduce-scatters of B (sequence parallel)
   or 2 all-reduces of B (2 x the bytes each): 4 x B x (tp - 1) / tp either way; the
-  same in backward, and again in the recompute of a checkpointed block; plus the
-  final hidden states gathered for the head (and reduce-scattered back);
+  same in backward, and again in the recompute of a checkpointed block; plus, under
+  sequence parallelism, the final hidden states gathered for the head (reduce-scattered
+  back in backward) and the embedding output's grad gathered in backward: 3 x B x
+  (tp - 1) / tp per micro-batch;
 - context parallel: forward 4 all-to-alls (q, k, v, output) of Q + 2K + Q bytes, Q = m
   x heads x hd x e / tp, K = m x kv x hd x e / tp, each moving (cp - 1) / cp; the same
   in backward and in the recompute.
@@ -144,14 +146,15 @@ def exchange_traffic(
     """(tensor-parallel bytes, context-parallel bytes, collective calls) per rank for
     ``passes`` block passes (forward, backward and recompute each count one) of one
     micro-batch of ``tokens`` tokens per rank — the formulas of [Note: model-parallel
-    block memory]; ``sp`` adds the head's gather and its backward."""
+    block memory]; ``sp`` adds the head's gather, its backward and the embedding
+    grad's gather."""
     m = tokens // cp
     b = m * model.dim * e
     tp_bytes = passes * 4 * _ring(b, tp)
     if sp:
-        tp_bytes += 2 * _ring(b, tp)
+        tp_bytes += 3 * _ring(b, tp)
     q = m * model.n_heads * model.head_dim * e // tp
     k = m * model.n_kv_heads * model.head_dim * e // tp
     cp_bytes = passes * _ring(2 * q + 2 * k, cp)
-    calls = passes * 4 * ((tp > 1) + (cp > 1)) + (2 if sp else 0)
+    calls = passes * 4 * ((tp > 1) + (cp > 1)) + (3 if sp else 0)
     return tp_bytes, cp_bytes, calls
