@@ -144,6 +144,7 @@ def test_issue_plans_fit_with_the_recommended_layout() -> None:
     assert rec.layouts[0].fits is False and rec.layouts[0].fits_offloaded
     text = format_recommendation(rec)
     assert "FSDP only: " in text and "with CPU offload" in text
+    assert "the fewest model-parallel ranks that fit; smaller ones fit only with CPU" in text
     # llama3-70b at 32768 tokens: 16 bytes x 70.6B / 8 ranks = 131 GiB of model states
     # whatever the layout, so only offload fits; FSDP alone then, tp / cp for headroom
     big = ["model.preset=llama3-70b", "data.seq_len=32768", "offload.params=true"]

@@ -383,10 +383,10 @@ def _layout_options(cfg: RunConfig, *, tp: int, cp: int, search: _Search) -> lis
 def _try(tp: int, cp: int, candidates: list[Candidate]) -> LayoutTry:
     fitting = sorted((c for c in candidates if c.fits), key=_rank_key)
     resident = [c for c in fitting if not c.config.offload.params]
-    lowest = min(candidates, key=lambda c: c.plan.memory.peak.bytes, default=None)
-    closest = (resident or fitting or [lowest])[0]
-    if closest is None:
+    lowest = sorted(candidates, key=lambda c: c.plan.memory.peak.bytes)
+    if not (resident or fitting or lowest):
         return LayoutTry(tp, cp, None, None)
+    closest = (resident or fitting or lowest)[0]
     p = closest.plan
     return LayoutTry(
         tp, cp, p.memory.peak.bytes, p.usable_bytes, dict(closest.changes),

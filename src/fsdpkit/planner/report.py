@@ -294,13 +294,30 @@ def explain(rec: Recommendation) -> list[str]:
     return lines + _layout_lines(rec)
 
 
+def _chosen_layout(rec: Recommendation) -> str:
+    """One sentence: the layout picked and the smaller ones that did not do."""
+    assert rec.best is not None
+    sc = rec.best.plan.scenario
+    chosen = next(t for t in rec.layouts if (t.tp, t.cp) == (sc.tp, sc.cp))
+    smaller = [t for t in rec.layouts if t.ranks < chosen.ranks]
+    offload = " with CPU offload" if rec.best.config.offload.params else ""
+    why = f"layout: {chosen.describe()}{offload}, the fewest model-parallel ranks that fit"
+    names = ", ".join(t.describe() for t in smaller)
+    if smaller and all(t.fits_offloaded for t in smaller) and not offload:
+        return why + f"; smaller ones fit only with CPU offload ({names})."
+    if smaller:
+        return why + f"; smaller ones do not fit ({names}: below)."
+    return why + "."
+
+
 def _layout_lines(rec: Recommendation) -> list[str]:
     """Why this tp x cp layout ([Note: layout search]): each layout tried, fewest
     model-parallel ranks first, with its closest candidate's peak."""
     if len(rec.layouts) < 2 and not any(t.ranks > 1 for t in rec.layouts):
         return []
-    out = ["layouts (fewest model-parallel ranks first; the first that fits without CPU "
-           "offload wins, else the first that fits with it):"]  # fmt: skip
+    out = [_chosen_layout(rec)] if rec.best is not None else []
+    out += ["layouts (fewest model-parallel ranks first; the first that fits without CPU "
+            "offload wins, else the first that fits with it):"]  # fmt: skip
     for t in rec.layouts:
         if t.peak is None or t.usable is None:
             out.append(f"  {t.describe()}: no valid configuration")
