@@ -150,8 +150,10 @@ def render(results: dict[str, Any]) -> str:
         if "layouts_tried" in r
     )
     return (
-        head + "\n".join(lines) + "\n\nLayouts the recommender planned (closest candidate "
-        "each, fewest model-parallel ranks first):\n\n" + tried + "\n"
+        head + "\n".join(lines) + "\n\nLayouts the recommender planned, fewest model-parallel "
+        "ranks first (each with its fastest fitting candidate, else its lowest peak):\n\n"
+        + tried
+        + "\n"
     )
 
 

@@ -316,8 +316,9 @@ def _layout_lines(rec: Recommendation) -> list[str]:
     if len(rec.layouts) < 2 and not any(t.ranks > 1 for t in rec.layouts):
         return []
     out = [_chosen_layout(rec)] if rec.best is not None else []
-    out += ["layouts (fewest model-parallel ranks first; the first that fits without CPU "
-            "offload wins, else the first that fits with it):"]  # fmt: skip
+    out += ["layouts (fewest model-parallel ranks first, each with its fastest fitting "
+            "candidate, else its lowest peak; the first that fits without CPU offload wins, "
+            "else the first that fits with it):"]  # fmt: skip
     for t in rec.layouts:
         if t.peak is None or t.usable is None:
             out.append(f"  {t.describe()}: no valid configuration")
