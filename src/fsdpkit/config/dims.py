@@ -54,6 +54,11 @@ class ParallelDims:
         """Whether a tp or cp axis exists (an N-D mesh rather than FSDP's own)."""
         return self.tp > 1 or self.cp > 1
 
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel index of global ``rank`` (which batches it reads): ranks
+        that differ only in their cp or tp coordinate read the same ones."""
+        return rank // (self.cp * self.tp)
+
     def describe(self) -> str:
         parts = [f"{n} {d}" for n, d in self.named() if d > 1 or n == "shard"]
         return " x ".join(parts)
@@ -87,11 +92,12 @@ def parallel_dims(cfg: RunConfig, *, world_size: int, local_world_size: int) -> 
             "step, and only a node's own links are fast enough. Use a tp that divides "
             f"{local_world_size} and scale across nodes with data (or context) parallelism."
         )
-    if cfg.data.seq_len % p.cp:
+    if cfg.data.seq_len % model_ranks:
         raise ConfigError(
-            f"parallel.cp = {p.cp} must divide data.seq_len = {cfg.data.seq_len}: each "
-            "context-parallel rank holds an equal slice of every sequence. Pick a seq_len "
-            f"that is a multiple of {p.cp}."
+            f"parallel.cp x parallel.tp = {p.cp} x {p.tp} must divide data.seq_len = "
+            f"{cfg.data.seq_len}: each context-parallel rank holds an equal slice of every "
+            "sequence, and sequence parallelism splits that slice over the tp ranks. Pick "
+            f"a seq_len that is a multiple of {model_ranks}."
         )
     dp = world_size // model_ranks
     local_dp = max(local_world_size // model_ranks, 1)

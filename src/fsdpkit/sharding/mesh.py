@@ -4,7 +4,8 @@ context parallelism, with the sub-meshes each layer of parallelism works on.
 
 The mesh is always passed explicitly; fsdpkit keeps no global mesh. Code that shards
 takes the run's whole mesh and asks this module for its part (``fsdp_mesh``,
-``tp_mesh``, ``cp_mesh``), so a mesh without tp or cp axes works unchanged.
+``tp_mesh``, ``cp_mesh``), so a mesh without tp or cp axes works unchanged. Which
+batches a rank reads is ``ParallelDims.dp_rank`` (fsdpkit.config.dims).
 """
 
 from __future__ import annotations
@@ -113,23 +114,3 @@ def tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
 def cp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     """The context-parallel axis, or None."""
     return mesh["cp"] if "cp" in _names(mesh) else None
-
-
-def dp_coordinate(mesh: DeviceMesh) -> tuple[int, int]:
-    """(this rank's data-parallel index, data-parallel ranks): which batches it reads.
-    Ranks that differ only in cp or tp read the same batches."""
-    names = _names(mesh)
-    if "tp" not in names and "cp" not in names:
-        return _flat_rank(mesh), mesh.size()
-    rank, size = mesh.get_local_rank("shard"), mesh.size(names.index("shard"))
-    if "replicate" in names:
-        rank += mesh.get_local_rank("replicate") * size
-        size *= mesh.size(names.index("replicate"))
-    return rank, size
-
-
-def _flat_rank(mesh: DeviceMesh) -> int:
-    rank = 0
-    for dim in range(mesh.ndim):
-        rank = rank * mesh.size(dim) + mesh.get_local_rank(dim)
-    return rank
