@@ -5,7 +5,8 @@ and how it picks one.
 tp runs over the powers of two that divide the ranks per node (1, 2, 4, 8: a
 tensor-parallel group exchanges activations several times per block and stays inside
 a node) and the model's attention and key/value heads; cp over the powers of two that
-divide the world / tp, data.seq_len and the heads per tp rank. Layouts are tried in
+divide the world / tp and the heads per tp rank, with cp x tp dividing data.seq_len
+(each cp rank's slice is split again over tp: fsdpkit.config.dims). Layouts are tried in
 groups of equal tp x cp, fewest model-parallel ranks first: every model-parallel rank
 is a data-parallel rank fewer (a larger smallest global batch, more exchange traffic).
 The first group in which something fits without CPU offload wins (offload moves
@@ -66,7 +67,7 @@ def layout_groups(
         if model.n_heads % tp or model.n_kv_heads % tp:
             continue
         for cp in POWERS:
-            if (world // tp) % cp or seq_len % cp or (model.n_heads // tp) % cp:
+            if (world // tp) % cp or seq_len % (cp * tp) or (model.n_heads // tp) % cp:
                 continue
             layouts.append((tp, cp))
     products = sorted({tp * cp for tp, cp in layouts})

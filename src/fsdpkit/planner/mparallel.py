@@ -50,24 +50,15 @@ from dataclasses import replace
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.layout import ModelLayout, Shape
-
-LLAMA_BLOCK: dict[str, str] = {
-    "self_attn.q_proj": "colwise",
-    "self_attn.k_proj": "colwise",
-    "self_attn.v_proj": "colwise",
-    "self_attn.o_proj": "rowwise",
-    "mlp.gate_proj": "colwise",
-    "mlp.up_proj": "colwise",
-    "mlp.down_proj": "rowwise",
-}
-"""The block plan the trainer applies ([Note: tensor-parallel plans]): module names of
-the built-in Llama and of transformers' Llama / Mistral / Qwen2 decoder layers."""
+from fsdpkit.sharding.tensor import LLAMA_BLOCK, TensorParallelError, check_heads
 
 
 def _split(name: str, shape: Shape, tp: int) -> Shape:
-    """The tp-local (rows, cols) of one block parameter. A LoRA adapter follows its base:
-    lora_B of a column-parallel base splits its rows, lora_A of a row-parallel base its
-    columns; the other adapter matrix, norms and biases of row-parallel linears stay
+    """The tp-local (rows, cols) of one block parameter, by the trainer's block plan
+    (``LLAMA_BLOCK``, [Note: tensor-parallel plans]: the built-in Llama's module names,
+    which transformers' Llama / Mistral / Qwen2 layers share). A LoRA adapter follows its
+    base: lora_B of a column-parallel base splits its rows, lora_A of a row-parallel base
+    its columns; the other adapter matrix, norms and biases of row-parallel linears stay
     whole."""
     module, _, leaf = name.rpartition(".")
     if ".lora_A." in name or ".lora_B." in name:
@@ -113,20 +104,10 @@ def check_layout(model: LlamaConfig | None, *, tp: int, cp: int, why_not: str | 
             f"{why_not or 'other units'} (the traced planner does not model tp / cp yet). "
             "Plan it with parallel.tp = 1 and parallel.cp = 1."
         )
-    for name, heads in (("attention heads", model.n_heads), ("key/value heads", model.n_kv_heads)):
-        if heads % tp:
-            raise PlanError(
-                f"parallel.tp = {tp} does not divide the model's {heads} {name}: every "
-                "tensor-parallel rank computes an equal share of them. Use a tp that "
-                f"divides {heads}."
-            )
-    if (model.n_heads // tp) % cp:
-        raise PlanError(
-            f"parallel.cp = {cp} does not divide the {model.n_heads // tp} attention heads "
-            f"per tensor-parallel rank (parallel.tp = {tp}): the context-parallel exchange "
-            "gives each rank heads / cp of them over the whole sequence. Use a cp that "
-            f"divides {model.n_heads // tp}."
-        )
+    try:  # the trainer's own rule (fsdpkit.sharding.tensor)
+        check_heads(n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, tp=tp, cp=cp)
+    except TensorParallelError as exc:
+        raise PlanError(str(exc)) from None
 
 
 def _ring(nbytes: int, group: int) -> int:
