@@ -161,7 +161,7 @@ def test_issue_plans_fit_with_the_recommended_layout() -> None:
         (["parallel.tp=16"], 16, 16, "key/value heads"),  # llama3-8b: 8 kv heads
         (["parallel.tp=16"], 32, 8, "ranks per node"),  # tp across nodes
         (["parallel.cp=16", "data.seq_len=1000"], 16, 8, "data.seq_len"),
-        (["parallel.tp=8", "parallel.cp=8"], 64, 8, "heads per tensor-parallel rank"),
+        (["parallel.tp=8", "parallel.cp=8"], 64, 8, "query heads, 4 per rank at parallel.tp"),
     ],
 )
 def test_bad_layouts_are_refused_naming_the_field(

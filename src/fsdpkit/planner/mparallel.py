@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from fsdpkit.errors import ConfigError
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.layout import ModelLayout, Shape
@@ -106,7 +107,7 @@ def check_layout(model: LlamaConfig | None, *, tp: int, cp: int, why_not: str | 
         )
     try:  # the trainer's own rule (fsdpkit.sharding.tensor)
         check_heads(n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, tp=tp, cp=cp)
-    except TensorParallelError as exc:
+    except (TensorParallelError, ConfigError) as exc:
         raise PlanError(str(exc)) from None
 
 

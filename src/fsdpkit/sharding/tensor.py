@@ -54,6 +54,7 @@ from fsdpkit.models.accessors import input_embeddings, output_embeddings
 from fsdpkit.models.errors import ModelError
 from fsdpkit.models.hf import read_hf_dir
 from fsdpkit.models.llama import Llama, preset
+from fsdpkit.sharding.context import check_cp_heads
 
 LLAMA_BLOCK: dict[str, str] = {
     "self_attn.q_proj": "colwise",
@@ -130,7 +131,8 @@ def check_layout(cfg: RunConfig) -> None:
 
 
 def check_heads(*, n_heads: int, n_kv_heads: int, tp: int, cp: int = 1) -> None:
-    """Heads must split evenly over tp (and each tp rank's over cp)."""
+    """Heads must split evenly over tp, and each tp rank's query heads over cp
+    (fsdpkit.sharding.context.check_cp_heads, the context-parallel rule)."""
     for name, heads in (("attention heads", n_heads), ("key/value heads", n_kv_heads)):
         if heads % tp:
             raise TensorParallelError(
@@ -138,13 +140,8 @@ def check_heads(*, n_heads: int, n_kv_heads: int, tp: int, cp: int = 1) -> None:
                 f"tensor-parallel rank computes an equal share of them. Use a tp that "
                 f"divides {heads}."
             )
-    if cp > 1 and (n_heads // tp) % cp:
-        raise TensorParallelError(
-            f"parallel.cp = {cp} does not divide the {n_heads // tp} attention heads per "
-            f"tensor-parallel rank (parallel.tp = {tp}): the context-parallel exchange gives "
-            f"each rank heads / cp of them over the whole sequence. Use a cp that divides "
-            f"{n_heads // tp}."
-        )
+    if cp > 1:
+        check_cp_heads(n_heads=n_heads, cp=cp, tp=tp)
 
 
 def model_heads(model: nn.Module) -> tuple[int, int]:
