@@ -48,7 +48,6 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "tp4": ("llama-kv4", ["parallel.tp=4"]),
     "dp2xtp2-ac-full": ("llama", ["parallel.tp=2", "activations.mode=full"]),
     "dp2xtp2-ac-selective": ("llama", ["parallel.tp=2", "activations.mode=selective"]),
-    "hybrid-1x2xtp2": ("llama", ["parallel.tp=2", "parallel.strategy=hybrid"]),
     "hf-llama-tp2": ("hf-llama", ["parallel.tp=2"]),
     "hf-qwen2-tp2": ("hf-qwen2", ["parallel.tp=2"]),
     "hf-llama-lora-tp2": ("hf-llama", ["parallel.tp=2", "lora.rank=4", "lora.alpha=8"]),

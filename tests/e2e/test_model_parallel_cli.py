@@ -104,3 +104,44 @@ def test_bad_layout_is_one_paragraph_before_any_worker(
     assert field in run.stderr, run.stderr[-2000:]
     assert "Traceback" not in run.stderr
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
+def test_lora_sft_at_tp2_exports_the_adapters_an_fsdp_only_run_does(tmp_path: Path) -> None:
+    """LoRA SFT on a transformers Llama (packed chat rows, adapters only): tp2 and dp2
+    runs of 3 steps export the same peft adapter tensors."""
+    from fsdpkit.testing.hf import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "tiny-chat", arch="llama", dim=32, chat=True)
+    sft = Path(__file__).parents[2] / "examples" / "sft_tiny.jsonl"
+    adapters = {}
+    for name, layout in (("tp2", "parallel.tp=2"), ("dp2", "parallel.tp=1")):
+        run = fsdpkit(
+            "train",
+            "--nproc",
+            "2",
+            f"model.hf={model_dir}",
+            f"data.path={sft}",
+            "lora.rank=4",
+            "checkpoint.adapters_only=true",
+            "checkpoint.every=3",
+            "data.seq_len=128",
+            "train.steps=3",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=2",
+            "logging.report=false",
+            f"logging.run_dir={tmp_path / name}",
+            layout,
+            cwd=tmp_path,
+            env={"HF_HUB_OFFLINE": "1"},
+            timeout=400,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        ckpt = tmp_path / name / "checkpoints" / "step-00000003"
+        out = tmp_path / f"adapter-{name}"
+        done = fsdpkit("ckpt", "export", str(ckpt), "--format", "peft", str(out), cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-2000:]
+        adapters[name] = load_file(str(out / "adapter_model.safetensors"))
+    assert adapters["tp2"].keys() == adapters["dp2"].keys()
+    assert any("lora_B" in key for key in adapters["dp2"])
+    for key, value in adapters["dp2"].items():
+        torch.testing.assert_close(adapters["tp2"][key], value, rtol=1e-5, atol=1e-6, msg=key)
