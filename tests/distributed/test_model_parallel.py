@@ -54,6 +54,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "llama-lora-tp2": ("llama", ["parallel.tp=2", "lora.rank=4", "lora.alpha=8"]),
     "dp2xcp2": ("llama", ["parallel.cp=2"]),
     "dp2xcp2-ac-full": ("llama", ["parallel.cp=2", "activations.mode=full"]),
+    "dp2xcp2-ac-selective": ("llama", ["parallel.cp=2", "activations.mode=selective"]),
     "tp2xcp2": ("llama", ["parallel.tp=2", "parallel.cp=2"]),
     "dp2xcp2-packed-sft": ("llama", ["parallel.cp=2"]),
     "tp2xcp2-packed-sft": ("llama", ["parallel.tp=2", "parallel.cp=2"]),
