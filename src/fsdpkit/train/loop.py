@@ -36,6 +36,7 @@ from fsdpkit.train.progress import Progress
 from fsdpkit.train.session import Session, write_run_dir
 from fsdpkit.train.summary import RunSummary
 from fsdpkit.train.telemetry import device_peak_flops, peak_memory_kind, peak_memory_mib
+from fsdpkit.trainable.reference import DpoLoss
 from fsdpkit.trainable.step import train_step
 
 log = logging.getLogger(__name__)
@@ -53,9 +54,10 @@ def _global_mean(value: torch.Tensor) -> float:
     return float(value)
 
 
-def _step(s: Session, probe: HangProbe) -> tuple[float, float]:
-    """One optimizer step on the next micro-batches; (mean loss over ranks, grad norm).
-    The scheduler steps too, so read the step's LR before calling this."""
+def _step(s: Session, probe: HangProbe) -> tuple[float, float, dict[str, float]]:
+    """One optimizer step on the next micro-batches; (mean loss over ranks, grad norm,
+    the objective's own metrics: DPO rewards). The scheduler steps too, so read the
+    step's LR before calling this."""
     with record_function(DATA_NAME):  # the profiler's "data" category
         batches = [b.to(s.device, non_blocking=True) for b in s.loader.next_step()]
     result = train_step(
@@ -70,7 +72,8 @@ def _step(s: Session, probe: HangProbe) -> tuple[float, float]:
         mark=probe.marker(len(batches)),
     )
     s.scheduler.step()
-    return _global_mean(result.loss), float(result.grad_norm)
+    extra = s.loss_fn.step_metrics() if isinstance(s.loss_fn, DpoLoss) else {}  # collective
+    return _global_mean(result.loss), float(result.grad_norm), extra
 
 
 @torch.no_grad()
@@ -216,7 +219,7 @@ def _run_steps(
         t0, c0 = time.perf_counter(), compile_seconds()
         lr = float(s.scheduler.get_last_lr()[0])
         try:
-            loss, norm = _step(s, probe)
+            loss, norm, extra = _step(s, probe)
         except UserError:  # e.g. a model output without logits: the message says what to do
             raise
         except Exception as exc:
@@ -234,6 +237,7 @@ def _run_steps(
             progress.message(note)
         if step % cfg.logging.log_every == 0 or step == cfg.train.steps:
             record = _record(s, step=step, loss=loss, norm=norm, lr=lr, dt=dt, compile_s=compile_s)
+            record |= extra
             _write_metrics(s, record)
             obs.on_step(record)
             rates.append(record["tokens_per_s"])

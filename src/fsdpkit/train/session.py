@@ -22,6 +22,7 @@ from fsdpkit.checkpoint import Checkpointer, ModelOptimizerState, RankLocal, RNG
 from fsdpkit.checkpoint.frozen import FrozenBase
 from fsdpkit.config import BatchSplit, RunConfig, batch_split, mesh_shape, to_toml
 from fsdpkit.data import Tokenizer, TrainingData, open_training_data
+from fsdpkit.data.preference import open_preference_data
 from fsdpkit.finetune import Finetune
 from fsdpkit.loss.contract import LossFn
 from fsdpkit.models.hf import HF_RUN_DIR, copy_hf_files, with_model_tokenizer
@@ -35,6 +36,7 @@ from fsdpkit.train.state import TrainerState
 from fsdpkit.train.telemetry import MetricsWriter
 from fsdpkit.trainable.build import build_unsharded, shard_trainable
 from fsdpkit.trainable.optim import build_scheduler
+from fsdpkit.trainable.reference import DpoLoss, build_reference_unsharded, shard_reference
 from fsdpkit.version import written_by
 
 
@@ -123,6 +125,10 @@ def init_process_group(cfg: RunConfig, env: DistEnv) -> torch.device:
 def _data(cfg: RunConfig, env: DistEnv, split: BatchSplit) -> TrainingData:
     """This rank's data: the one pipeline (fsdpkit.data.open_training_data) prepares raw
     sources into the run directory once per node and maps the shards; no collective."""
+    if cfg.train.objective == "dpo":  # preference pairs (fsdpkit.data.preference)
+        ranks = {"dp_rank": env.rank, "dp_world": env.world_size}
+        opts = {"seed": cfg.train.seed, "eval_batches": cfg.train.eval_batches}
+        return open_preference_data(cfg.data, split=split, **ranks, **opts)
     return open_training_data(
         cfg.data,
         seed=cfg.train.seed,
@@ -146,12 +152,18 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     unsharded = build_unsharded(
         cfg, vocab_size=data.tokenizer.vocab_size, device_type=env.device_type, sft=data.sft
     )
+    reference = build_reference_unsharded(  # DPO's frozen reference ([Note: reference model])
+        cfg, vocab_size=data.tokenizer.vocab_size, device_type=env.device_type
+    )
     device = init_process_group(cfg, env)
     replicate, shard_deg = mesh_shape(
         cfg, world_size=env.world_size, local_world_size=env.local_world_size
     )
     mesh = build_mesh(replicate=replicate, shard=shard_deg, device_type=env.device_type)
     run = shard_trainable(unsharded, cfg, mesh=mesh, device=device)
+    if cfg.train.objective == "dpo":
+        ref = shard_reference(reference, cfg, mesh=mesh, device=device) if reference else None
+        run.loss_fn = DpoLoss(cfg.dpo, reference=ref, lora=bool(cfg.lora.rank))
     scaler = make_grad_scaler(run.precision, device_type=env.device_type)
     run_dir = Path(cfg.logging.run_dir)
     return Session(
