@@ -4,7 +4,8 @@ A tiny transformers Llama (saved with save_pretrained, ChatML tokenizer) trains 
 steps through ``build_session`` + ``run`` (what ``fsdpkit train`` runs) on string and
 conversational preference rows, fp32, 2 pairs per rank in 2 micro-batches of 1: once as
 a full fine-tune with a separate FSDP2-sharded reference model, once with LoRA and the
-reference taken from the same sharded model with its adapters off. The reference run
+reference taken from the same sharded model with its adapters off, once with the
+reference-free SimPO loss (no reference model built). The reference run
 here holds the unsharded HF model, a frozen deep copy as the reference (so the
 adapters-off trick is checked against a real second model), the same rows in the same
 steps (fsdpkit's loader at world size 1 with the same global batch), the DPO formula
@@ -39,7 +40,7 @@ pytestmark = pytest.mark.distributed
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-STEPS, BETA, LR, PAIRS_PER_STEP = 10, 0.5, 5e-3, 4
+STEPS, BETA, LR, PAIRS_PER_STEP, GAMMA = 10, 0.5, 5e-3, 4, 0.25
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")
 LORA = ["lora.rank=4", "lora.alpha=8"]
 
@@ -110,7 +111,20 @@ def _logps(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) 
     return (picked * mask).sum(-1)
 
 
-def _reference(model_dir: Path, overrides: list[str], *, lora: bool) -> list[dict[str, float]]:
+def _rewards(policy: Any, reference: Any, batch: Any, *, simpo: bool) -> torch.Tensor:
+    """beta x (policy - reference) log-probs per row; SimPO: beta x the policy's
+    log-prob per answer token (no reference)."""
+    logps = _logps(policy, batch.inputs, batch.targets)
+    if simpo:
+        return BETA * logps / (batch.targets != -100).sum(-1)
+    with torch.no_grad():
+        ref = _logps(reference, batch.inputs, batch.targets)
+    return BETA * (logps - ref)
+
+
+def _reference(
+    model_dir: Path, overrides: list[str], *, lora: bool, simpo: bool = False
+) -> list[dict[str, float]]:
     cfg = with_model_tokenizer(load(None, overrides))
     pairs = load_pairs(cfg.data, build_tokenizer(cfg.data)).train
     loader = Loader(pairs, micro_batch_size=PAIRS_PER_STEP, dp_rank=0, dp_world=1, seed=3)
@@ -129,12 +143,9 @@ def _reference(model_dir: Path, overrides: list[str], *, lora: bool) -> list[dic
     opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
     out = []
     for _ in range(STEPS):
-        batch = loader.next_batch()
-        with torch.no_grad():
-            ref = _logps(reference, batch.inputs, batch.targets)
-        ratio = _logps(policy, batch.inputs, batch.targets) - ref
-        chosen, rejected = BETA * ratio[0::2], BETA * ratio[1::2]
-        loss = -F.logsigmoid(chosen - rejected).mean()
+        rewards = _rewards(policy, reference, loader.next_batch(), simpo=simpo)
+        chosen, rejected = rewards[0::2], rewards[1::2]
+        loss = -F.logsigmoid(chosen - rejected - (GAMMA if simpo else 0.0)).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -159,11 +170,16 @@ def test_dpo_matches_one_process_reference_full_and_lora_and_resumes_at_one_rank
     data.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
     full = _overrides(model_dir, data, tmp_path / "full", "checkpoint.every=5")
     lora = _overrides(model_dir, data, tmp_path / "lora", *LORA)
-    run_ranks(_train, world_size=2, args=([full, lora],), timeout_s=400)
+    simpo = _overrides(
+        model_dir, data, tmp_path / "simpo", "dpo.loss=simpo", f"dpo.simpo_gamma={GAMMA}"
+    )
+    run_ranks(_train, world_size=2, args=([full, lora, simpo],), timeout_s=400)
 
     got_full, got_lora = _metrics(tmp_path / "full"), _metrics(tmp_path / "lora")
     _close(got_full, _reference(model_dir, full, lora=False), what="full fine-tune")
     _close(got_lora, _reference(model_dir, lora, lora=True), what="LoRA, adapters off")
+    want = _reference(model_dir, simpo, lora=False, simpo=True)
+    _close(_metrics(tmp_path / "simpo"), want, what="SimPO (reference-free)")
     assert got_full[-1]["rewards/margin"] > got_full[0]["rewards/margin"]  # it trained
 
     step5 = tmp_path / "full" / "checkpoints" / "step-00000005"
