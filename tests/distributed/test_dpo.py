@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from fsdpkit.config import load
 from fsdpkit.data.loader import Loader
@@ -90,12 +91,21 @@ def _overrides(model_dir: Path, data: Path, run_dir: Path, *extra: str) -> list[
     ]
 
 
-def _train(rank: int, world: int, runs: list[list[str]]) -> None:
+def _train(rank: int, world: int, runs: list[list[str]]) -> list[bool | None]:
+    """Each run; whether its reference model (None: none) is back to shards after the
+    run's last step (a no-grad forward has no backward to reshard the root for it)."""
     del rank
     env = joined_env()
     assert env is not None and env.world_size == world
+    sharded: list[bool | None] = []
     for overrides in runs:
-        run(build_session(load(None, overrides), env))
+        session = build_session(load(None, overrides), env)
+        run(session)
+        ref = session.loss_fn.reference  # type: ignore[attr-defined]
+        sharded.append(
+            None if ref is None else all(isinstance(p, DTensor) for p in ref.parameters())
+        )
+    return sharded
 
 
 def _metrics(run_dir: Path) -> list[dict[str, float]]:
@@ -173,7 +183,8 @@ def test_dpo_matches_one_process_reference_full_and_lora_and_resumes_at_one_rank
     simpo = _overrides(
         model_dir, data, tmp_path / "simpo", "dpo.loss=simpo", f"dpo.simpo_gamma={GAMMA}"
     )
-    run_ranks(_train, world_size=2, args=([full, lora, simpo],), timeout_s=400)
+    sharded = run_ranks(_train, world_size=2, args=([full, lora, simpo],), timeout_s=400)
+    assert sharded == [[True, None, None]] * 2  # LoRA and SimPO build no second model
 
     got_full, got_lora = _metrics(tmp_path / "full"), _metrics(tmp_path / "lora")
     _close(got_full, _reference(model_dir, full, lora=False), what="full fine-tune")

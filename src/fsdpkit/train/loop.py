@@ -105,7 +105,8 @@ def _record(
 ) -> dict[str, Any]:
     """One metrics record; tokens/s over the step time without compilation."""
     cfg = s.cfg
-    tokens_per_s = s.split.global_batch * cfg.data.seq_len / max(dt - compile_s, 1e-9)
+    rows = s.split.global_batch * (2 if cfg.train.objective == "dpo" else 1)  # DPO: 2 per pair
+    tokens_per_s = rows * cfg.data.seq_len / max(dt - compile_s, 1e-9)
     peak = device_peak_flops(device_type=s.env.device_type, low_precision=s.precision.low_precision)
     mfu = None
     if peak and s.llama is not None:
@@ -340,8 +341,8 @@ def _train(s: Session, *, obs: Observer, stop: StopFlag, probe: HangProbe) -> Ru
     )
     progress.message(
         f"fsdpkit: {env.world_size} ranks ({env.device_type}), {s.plan.describe()}; "
-        f"{s.split.global_batch} sequences per step ({s.split.grad_accum} x "
-        f"{s.split.micro_batch} per rank)"
+        f"{s.split.global_batch} {'pairs' if cfg.train.objective == 'dpo' else 'sequences'} "
+        f"per step ({s.split.grad_accum} x {s.split.micro_batch} per rank)"
     )
     for note in (s.finetune.describe() if s.finetune else None, s.data_note, s.loss_note):
         if note:

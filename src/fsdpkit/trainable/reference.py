@@ -8,8 +8,8 @@ frozen reference:
   ([Note: one builder]: meta build, ``fsdpkit.shard`` on the same mesh, the same
   weights: ``model.hf`` + ``model.init_from``, or ``dpo.reference``), every parameter
   frozen (no gradients, no optimizer state), stored in ``dpo.reference_dtype``, and only
-  run forward under ``torch.no_grad`` (its all-gathers are freed after each unit, it
-  keeps no activations). It is never in a checkpoint; a resume builds it again.
+  run forward under ``torch.no_grad`` (it keeps no activations, and every unit is
+  resharded after it: ``reshard``). It is never in a checkpoint; a resume builds it again.
 - LoRA (``lora.rank > 0``): no second model. The reference log-probs are the same
   sharded model's with every peft ``LoraLayer``'s ``_disable_adapters`` flag set for the
   no-grad forward: the layer then returns its base layer's output, i.e. the frozen base.
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from fsdpkit.config import DpoConfig, RunConfig, with_changes
 from fsdpkit.data.batch import SFTBatch
@@ -109,6 +110,16 @@ def shard_reference(
     return model.eval()
 
 
+def reshard(model: nn.Module) -> None:
+    """Free every unit's all-gathered parameters after a no-grad forward: units that
+    skip resharding after forward (the root, edge units; [Note: edge units]) count on
+    a backward to do it, which the reference never runs, so they would stay unsharded
+    (the embedding and head in full) for the rest of the step."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 @contextmanager
 def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
     """Within, every LoRA layer computes its base layer only ([Note: reference model])."""
@@ -138,6 +149,7 @@ class DpoLoss:
         with torch.no_grad():
             if self.reference is not None:
                 logits = logits_of(self.reference(batch.inputs), tokens=batch.inputs)
+                reshard(self.reference)
             elif self.lora:
                 with adapters_off(model):
                     logits = logits_of(model(batch.inputs), tokens=batch.inputs)
