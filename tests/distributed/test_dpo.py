@@ -10,8 +10,10 @@ here holds the unsharded HF model, a frozen deep copy as the reference (so the
 adapters-off trick is checked against a real second model), the same rows in the same
 steps (fsdpkit's loader at world size 1 with the same global batch), the DPO formula
 written out (log_softmax, gather, mask) and torch's AdamW: every step's loss and
-rewards must agree within 1e-5. Then the full run's step-5 checkpoint is resumed on
-ONE rank (train.global_batch_size keeps the 4 pairs per step): steps 6-10 must repeat.
+rewards must agree within 1e-5. The checkpoints hold the policy only (LoRA with
+checkpoint.adapters_only: the adapters only), never the reference. Then the full run's
+step-5 checkpoint is resumed on ONE rank (train.global_batch_size keeps the 4 pairs per
+step): steps 6-10 must repeat.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
@@ -108,6 +111,10 @@ def _train(rank: int, world: int, runs: list[list[str]]) -> list[bool | None]:
     return sharded
 
 
+def _saved_keys(step_dir: Path) -> list[str]:
+    return list(dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata)
+
+
 def _metrics(run_dir: Path) -> list[dict[str, float]]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if "loss" in r]
@@ -179,7 +186,14 @@ def test_dpo_matches_one_process_reference_full_and_lora_and_resumes_at_one_rank
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
     full = _overrides(model_dir, data, tmp_path / "full", "checkpoint.every=5")
-    lora = _overrides(model_dir, data, tmp_path / "lora", *LORA)
+    lora = _overrides(
+        model_dir,
+        data,
+        tmp_path / "lora",
+        *LORA,
+        "checkpoint.every=10",
+        "checkpoint.adapters_only=true",
+    )
     simpo = _overrides(
         model_dir, data, tmp_path / "simpo", "dpo.loss=simpo", f"dpo.simpo_gamma={GAMMA}"
     )
@@ -194,7 +208,14 @@ def test_dpo_matches_one_process_reference_full_and_lora_and_resumes_at_one_rank
     assert got_full[-1]["rewards/margin"] > got_full[0]["rewards/margin"]  # it trained
 
     step5 = tmp_path / "full" / "checkpoints" / "step-00000005"
-    assert step5.is_dir()
+    names = dict(
+        transformers.AutoModelForCausalLM.from_pretrained(str(model_dir)).named_parameters()
+    )
+    saved = [k for k in _saved_keys(step5) if k.startswith("app.model.")]
+    assert sorted(saved) == sorted(f"app.model.{n}" for n in names)  # never the reference
+    lora_dir = tmp_path / "lora" / "checkpoints" / "step-00000010"
+    adapters = [k for k in _saved_keys(lora_dir) if k.startswith("app.model.")]
+    assert adapters and all("lora_" in k for k in adapters), adapters
     resumed = _overrides(
         model_dir,
         data,
