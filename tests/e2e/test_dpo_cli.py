@@ -8,7 +8,7 @@ the rule tells them apart), the built-in tiny Llama (2 layers, d = 64, byte toke
 the run has never trained on: one epoch is 20 steps) must average above 0.9 (measured:
 0.97-1.0 from step 10; step 1 is 0, every reward being 0). A bad row (identical chosen
 and rejected) is one line naming the file and line, exit 2, no traceback. Both commands
-run at once.
+run at once; ``fsdpkit report`` then plots the rewards and the accuracy.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import random
 from pathlib import Path
 
 import pytest
-from clirun import metrics, start
+from clirun import fsdpkit, metrics, start
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
@@ -79,3 +79,7 @@ def test_dpo_learns_a_rule_and_a_bad_row_is_one_line(tmp_path: Path) -> None:
     assert sum(later) / len(later) > 0.9, later
     assert records[-1]["rewards/margin"] > 1.0 and records[-1]["loss"] < 0.3
     assert "preference data (standard (640 rows)): 640 training pairs" in out + err
+    report = fsdpkit("report", str(tmp_path / "learn"), cwd=tmp_path)  # the report's plots
+    assert report.returncode == 0, report.stderr[-2000:]
+    plots = tmp_path / "learn" / "plots"
+    assert (plots / "rewards.png").is_file() and (plots / "reward_accuracy.png").is_file()

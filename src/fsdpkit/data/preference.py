@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,7 @@ from fsdpkit.config import BatchSplit, DataConfig
 from fsdpkit.data.batch import IGNORE_INDEX, SFTBatch
 from fsdpkit.data.errors import DataError
 from fsdpkit.data.loader import Loader, validation_from
+from fsdpkit.data.manifest import is_dataset
 from fsdpkit.data.pipeline import TrainingData
 from fsdpkit.data.plan import plan_units, resolve_config
 from fsdpkit.data.readers import Records
@@ -124,6 +126,12 @@ def _identical(where: object) -> DataError:
 def read_pairs(cfg: DataConfig) -> list[tuple[Conversation, Conversation, str]]:
     """Every row of ``data.path`` as (chosen, rejected, where), checked, in file order,
     through the readers every other run uses (jsonl, json, parquet, Arrow)."""
+    if cfg.path and is_dataset(Path(cfg.path).expanduser()):
+        raise DataError(
+            f"data.path ({cfg.path}) is a dataset written by `fsdpkit data prepare`, which "
+            "holds token shards, not preference pairs; train.objective = 'dpo' reads the "
+            "rows themselves: point data.path at the jsonl / json / parquet / Arrow files."
+        )
     plan = plan_units(resolve_config(cfg), max_bytes=cfg.max_bytes)
     columns = parse_columns(cfg.columns)
     out = []
