@@ -5,7 +5,8 @@ steps through ``build_session`` + ``run`` (what ``fsdpkit train`` runs) on strin
 conversational preference rows, fp32, 2 pairs per rank in 2 micro-batches of 1: once as
 a full fine-tune with a separate FSDP2-sharded reference model, once with LoRA and the
 reference taken from the same sharded model with its adapters off, once with the
-reference-free SimPO loss (no reference model built). The reference run
+reference-free SimPO loss (no reference model built), once with ``dpo.reference`` naming
+another model directory (other weights: the first step's rewards are not 0). The reference run
 here holds the unsharded HF model, a frozen deep copy as the reference (so the
 adapters-off trick is checked against a real second model), the same rows in the same
 steps (fsdpkit's loader at world size 1 with the same global batch), the DPO formula
@@ -140,13 +141,22 @@ def _rewards(policy: Any, reference: Any, batch: Any, *, simpo: bool) -> torch.T
 
 
 def _reference(
-    model_dir: Path, overrides: list[str], *, lora: bool, simpo: bool = False
+    model_dir: Path,
+    overrides: list[str],
+    *,
+    lora: bool,
+    simpo: bool = False,
+    reference_dir: Path | None = None,
 ) -> list[dict[str, float]]:
     cfg = with_model_tokenizer(load(None, overrides))
     pairs = load_pairs(cfg.data, build_tokenizer(cfg.data)).train
     loader = Loader(pairs, micro_batch_size=PAIRS_PER_STEP, dp_rank=0, dp_world=1, seed=3)
     policy = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    if reference_dir is not None:
+        reference = transformers.AutoModelForCausalLM.from_pretrained(
+            str(reference_dir), dtype=torch.float32
+        ).requires_grad_(False)
     if lora:
         from fsdpkit.finetune.lora import init_adapters
 
@@ -197,14 +207,20 @@ def test_dpo_matches_one_process_reference_full_and_lora_and_resumes_at_one_rank
     simpo = _overrides(
         model_dir, data, tmp_path / "simpo", "dpo.loss=simpo", f"dpo.simpo_gamma={GAMMA}"
     )
-    sharded = run_ranks(_train, world_size=2, args=([full, lora, simpo],), timeout_s=400)
-    assert sharded == [[True, None, None]] * 2  # LoRA and SimPO build no second model
+    other = write_tiny_model(tmp_path / "other", seed=1, vocab_size=320, tokenizer=False)
+    separate = _overrides(model_dir, data, tmp_path / "separate", f"dpo.reference={other}")
+    runs = [full, lora, simpo, separate]
+    sharded = run_ranks(_train, world_size=2, args=(runs,), timeout_s=400)
+    assert sharded == [[True, None, None, True]] * 2  # LoRA and SimPO build no second model
 
     got_full, got_lora = _metrics(tmp_path / "full"), _metrics(tmp_path / "lora")
     _close(got_full, _reference(model_dir, full, lora=False), what="full fine-tune")
     _close(got_lora, _reference(model_dir, lora, lora=True), what="LoRA, adapters off")
     want = _reference(model_dir, simpo, lora=False, simpo=True)
     _close(_metrics(tmp_path / "simpo"), want, what="SimPO (reference-free)")
+    want = _reference(model_dir, separate, lora=False, reference_dir=other)
+    _close(_metrics(tmp_path / "separate"), want, what="dpo.reference = another model")
+    assert _metrics(tmp_path / "separate")[0]["rewards/margin"] != 0.0
     assert got_full[-1]["rewards/margin"] > got_full[0]["rewards/margin"]  # it trained
 
     step5 = tmp_path / "full" / "checkpoints" / "step-00000005"

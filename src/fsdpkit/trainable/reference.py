@@ -142,6 +142,21 @@ class DpoLoss:
         self.cfg, self.reference, self.lora = cfg, reference, lora
         self._stats: list[torch.Tensor] = []
 
+    def describe(self) -> str:
+        """The run's first lines: the loss and what the reference is."""
+        loss = {"sigmoid": "DPO", "ipo": "IPO", "simpo": "SimPO"}[self.cfg.loss]
+        text = f"{loss} (dpo.loss = {self.cfg.loss}, beta {self.cfg.beta:g}"
+        text += f", gamma {self.cfg.simpo_gamma:g})" if self.cfg.loss in REFERENCE_FREE else ")"
+        if self.reference is not None:
+            dtype = next(self.reference.parameters()).dtype
+            what = self.cfg.reference or "the policy's starting weights"
+            text += f"; reference: {what}, frozen, sharded, {str(dtype).removeprefix('torch.')}"
+        elif self.lora:
+            text += "; reference: the base model with the LoRA adapters off (no second model)"
+        else:
+            text += "; no reference model"
+        return text + "; full logits of each side"
+
     def reference_logps(self, model: nn.Module, batch: SFTBatch) -> torch.Tensor | None:
         """Summed answer log-probs of the reference (None: reference-free loss)."""
         if self.cfg.loss in REFERENCE_FREE:
