@@ -27,6 +27,12 @@ from dataclasses import dataclass
 from fsdpkit.config import RunConfig
 from fsdpkit.planner.layout import Unit
 
+TRACE_NOTE = (
+    "micro-batches planned at 2 rows per pair with full logits (the analytic plan; "
+    "--trace traces the policy's language-model step at train.micro_batch_size rows "
+    "and no reference)"
+)
+
 
 @dataclass(frozen=True)
 class ReferenceTerms:
@@ -50,7 +56,7 @@ def reference_terms(
     if cfg.train.objective != "dpo":
         return ReferenceTerms(rows_per_pair=1)
     if cfg.dpo.loss == "simpo" or cfg.lora.rank:
-        return ReferenceTerms(rows_per_pair=2)
+        return ReferenceTerms(rows_per_pair=2, note=f"DPO: no reference model; {TRACE_NOTE}")
     wanted = cfg.dpo.reference_dtype
     bf16 = wanted == "bf16" or (wanted == "auto" and low)
     elem = 2 if bf16 else 4
@@ -62,6 +68,6 @@ def reference_terms(
         forward=elem * sum(gathered) + logits,
         note=(
             f"DPO: a frozen reference model ({'bf16' if bf16 else 'fp32'}, sharded, "
-            "forward only) beside the policy; micro-batches planned at 2 rows per pair"
+            f"forward only) beside the policy; {TRACE_NOTE}"
         ),
     )
