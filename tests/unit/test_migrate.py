@@ -91,6 +91,24 @@ def line(text: str, key: str) -> str:
              "torch.compile per block before sharding"],
             [],
         ),
+        (
+            "fsdp2_tp_cp.yaml",
+            {"parallel.tp": 4, "parallel.cp": 2, "parallel.strategy": "full",
+             "parallel.shard_degree": None},
+            ["tp = 4  # parallelism_config_tp_size: 4", "Ulysses all-to-all",
+             "cp_backend torch runs ring attention instead",
+             "parallelism_config_cp_comm_strategy: alltoall -- fsdpkit's context parallelism",
+             "--nproc 8 --nnodes 2"],
+            [],
+        ),
+        (
+            "fsdp2_hsdp_sp.yaml",
+            {"parallel.cp": 2, "parallel.tp": 1, "parallel.strategy": "hybrid",
+             "parallel.shard_degree": 2},
+            ["parallelism_config_sp_size: 2 -- the same all-to-all sequence parallelism",
+             "parallelism_config_sp_seq_length_is_variable: True"],
+            [],
+        ),
     ],
 )  # fmt: skip
 def test_accelerate_configs_convert(
@@ -237,3 +255,31 @@ def test_cli_refuses_to_overwrite_and_reports_errors(
     (tmp_path / "spec.toml").write_text(capsys.readouterr().out)
     cfg = configuration.load(tmp_path / "spec.toml")
     assert (cfg.parallel.strategy, cfg.offload.params) == ("hybrid", True)
+
+
+def test_accelerate_parallelism_sizes_are_kept() -> None:
+    # Accelerate's (dp_replicate, dp_shard, cp, tp) mesh is fsdpkit's, size for size:
+    # nothing of it is dropped (the cases are in test_accelerate_configs_convert)
+    for name in ("fsdp2_tp_cp.yaml", "fsdp2_hsdp_sp.yaml"):
+        dropped = convert_accelerate(CONFIGS / name).dropped
+        assert not any("_size" in d.source for d in dropped), dropped
+
+
+def test_accelerate_parallelism_errors_and_warnings(tmp_path: Path) -> None:
+    with pytest.raises(MigrateError) as info:
+        convert_accelerate(CONFIGS / "tp_wrong_total.yaml")
+    assert "dp_shard 2 x tp 4 = 8 ranks, but num_processes is 4" in str(info.value)
+    both = tmp_path / "both.yaml"
+    both.write_text(
+        "distributed_type: FSDP\nfsdp_config: {fsdp_version: 2}\nnum_processes: 4\n"
+        "parallelism_config: {cp_size: 2, sp_size: 2}\n"
+    )
+    with pytest.raises(MigrateError, match="parallelism_config_cp_size = 2 and"):
+        convert_accelerate(both)
+    across = tmp_path / "across.yaml"
+    across.write_text(
+        "distributed_type: FSDP\nfsdp_config: {fsdp_version: 2}\nnum_processes: 12\n"
+        "num_machines: 2\nparallelism_config: {tp_size: 4, dp_shard_size: 3}\n"
+    )
+    warned = convert_accelerate(across).warnings
+    assert any("does not divide the 6 processes per node" in w for w in warned)

@@ -46,18 +46,30 @@ def _reduce(stats: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 def fingerprint(model: nn.Module) -> torch.Tensor:
     """float64 [elements, sum, sum of squares] over the frozen parameters (collective on
-    a sharded model: every rank must call it)."""
+    a sharded model: every rank must call it). Each layout (tensor parallelism mixes
+    split and replicated parameters) is summed over the mesh axes it is sharded on."""
     frozen = [p for p in model.parameters() if not p.requires_grad]
-    local = torch.zeros(3, dtype=torch.float64)
-    for p in frozen:
-        t = (p.to_local() if isinstance(p, DTensor) else p).detach().double().cpu()
-        local += torch.stack(
-            [torch.tensor(t.numel(), dtype=torch.float64), t.sum(), t.square().sum()]
-        )
-    if not frozen:
-        return local
-    device = frozen[0].device if frozen[0].device.type != "meta" else torch.device("cpu")
-    return _reduce(local.to(device), frozen[0]).cpu()
+    total = torch.zeros(3, dtype=torch.float64)
+    for group in _by_layout(frozen):
+        local = torch.zeros(3, dtype=torch.float64)
+        for p in group:
+            t = (p.to_local() if isinstance(p, DTensor) else p).detach().double().cpu()
+            local += torch.stack(
+                [torch.tensor(t.numel(), dtype=torch.float64), t.sum(), t.square().sum()]
+            )
+        device = group[0].device if group[0].device.type != "meta" else torch.device("cpu")
+        total += _reduce(local.to(device), group[0]).cpu()
+    return total
+
+
+def _by_layout(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Parameters grouped by (mesh, placements), in first-seen order (the same on every
+    rank, so the groups' collectives pair up)."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        key = (p.device_mesh, p.placements) if isinstance(p, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    return list(groups.values())
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -9,10 +9,12 @@ Modules, each owning one job:
     toml      the one TOML writer
     docs      ``--help-config`` text
     batch     ``batch_split``: a step's sequences over ranks and micro-batches
+    dims      ``parallel_dims``: the ranks as replicate x shard x cp x tp
 """
 
 from fsdpkit.config.batch import BatchSplit, batch_split
 from fsdpkit.config.coerce import suggest
+from fsdpkit.config.dims import ParallelDims, parallel_dims
 from fsdpkit.config.docs import describe, field_docs
 from fsdpkit.config.io import (
     apply_dotted,
@@ -54,6 +56,7 @@ __all__ = [
     "ModelConfig",
     "OffloadConfig",
     "ParallelConfig",
+    "ParallelDims",
     "PrecisionConfig",
     "RunConfig",
     "TrainConfig",
@@ -64,6 +67,7 @@ __all__ = [
     "from_dict",
     "load",
     "mesh_shape",
+    "parallel_dims",
     "parse_override",
     "read_toml",
     "suggest",

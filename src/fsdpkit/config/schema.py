@@ -190,8 +190,19 @@ class ParallelConfig:
     strategy: StrategyName = "full"
     """full (ZeRO-3), grad_op (ZeRO-2), hybrid (HSDP), hybrid_grad_op, replicate (DDP-like)."""
     shard_degree: int | None = None
-    """Ranks per shard group for hybrid strategies (replicas = world / shard_degree);
-    empty = ranks per node."""
+    """Ranks per shard group for hybrid strategies (replicas = data-parallel ranks /
+    shard_degree); empty = data-parallel ranks per node."""
+    tp: int = 1
+    """Tensor-parallel degree: ranks of one node that split every block's matmuls by
+    heads and hidden units (the built-in Llama also splits the norms and the residual
+    stream by sequence: sequence parallelism). Must divide the attention heads, the
+    key/value heads and the ranks per node. The strategy's data parallelism runs over
+    world / (tp x cp) ranks. See docs/parallelism.md."""
+    cp: int = 1
+    """Context-parallel degree: ranks that split every sequence; attention exchanges
+    heads for sequence with an all-to-all (Ulysses), so each rank holds seq_len / cp
+    tokens of every activation. Must divide data.seq_len and the heads (and key/value
+    heads) per tensor-parallel rank. FSDP shards over the data x cp ranks."""
     reshard_after_forward: bool | int | None = None
     """Override the strategy's resharding: true, false, or an int to reshard to a smaller
     group (must divide the shard group size)."""

@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from fsdpkit.config.batch import batch_split
+from fsdpkit.config.dims import parallel_dims
 from fsdpkit.config.schema import ModelConfig, RunConfig
 from fsdpkit.errors import ConfigError
 from fsdpkit.precision import PRESETS
@@ -24,6 +25,8 @@ def _positive(cfg: RunConfig) -> list[tuple[str, Any]]:
         ("train.eval_batches", cfg.train.eval_batches),
         ("train.loss_chunk_tokens", cfg.train.loss_chunk_tokens),
         ("parallel.blocks_per_unit", cfg.parallel.blocks_per_unit),
+        ("parallel.tp", cfg.parallel.tp),
+        ("parallel.cp", cfg.parallel.cp),
         ("parallel.timeout_s", cfg.parallel.timeout_s),
         ("activations.every", cfg.activations.every),
         ("checkpoint.keep", cfg.checkpoint.keep),
@@ -132,6 +135,13 @@ def _validate_dpo(cfg: RunConfig) -> None:
             f"dpo.reference = {dpo.reference!r} names a separate reference model, but {why}, "
             "so it would never be read. Empty dpo.reference, or use dpo.loss = sigmoid / ipo "
             "with lora.rank = 0."
+        )
+    if cfg.parallel.tp > 1 or cfg.parallel.cp > 1:
+        raise ConfigError(
+            f"train.objective = 'dpo' with parallel.tp = {cfg.parallel.tp} / parallel.cp = "
+            f"{cfg.parallel.cp}: DPO sums each side's log-probs over whole sequences and "
+            "full-vocabulary logits, which tensor and context parallelism split; that is "
+            "not supported yet. Use parallel.tp = 1 and parallel.cp = 1 (FSDP / HSDP only)."
         )
     if cfg.train.compile or cfg.train.chunked_loss == "on":
         raise ConfigError(
@@ -276,18 +286,18 @@ def _validate_model_source(m: ModelConfig) -> None:
 
 
 def mesh_shape(cfg: RunConfig, *, world_size: int, local_world_size: int) -> tuple[int, int]:
-    """(replicate degree, shard degree) for this strategy at this world size; hybrid
-    strategies shard over ``parallel.shard_degree`` ranks, by default one node's."""
-    p = cfg.parallel
-    return strategy(p.strategy).mesh_shape(
-        world_size=world_size, shard_degree=p.shard_degree or local_world_size
-    )
+    """(replicate degree, shard degree) of the data-parallel ranks ([Note: parallel
+    dimensions] in fsdpkit.config.dims); hybrid strategies shard over
+    ``parallel.shard_degree`` ranks, by default one node's data-parallel ranks."""
+    dims = parallel_dims(cfg, world_size=world_size, local_world_size=local_world_size)
+    return dims.replicate, dims.shard
 
 
 def validate_for_world(cfg: RunConfig, *, world_size: int, local_world_size: int) -> None:
     """Checks that depend on the world size, run before any process group starts."""
-    batch_split(cfg.train, dp_world=world_size)
-    _, shard = mesh_shape(cfg, world_size=world_size, local_world_size=local_world_size)
+    dims = parallel_dims(cfg, world_size=world_size, local_world_size=local_world_size)
+    batch_split(cfg.train, dp_world=dims.dp)
+    shard = dims.fsdp_shard
     raf = cfg.parallel.reshard_after_forward
     if isinstance(raf, int) and not isinstance(raf, bool) and shard % raf:
         raise ConfigError(

@@ -16,6 +16,7 @@ from typing import Any
 
 from fsdpkit.migrate import fsdp1
 from fsdpkit.migrate.accelerate_fsdp import convert_fsdp_section, note_conflict
+from fsdpkit.migrate.accelerate_parallel import convert_parallelism
 from fsdpkit.migrate.result import MigrateError, Migration
 
 TOP_LEVEL = {
@@ -145,35 +146,6 @@ def _launch(m: Migration, data: dict[str, Any], config_name: str) -> None:
         m.drop("use_cpu: true", "fsdpkit trains on the CPU with gloo whenever no GPU is visible")
 
 
-def _parallelism(m: Migration, data: dict[str, Any]) -> None:
-    """FSDP2 parallelism_config: dp_replicate x dp_shard is fsdpkit's hybrid mesh."""
-    raw = data.get("parallelism_config") or {}
-    cfg = {k.removeprefix("parallelism_config_"): v for k, v in raw.items()}
-    replicate = int(cfg.get("dp_replicate_size") or 1)
-    shard = int(cfg.get("dp_shard_size") or 1)
-    if replicate > 1:
-        base = next((s for s in m.settings if s.key == "parallel.strategy"), None)
-        keeps = base is not None and base.value in ("grad_op", "hybrid_grad_op")
-        m.set(
-            "parallel.strategy",
-            "hybrid_grad_op" if keeps else "hybrid",
-            f"parallelism_config_dp_replicate_size: {replicate}"
-            + (f" with {base.source}" if base is not None else ""),
-            f"{replicate} replicas of a shard group (HSDP)",
-        )
-        if shard > 1:
-            m.set("parallel.shard_degree", shard, f"parallelism_config_dp_shard_size: {shard}")
-    for name in ("tp_size", "cp_size"):
-        size = int(cfg.get(name) or 1)
-        if size > 1:
-            m.drop(
-                f"parallelism_config_{name}: {size}",
-                "no equivalent: fsdpkit is data-parallel only and shards over all ranks "
-                "instead (activation memory per rank is higher than with TP/CP)",
-            )
-            m.warnings.append(f"parallelism_config_{name} = {size} is not converted")
-
-
 def _others(m: Migration, data: dict[str, Any]) -> None:
     kind = str(data.get("distributed_type", "FSDP"))
     if kind != "FSDP":
@@ -222,7 +194,7 @@ def convert_accelerate(path: str | Path, *, output_name: str = "run.toml") -> Mi
     m = Migration(origin=f"{path.name} (Accelerate, FSDP{fsdp.get('fsdp_version', 1)})")
     _precision(m, data)
     convert_fsdp_section(m, fsdp)
-    _parallelism(m, data)
+    convert_parallelism(m, data)
     _others(m, data)
     _launch(m, data, output_name)
     return m

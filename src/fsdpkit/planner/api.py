@@ -14,9 +14,9 @@ from fsdpkit.planner.analytic import analytic_memory
 from fsdpkit.planner.comm import comm_volume
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.headmem import loss_buffer_peak
-from fsdpkit.planner.replay import sizes
 from fsdpkit.planner.result import LossBuffers, MemoryPlan, Plan
 from fsdpkit.planner.scenario import Scenario, scenario
+from fsdpkit.planner.sizing import head_sizes
 
 DEFAULT_MARGIN = 0.10
 """Share of device memory kept free: allocator fragmentation and what no model sees
@@ -74,6 +74,13 @@ def plan_scenario(
     if trace is None and not analytic:  # [Note: planning any model]: trace the rest
         trace = True
         sc = sc.with_(notes=(*sc.notes, f"planned by tracing: {sc.analytic_why_not}"))
+    if trace and (sc.tp > 1 or sc.cp > 1):
+        raise PlanError(
+            f"--trace with parallel.tp = {sc.tp}, parallel.cp = {sc.cp}: the traced planner "
+            "runs FSDP2 on a fake process group without the tensor- and context-parallel "
+            "axes yet. Plan this layout without --trace (the analytic model covers it), or "
+            "trace it at parallel.tp = 1 and parallel.cp = 1."
+        )
     if trace:
         if cfg is None:
             raise PlanError("traced planning needs the RunConfig (pass cfg=...)")
@@ -111,7 +118,7 @@ def _data_host_bytes(cfg: RunConfig | None, sc: Scenario) -> int:
 def loss_buffers(sc: Scenario) -> LossBuffers:
     """Logits and loss buffers of ``sc``'s loss mode, and of full logits (a model the
     analytic planner knows: the vocabulary and hidden size come from its shape)."""
-    s = sizes(sc)
+    s = head_sizes(sc)
     chosen = loss_buffer_peak(s, chunk=sc.loss_chunk)
     full = loss_buffer_peak(s, chunk=None) if sc.loss_chunk is not None else chosen
     return LossBuffers(chunk=sc.loss_chunk, chosen=chosen, full=full)

@@ -1,7 +1,9 @@
 """``parallel.auto``: the planner picks the parallel settings of a run before launch.
 
 ``fsdpkit.run.resolve`` calls ``auto_plan`` once per process (launcher and every
-worker); the recommendation is deterministic, so all agree. The device is
+worker); the recommendation is deterministic, so all agree. It may set
+``parallel.tp`` / ``parallel.cp`` too ([Note: layout search] in fsdpkit.planner.layouts)
+when FSDP alone does not fit. The device is
 ``parallel.device_mem`` when set, else the local GPU, else this machine's memory shared
 by the local ranks. A model the planner cannot plan (its code fails under fake
 tensors, say) keeps its configured settings, and the note says why; only a model that

@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ACT, TEMP, GRAD, LOGITS = "activations", "temporaries", "unsharded_grads", "logits_loss"
+XCHG = "exchange_buffers"
 Event = tuple[str, int]
 
 
@@ -59,6 +60,35 @@ class Sizes:
     norm_grads: bool = True
     """Whether the norms' weights train; frozen (LoRA, fsdpkit.planner.finetune_layout), a norm
     keeps no normalized copy for a weight gradient."""
+    inner_n: int = 0
+    """Tokens per rank at the matmuls and in attention (0: ``n``). With sequence
+    parallelism the residual stream and the norms hold ``n`` = inner_n / tp tokens and
+    each attention / MLP input is all-gathered to ``inner_n`` ([Note: model-parallel
+    block memory] in fsdpkit.planner.mparallel)."""
+    tp: int = 1
+    """Tensor-parallel degree (``heads``, ``kv_heads`` and ``f`` are already per rank)."""
+    cp: int = 1
+    """Context-parallel degree: attention exchanges heads for sequence (all-to-alls)."""
+
+    @property
+    def m(self) -> int:
+        """Tokens per rank at the matmuls (``inner_n``, else ``n``)."""
+        return self.inner_n or self.n
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism: the residual stream holds fewer tokens than the matmuls."""
+        return self.m != self.n
+
+    @property
+    def nme(self) -> int:
+        """A d-wide tensor on the matmul side (a gathered input, a partial output)."""
+        return self.m * self.d * self.e
+
+    @property
+    def nh4(self) -> int:
+        """Attention's fp32 log-sum-exp (one per head and token)."""
+        return 4 * self.m * self.heads
 
     @property
     def cast(self) -> bool:
@@ -75,15 +105,15 @@ class Sizes:
 
     @property
     def nqe(self) -> int:
-        return self.n * self.heads * self.head_dim * self.e
+        return self.m * self.heads * self.head_dim * self.e
 
     @property
     def nke(self) -> int:
-        return self.n * self.kv_heads * self.head_dim * self.e
+        return self.m * self.kv_heads * self.head_dim * self.e
 
     @property
     def nfe(self) -> int:
-        return self.n * self.f * self.e
+        return self.m * self.f * self.e
 
     @property
     def nv4(self) -> int:
@@ -97,15 +127,15 @@ class Sizes:
 def saved_per_block(s: Sizes) -> int:
     """Bytes a block keeps for backward without checkpointing, its input included
     when it is saved (fp32) — see [Note: block event model]."""
-    norms = 2 * (2 * s.nd4 + s.nde + 4 * s.n + (4 * s.d if s.cast else 0))
-    attn = s.nqe + 2 * s.nqe + s.nqe + 4 * s.n * s.heads
+    norms = 2 * (2 * s.nd4 + s.nme + 4 * s.n + (4 * s.d if s.cast else 0))
+    attn = s.nqe + 2 * s.nqe + s.nqe + s.nh4 + (s.nqe if s.cp > 1 else 0)
     return norms + attn + 4 * s.nfe
 
 
 def selective_saved(s: Sizes) -> int:
     """Bytes selective checkpointing keeps per block beyond its input ([Note:
     selective block memory])."""
-    return 2 * s.nqe + s.nke + 4 * s.n * s.heads + s.nfe + s.nde
+    return 2 * s.nqe + s.nke + s.nh4 + s.nfe + s.nme
 
 
 def block_matmuls(*, d: int, f: int, heads: int, kv_heads: int, head_dim: int) -> list[int]:
@@ -118,6 +148,43 @@ def block_matmuls(*, d: int, f: int, heads: int, kv_heads: int, head_dim: int) -
 def _saved(size: int) -> list[Event]:
     """A temporary that the selective policy saves: it moves to the activations."""
     return [(ACT, size), (TEMP, -size)]
+
+
+def _gather(s: Sizes) -> list[Event]:
+    """Sequence parallelism: a norm's output (``n`` tokens) all-gathered to the matmuls'
+    ``m`` tokens; the gathered copy is what the projections read (and save), the shard
+    dies. Nothing without sequence parallelism."""
+    return [(XCHG, s.nme), (ACT, -s.nde)] if s.sp else []
+
+
+def _y(s: Sizes) -> Event:
+    """The tensor the q/k/v (gate/up) projections read, as (category, bytes): the norm's
+    output, or its gathered copy under sequence parallelism."""
+    return (XCHG, s.nme) if s.sp else (ACT, s.nde)
+
+
+def _row_add(s: Sizes) -> list[Event]:
+    """A row-parallel output (live) into the residual: under sequence parallelism
+    reduce-scattered first (a new ``n``-token tensor), else all-reduced in place."""
+    return [(TEMP, s.nde), (ACT, s.nde), (TEMP, -s.nde)] if s.sp else [(ACT, s.nde)]
+
+
+def _exchange(s: Sizes, size: int) -> list[Event]:
+    """Context parallelism: an all-to-all's output coexists with its input, which then
+    dies (heads for sequence, and back)."""
+    return [(XCHG, size), (XCHG, -size)] if s.cp > 1 else []
+
+
+def _grad_scatter(s: Sizes) -> list[Event]:
+    """Sequence parallelism, backward: the gathered input's grad (``m`` tokens, live)
+    reduce-scattered to the norm's output grad (``n`` tokens)."""
+    return [(TEMP, s.nde), (TEMP, -s.nme)] if s.sp else []
+
+
+def _grad_gather(s: Sizes, sign: int) -> list[Event]:
+    """Sequence parallelism, backward of a row-parallel output: the residual grad
+    all-gathered to ``m`` tokens (``sign`` 1) until the input grad is made (-1)."""
+    return [(XCHG, sign * s.nme)] if s.sp else []
 
 
 def norm_forward(s: Sizes, *, keep: bool) -> list[Event]:
@@ -162,30 +229,32 @@ def _attn_forward(s: Sizes, *, keep: bool, selective: bool = False) -> list[Even
     # q, k = rope(q), rope(k): the raw q lives until both are computed
     ev += _rope_forward(s.nqe)[:-1] + _rope_forward(s.nke)
     ev += _saved(s.nqe) if selective else [(TEMP, -s.nqe)]
+    ev += _exchange(s, s.nqe + 2 * s.nke)  # q, k, v: sequence for heads
     if rep > 1:  # repeat_interleave copies k and v to every query head
         ev += [(ACT, s.nqe), (ACT, -s.nke), (ACT, s.nqe)]
         ev += _saved(s.nke) if selective else [(TEMP, -s.nke)]
     else:  # v itself is saved by attention
         ev += [(TEMP, -s.nke), (ACT, s.nke)]
-    ev += [(ACT, s.nqe + 4 * s.n * s.heads)]  # attention output + logsumexp
+    ev += [(ACT, s.nqe + s.nh4)]  # attention output + logsumexp
+    # the output exchanged back: o_proj's input (saved when kept)
+    ev += [(ACT, s.nqe)] if s.cp > 1 and keep else _exchange(s, s.nqe)
     if selective:  # rotated q and k, the repeated copies die; v, output, lse stay
         ev += [(ACT, -(3 * s.nqe if rep > 1 else s.nqe + s.nke))]
     elif not keep:
-        ev += [(ACT, -(4 * s.nqe + 4 * s.n * s.heads))]
-    ev += [(TEMP, s.nde), (ACT, s.nde), (TEMP, -s.nde)]  # o_proj, residual add -> x1
-    return ev
+        ev += [(ACT, -(4 * s.nqe + s.nh4))]
+    return [*ev, (TEMP, s.nme), *_row_add(s), (TEMP, -s.nme)]  # o_proj, residual -> x1
 
 
 def _mlp_forward(s: Sizes, *, keep: bool, selective: bool = False) -> list[Event]:
     """gate, silu, up, product (all saved), down_proj, residual add -> block output."""
     if keep:
-        return [(ACT, 4 * s.nfe), (TEMP, s.nde), (ACT, s.nde), (TEMP, -s.nde)]
+        return [(ACT, 4 * s.nfe), (TEMP, s.nme), *_row_add(s), (TEMP, -s.nme)]
     f = s.nfe  # unsaved: gate dies into silu, silu and up into the product
     gate = _saved(f) if selective else [(TEMP, -f)]
-    down = _saved(s.nde) if selective else [(TEMP, -s.nde)]
+    down = _saved(s.nme) if selective else [(TEMP, -s.nme)]
     return [
         (TEMP, f), (TEMP, f), *gate, (TEMP, f), (TEMP, f), (TEMP, -2 * f),
-        (TEMP, s.nde), (TEMP, -f), (ACT, s.nde), *down,
+        (TEMP, s.nme), (TEMP, -f), *_row_add(s), *down,
     ]  # fmt: skip
 
 
@@ -197,13 +266,15 @@ def block_forward(s: Sizes, *, keep: bool, selective: bool = False) -> list[Even
     memory]). Ends with the output live; the input is freed unless something saved
     it (fp32 alias, or the checkpoint).
     """
-    y_norm = s.nde if s.cast else s.nd4
-    ev = norm_forward(s, keep=keep) + _attn_forward(s, keep=keep, selective=selective)
+    cat, y = _y(s)
+    ev = norm_forward(s, keep=keep) + _gather(s)
+    ev += _attn_forward(s, keep=keep, selective=selective)
     if not keep:
-        ev += [(ACT, -y_norm)]  # norm1 output: only q/k/v projections used it
-    ev += norm_forward(s, keep=keep) + _mlp_forward(s, keep=keep, selective=selective)
+        ev += [(cat, -y)]  # norm1 output: only q/k/v projections used it
+    ev += norm_forward(s, keep=keep) + _gather(s)
+    ev += _mlp_forward(s, keep=keep, selective=selective)
     if not keep:
-        ev += [(ACT, -y_norm - s.nde)]  # norm2 output and x1
+        ev += [(cat, -y), (ACT, -s.nde)]  # norm2 output and x1
     elif s.cast:
         ev += [(ACT, -s.nde), (ACT, -s.nde)]  # x (not saved in low precision) and x1
     return ev
@@ -218,14 +289,14 @@ def block_recompute(s: Sizes, *, selective: bool = False) -> list[Event]:
     ev = block_forward(s, keep=True)
     if s.cast:
         ev = [*ev[:-2], (ACT, -s.nde)]  # keep x, free x1
-    taken: list[Event] = [(ACT, -(selective_saved(s) - s.nde))] if selective else []
+    taken: list[Event] = [(ACT, -(selective_saved(s) - s.nme))] if selective else []
     return [*taken, *ev, (ACT, -s.nde)]
 
 
 def selective_backward_end(s: Sizes) -> list[Event]:
     """The checkpoint frame dies with the block's backward: down_proj's saved output
     (never taken by the early-stopped recompute) goes with it."""
-    return [(ACT, -s.nde)]
+    return [(ACT, -s.nme)]
 
 
 def norm_backward(s: Sizes) -> list[Event]:
@@ -250,13 +321,14 @@ def norm_backward(s: Sizes) -> list[Event]:
 def _mlp_backward(s: Sizes) -> list[Event]:
     """down, (silu*up), up, silu, gate — autograd runs the later-created node first."""
     dfe = s.d * s.f * s.e
-    y = s.nde if s.cast else s.nd4
+    cat, y = _y(s)
     return [
-        (TEMP, s.nfe), (GRAD, dfe), (ACT, -s.nfe),
+        *_grad_gather(s, 1), (TEMP, s.nfe), (GRAD, dfe), (ACT, -s.nfe), *_grad_gather(s, -1),
         (TEMP, 2 * s.nfe), (TEMP, -s.nfe), (ACT, -2 * s.nfe),
-        (TEMP, s.nde), (GRAD, dfe), (TEMP, -s.nfe),
+        (TEMP, s.nme), (GRAD, dfe), (TEMP, -s.nfe),
         (TEMP, s.nfe), (TEMP, -s.nfe), (ACT, -s.nfe),
-        (TEMP, s.nde), (GRAD, dfe), (TEMP, -s.nfe), (ACT, -y), (TEMP, -s.nde),
+        (TEMP, s.nme), (GRAD, dfe), (TEMP, -s.nfe), (cat, -y), (TEMP, -s.nme),
+        *_grad_scatter(s),
     ]  # fmt: skip
 
 
@@ -274,17 +346,20 @@ def _attn_backward(s: Sizes, *, sdpa_workspace: int) -> list[Event]:
     rep = s.heads // s.kv_heads
     q, kv = s.nqe, s.nke
     wq, wkv = s.d * s.heads * s.head_dim * s.e, s.d * s.kv_heads * s.head_dim * s.e
-    ev: list[Event] = [(TEMP, q), (GRAD, wq)]  # o_proj: grad of attention output
+    ev: list[Event] = [*_grad_gather(s, 1), (TEMP, q), (GRAD, wq), *_grad_gather(s, -1)]  # o_proj
+    ev += [(ACT, -q)] if s.cp > 1 else []  # o_proj's input (the exchanged-back output)
+    ev += _exchange(s, q)  # the output's grad: sequence for heads
     ev += [(TEMP, 3 * q + sdpa_workspace), (TEMP, -sdpa_workspace), (TEMP, -q)]
-    ev += [(ACT, -(q + (2 * q if rep > 1 else 2 * kv) + q + 4 * s.n * s.heads))]
+    ev += _exchange(s, 3 * q)  # q, k, v grads back (before the GQA sum)
+    ev += [(ACT, -(q + (2 * q if rep > 1 else 2 * kv) + q + s.nh4))]
     if rep > 1:  # sum the repeated heads back: v first, then k
         ev += [(TEMP, kv), (TEMP, -q), (TEMP, kv), (TEMP, -q)]
     ev += _rope_backward(kv) + _rope_backward(q)
-    y = s.nde if s.cast else s.nd4
-    ev += [(TEMP, s.nde), (GRAD, wkv), (TEMP, -kv)]  # v_proj
-    ev += [(TEMP, s.nde), (GRAD, wkv), (TEMP, -kv), (TEMP, -s.nde)]  # k_proj, accumulated
-    ev += [(TEMP, s.nde), (GRAD, wq), (TEMP, -q), (TEMP, -s.nde), (ACT, -y)]  # q_proj
-    return ev
+    cat, y = _y(s)
+    ev += [(TEMP, s.nme), (GRAD, wkv), (TEMP, -kv)]  # v_proj
+    ev += [(TEMP, s.nme), (GRAD, wkv), (TEMP, -kv), (TEMP, -s.nme)]  # k_proj, accumulated
+    ev += [(TEMP, s.nme), (GRAD, wq), (TEMP, -q), (TEMP, -s.nme), (cat, -y)]  # q_proj
+    return ev + _grad_scatter(s)
 
 
 def block_backward(s: Sizes, *, sdpa_workspace: int = 0) -> list[Event]:

@@ -9,12 +9,15 @@ all-gathers within k ranks). Gradients are reduce-scattered (and, for HSDP /
 replicate, all-reduced across replicas) only on the last micro-batch with
 ``parallel.accum_sync = last``; with ``every`` each micro-batch reduce-scatters and
 the all-reduce still runs once ([Note: accumulation modes]). Prefetching changes
-when collectives run, not how many.
+when collectives run, not how many. Tensor- and context-parallel exchanges of
+activations: [Note: model-parallel block memory] in fsdpkit.planner.mparallel (a
+checkpointed block's recompute exchanges again).
 """
 
 from __future__ import annotations
 
 from fsdpkit.planner.layout import Unit
+from fsdpkit.planner.mparallel import exchange_traffic
 from fsdpkit.planner.result import CommVolume
 from fsdpkit.planner.scenario import Scenario
 from fsdpkit.sharding.policy import effective_reshard
@@ -55,7 +58,16 @@ def comm_volume(sc: Scenario) -> CommVolume:
     if sc.offload and sc.device.kind == "gpu":  # shards up per all-gather, grads down once
         up = sum(u.sharded_param_bytes for u in every) * 2 * sc.grad_accum
         host = up + sum(u.grads_sharded * 4 for u in every)
+    tp_bytes = cp_bytes = 0
+    if (sc.tp > 1 or sc.cp > 1) and sc.model is not None:
+        passes = sum(2 + ckpt for u in sc.units for ckpt in u.checkpointed)
+        tp_bytes, cp_bytes, mp_calls = exchange_traffic(
+            sc.model, tp=sc.tp, cp=sc.cp, sp=sc.sequence_parallel, tokens=sc.tokens,
+            e=sc.param_bytes, passes=passes,
+        )  # fmt: skip
+        tp_bytes, cp_bytes = tp_bytes * sc.grad_accum, cp_bytes * sc.grad_accum
+        calls += mp_calls * sc.grad_accum
     return CommVolume(
         all_gather=gather, reduce_scatter=scatter, all_reduce=reduce, calls=calls,
-        host_transfer=host,
+        host_transfer=host, tp_exchange=tp_bytes, cp_exchange=cp_bytes,
     )  # fmt: skip

@@ -141,3 +141,29 @@ def loss_buffer_peak(s: Sizes, *, chunk: int | None) -> int:
             live += nbytes
             peak = max(peak, live)
     return peak
+
+
+def hidden_gather(s: Sizes, hs: Sizes) -> list[Event]:
+    """Sequence parallelism ([Note: model-parallel block memory] in
+    fsdpkit.planner.mparallel): the last block's output (``s.n`` tokens) all-gathered to
+    the head's ``hs.n`` tokens; the shard dies. Nothing without it."""
+    return [(ACT, hs.nde), (ACT, -s.nde)] if hs.n != s.n else []
+
+
+def hidden_grad_scatter(s: Sizes, hs: Sizes) -> list[Event]:
+    """Its backward: the gathered hidden states' grad (live) reduce-scattered back."""
+    return [(TEMP, s.nde), (TEMP, -hs.nde)] if hs.n != s.n else []
+
+
+def embedding_grad_gather(s: Sizes, hs: Sizes) -> list[Event]:
+    """The embedding's backward under sequence parallelism: the grad of its output
+    shard (``s.n`` tokens, live) all-gathered to the whole ``hs.n`` tokens."""
+    return [(TEMP, hs.nde), (TEMP, -s.nde)] if hs.n != s.n else []
+
+
+def embedding_output(s: Sizes, hs: Sizes) -> list[Event]:
+    """The embedding's output (replicated over tp), cut to the rank's sequence shard
+    under sequence parallelism (a copy: the whole output dies after it)."""
+    if hs.n == s.n:
+        return [(ACT, s.nde)]
+    return [(ACT, hs.nde), (ACT, s.nde), (ACT, -hs.nde)]

@@ -75,6 +75,9 @@ class ModelLayout:
     applies (fsdpkit.loss.head)."""
     edges: tuple[EdgeLayout, ...] = ()
     """The edge units in forward order (embedding, head), where ``shard()`` makes them."""
+    block_names: tuple[str, ...] = ()
+    """The first block's parameter names, in the order of its shapes (tensor parallelism
+    splits them by name: fsdpkit.planner.mparallel)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,9 @@ def layout_of(model: nn.Module, *, class_names: Sequence[str] | None = None) -> 
         block_class=choice.class_name,
         block_reason=choice.describe(),
         blocks=tuple(tuple(_shape(p) for p in b.parameters()) for b in choice.blocks),
+        block_names=tuple(n for n, _ in choice.blocks[0].named_parameters())
+        if choice.blocks
+        else (),
         root=tuple(_shape(p) for p in root.values()),
         decoder_blocks=bool(choice.blocks)
         and all(isinstance(b, DecoderLayer) for b in choice.blocks),

@@ -23,7 +23,9 @@ communication = all-gather + reduce-scatter bytes over the shard group's link (N
 inside a node, the network across) + replica all-reduce + 50 us per collective,
 overlapped with compute as FSDP2 prefetching does; offload = host copies over PCIe
 plus the CPU AdamW step (16 bytes per local parameter at host memory speed).
-Ranking adds 2% per changed key, so the config as given wins a near tie.
+Ranking is by that time per token of the global batch (a tp x cp layout has fewer
+data-parallel ranks: its step may read fewer tokens) and adds 2% per changed key, so
+the config as given wins a near tie.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ from fsdpkit.config import RunConfig, batch_split, with_changes
 from fsdpkit.config.batch import divisors
 from fsdpkit.devices import Device
 from fsdpkit.errors import UserError
+from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.planner.api import DEFAULT_MARGIN, plan_scenario
 from fsdpkit.planner.blockmem import block_matmuls
 from fsdpkit.planner.comm import comm_volume
 from fsdpkit.planner.errors import PlanError
+from fsdpkit.planner.layouts import LayoutTry, choose, layout_groups
 from fsdpkit.planner.result import Plan
 from fsdpkit.planner.scenario import Scenario, run_vocab_size, scenario
 from fsdpkit.planner.states import model_states
@@ -64,10 +68,16 @@ class StepCost:
     comm_s: float
     """Collective time; overlapped with compute."""
     offload_s: float
+    exchange_s: float = 0.0
+    """Tensor- / context-parallel activation exchanges: on the critical path, not
+    overlapped ([Note: model-parallel block memory])."""
 
     @property
     def total_s(self) -> float:
-        return max(self.compute_s + self.recompute_s, self.comm_s) + self.offload_s
+        return (
+            max(self.compute_s + self.recompute_s, self.comm_s) + self.offload_s
+            + self.exchange_s
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,9 @@ class Recommendation:
     searched: int = 0
     """Valid configurations in the search grid (more than ``considered`` when a traced
     model was planned cheapest first)."""
+    layouts: tuple[LayoutTry, ...] = ()
+    """The tp x cp layouts planned, fewest model-parallel ranks first, each with its
+    closest candidate ([Note: layout search] in fsdpkit.planner.layouts)."""
 
 
 def _hybrid_degrees(world: int, per_node: int) -> list[int]:
@@ -175,16 +188,18 @@ def step_cost(sc: Scenario) -> StepCost:
     """Estimated step time of a scenario (see the module docstring); needs no memory
     plan, so a traced search can rank before it traces."""
     dev = sc.device
-    compute = sc.tokens * sc.grad_accum * sc.flops_per_token
+    compute = sc.tokens * sc.grad_accum * sc.flops_per_token / (sc.tp * sc.cp)
     compute *= (1 + SMALL_BATCH_TOKENS / sc.tokens) / (dev.tflops * 1e12 * MFU)
     matmul = sc.model.matmul_params() if sc.model is not None else sc.num_params
-    blocks = sum(u.numel for u in sc.units) / max(matmul, 1)
+    blocks = sum(r * c for b in sc.layout.blocks for r, c in b) / max(matmul, 1)
     share = sc.checkpointed_blocks / max(len(sc.layout.blocks), 1)
     recompute = compute * share * blocks / 3 * recompute_fraction(sc)
     m = sc.model
     if sc.loss_chunk is not None and m is not None:  # the head's matmul again in backward
         recompute += compute * m.vocab_size * m.dim / max(m.matmul_params(), 1) / 3
-    shard_link = dev.intra_gbps if sc.shard <= sc.ranks_per_node else dev.inter_gbps
+    if m is not None and sc.tp > 1:  # the head is not split over tp: every tp rank runs it
+        recompute += compute * m.vocab_size * m.dim / max(m.matmul_params(), 1) * (sc.tp - 1)
+    shard_link = dev.intra_gbps if sc.shard * sc.tp <= sc.ranks_per_node else dev.inter_gbps
     replica_link = dev.intra_gbps if sc.world_size <= sc.ranks_per_node else dev.inter_gbps
     c = comm_volume(sc)
     comm = (c.all_gather + c.reduce_scatter) / (shard_link * 1e9)
@@ -193,7 +208,9 @@ def step_cost(sc: Scenario) -> StepCost:
     if sc.offload and dev.kind == "gpu":
         local = sum(model_states(sc).values())
         offload = c.host_transfer / (dev.host_gbps * 1e9) + local / (HOST_MEMORY_GBPS * 1e9)
-    return StepCost(compute, recompute, comm, offload)
+    cp_link = dev.intra_gbps if sc.tp * sc.cp <= sc.ranks_per_node else dev.inter_gbps
+    exchange = c.tp_exchange / (dev.intra_gbps * 1e9) + c.cp_exchange / (cp_link * 1e9)
+    return StepCost(compute, recompute, comm, offload, exchange)
 
 
 def recompute_fraction(sc: Scenario) -> float:
@@ -256,9 +273,16 @@ def _planned(o: _Option, search: _Search) -> Candidate:
     return Candidate(o.changes, o.config, p, step_cost(p.scenario))
 
 
+def _per_token(c: Candidate | _Option) -> float:
+    """Seconds per token of the global batch: a tp x cp layout has fewer data-parallel
+    ranks, so its step reads fewer tokens (unless train.global_batch_size fixes them)."""
+    sc = c.plan.scenario if isinstance(c, Candidate) else c.scenario
+    return c.cost.total_s / max(sc.dp * sc.tokens * sc.grad_accum, 1)
+
+
 def _rank_key(c: Candidate | _Option) -> tuple[float, int]:
     peak = c.plan.memory.peak.bytes if isinstance(c, Candidate) else 0
-    return c.cost.total_s * (1 + CHANGE_PENALTY * len(c.changes)), peak
+    return _per_token(c) * (1 + CHANGE_PENALTY * len(c.changes)), peak
 
 
 def _planned_options(options: list[_Option], search: _Search, *, top: int) -> list[Candidate]:
@@ -285,9 +309,9 @@ def recommend(
     vocab_size: int | None = None,
     top: int = 5,
 ) -> Recommendation:
-    """Search strategy, mesh, resharding, checkpointing, offload and micro-batch for
-    ``cfg`` on ``world_size`` ranks of ``device``; rank what fits by estimated step
-    time. ``Recommendation.best.changes`` are the config keys to set."""
+    """Search the tp x cp layout, strategy, mesh, resharding, checkpointing, offload and
+    micro-batch for ``cfg`` on ``world_size`` ranks of ``device``; rank what fits by
+    estimated step time. ``Recommendation.best.changes`` are the config keys to set."""
     if device.memory is None:
         raise PlanError(
             "--recommend needs the device memory to search what fits: pass --device-mem "
@@ -297,14 +321,31 @@ def recommend(
     search = _Search(world_size, device, margin, ranks_per_node, vocab)
     given = _option(cfg, {}, search)
     current = _planned(given, search) if given is not None else None
-    grid = _grid(cfg, world=world_size, per_node=ranks_per_node, gpu=device.kind == "gpu")
-    options = [o for o in (_option(cfg, changes, search) for changes in grid) if o is not None]
-    candidates = _planned_options(options, search, top=top)
-    fitting = sorted((c for c in candidates if c.fits), key=_rank_key)
+    shape = _shape(cfg, given, search)
+    groups = layout_groups(
+        shape, world=world_size, per_node=min(ranks_per_node, world_size), seq_len=cfg.data.seq_len
+    )
+    tries: list[LayoutTry] = []
+    found: dict[tuple[int, int], list[Candidate]] = {}
+    searched = 0
+    for group in groups:
+        for tp, cp in group:
+            options = _layout_options(cfg, tp=tp, cp=cp, search=search)
+            searched += len(options)
+            found[(tp, cp)] = _planned_options(options, search, top=top)
+            tries.append(_try(tp, cp, found[(tp, cp)]))
+        if any(t.fits for t in tries):
+            break
+    chosen = choose(tries)
+    pool = [c for (tp, cp), cs in found.items() if tp * cp == chosen for c in cs]
+    candidates = [c for cs in found.values() for c in cs]
+    fitting = sorted((c for c in pool if c.fits), key=_rank_key)
+    if any(not c.config.offload.params for c in fitting):
+        fitting = [c for c in fitting if not c.config.offload.params]
     unfit = sorted((c for c in candidates if not c.fits), key=_rank_key)
     best = fitting[0] if fitting else None
     cheaper = None
-    if unfit and (best is None or unfit[0].cost.total_s < best.cost.total_s):
+    if unfit and (best is None or _per_token(unfit[0]) < _per_token(best)):
         cheaper = unfit[0]
     return Recommendation(
         best=best,
@@ -312,6 +353,42 @@ def recommend(
         current=current,
         cheaper_unfit=cheaper,
         considered=len(candidates),
-        fitting=len(fitting),
-        searched=len(options),
+        fitting=sum(c.fits for c in candidates),
+        searched=searched,
+        layouts=tuple(tries),
     )
+
+
+def _shape(cfg: RunConfig, given: _Option | None, search: _Search) -> LlamaConfig | None:
+    """The Llama shape the layouts are searched for (None: not a Llama-shaped model the
+    analytic planner knows, planned at tp = cp = 1 only)."""
+    if given is None:  # the config as given is invalid here: resolve it as FSDP only
+        given = _option(cfg, {"parallel.tp": 1, "parallel.cp": 1}, search)
+    if given is None or given.scenario.analytic_why_not is not None:
+        return None
+    return given.scenario.model
+
+
+def _layout_options(cfg: RunConfig, *, tp: int, cp: int, search: _Search) -> list[_Option]:
+    """The valid configurations of the grid at one tp x cp layout (the data-parallel
+    search runs over world / (tp x cp) ranks)."""
+    layout: dict[str, object] = {"parallel.tp": tp, "parallel.cp": cp}
+    dp = search.world // (tp * cp)
+    per_node = max(min(search.per_node, search.world) // (tp * cp), 1)
+    grid = _grid(cfg, world=dp, per_node=per_node, gpu=search.device.kind == "gpu")
+    options = (_option(cfg, layout | changes, search) for changes in grid)
+    return [o for o in options if o is not None]
+
+
+def _try(tp: int, cp: int, candidates: list[Candidate]) -> LayoutTry:
+    fitting = sorted((c for c in candidates if c.fits), key=_rank_key)
+    resident = [c for c in fitting if not c.config.offload.params]
+    lowest = sorted(candidates, key=lambda c: c.plan.memory.peak.bytes)
+    if not (resident or fitting or lowest):
+        return LayoutTry(tp, cp, None, None)
+    closest = (resident or fitting or lowest)[0]
+    p = closest.plan
+    return LayoutTry(
+        tp, cp, p.memory.peak.bytes, p.usable_bytes, dict(closest.changes),
+        fits=bool(resident), fits_offloaded=bool(fitting),
+    )  # fmt: skip

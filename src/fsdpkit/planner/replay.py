@@ -24,35 +24,24 @@ from fsdpkit.planner.headmem import (
     chunked_loss_backward,
     chunked_loss_forward,
     embedding_backward,
+    embedding_grad_gather,
+    embedding_output,
     final_norm_backward,
     head_backward,
     head_forward,
+    hidden_gather,
+    hidden_grad_scatter,
     loss_backward,
     loss_forward,
 )
 from fsdpkit.planner.layout import Unit
 from fsdpkit.planner.ledger import EventSummary, Ledger, summarize
 from fsdpkit.planner.scenario import Scenario
+from fsdpkit.planner.sizing import head_sizes, sizes
 from fsdpkit.planner.states import leading_frozen_units, model_states
 from fsdpkit.sharding.policy import effective_reshard
 
 COLL, UNSH = "collective_buffers", "unsharded_params"
-
-
-def sizes(sc: Scenario) -> Sizes:
-    m = sc.model
-    assert m is not None, "require_decoder_blocks first"
-    return Sizes(
-        n=sc.tokens,
-        d=m.dim,
-        f=m.ffn_dim,
-        heads=m.n_heads,
-        kv_heads=m.n_kv_heads,
-        head_dim=m.head_dim,
-        vocab=m.vocab_size,
-        e=sc.param_bytes,
-        norm_grads=not sc.layout.norms_frozen,
-    )
 
 
 @functools.cache
@@ -88,6 +77,7 @@ class Step:
     def __init__(self, sc: Scenario) -> None:
         self.sc = sc
         self.s = sizes(sc)
+        self.hs = head_sizes(sc)
         assert sc.model is not None
         self.m = sc.model
         self.led = Ledger()
@@ -104,7 +94,7 @@ class Step:
         # Flash-attention backward on CUDA accumulates dq in fp32 and keeps a softmax
         # row sum (FA2 in PyTorch); the CPU kernel needs neither.
         gpu = sc.device.kind == "gpu"
-        self.sdpa_workspace = self.s.nqe * 4 // self.s.e + 4 * self.s.n * self.s.heads if gpu else 0
+        self.sdpa_workspace = self.s.nqe * 4 // self.s.e + self.s.nh4 if gpu else 0
         # gloo (CPU ranks) all-gathers into a temporary of the output's size and
         # reduce-scatters a clone of the input; NCCL needs neither.
         self.gloo = not gpu and sc.shard > 1
@@ -153,7 +143,7 @@ class Step:
             self.led.apply([(COLL, flat), (COLL, -flat)])
 
     def reshard_after_forward(self, u: Unit, raf: bool | int) -> None:
-        if raf is False:
+        if raf is False or u.name not in self.held:  # an empty root never all-gathers
             return
         keep = 0 if raf is True else self.held[u.name] // int(raf)
         self.led.add(UNSH, keep - self.held[u.name])
@@ -268,7 +258,7 @@ class Step:
         s, embedding = self.s, self.sc.edge("embedding")
         self.gathered(embedding, forward=True)
         rope = 2 * self.sc.seq_len * self.m.head_dim * s.e if s.cast else 0
-        self.led.apply([("buffers_inputs", rope), (ACT, s.nde)])
+        self.led.apply([("buffers_inputs", rope), *embedding_output(s, self.hs)])
         if embedding is not None:
             self.reshard_after_forward(embedding, self.reshard_of(embedding))
 
@@ -288,7 +278,8 @@ class Step:
     def head_and_loss_forward(self) -> None:
         """Final norm and head (in their units, kept unsharded, or the root's), the
         loss, and the root's post-forward."""
-        led, s = self.led, self.s
+        led, s = self.led, self.hs
+        led.apply(hidden_gather(self.s, s))
         led.at("forward", "final norm and output head")
         chunk, head = self.sc.loss_chunk, self.sc.edge("head")
         if head is None:
@@ -317,7 +308,7 @@ class Step:
     def loss_and_head_backward(self, *, sync: bool) -> None:
         """The loss and head's backward; a head unit reduce-scatters right after it, and
         the norm unit's post-backward after the final norm's releases that buffer."""
-        led, s = self.led, self.s
+        led, s = self.led, self.hs
         chunk = self.sc.loss_chunk
         if chunk is None:
             led.at("backward", "loss backward (log-softmax grad)")
@@ -338,6 +329,7 @@ class Step:
             norm_unit = self.sc.edge("norm")
             if norm_unit is not None:
                 self.post_backward(norm_unit, sync=sync)
+        led.apply(hidden_grad_scatter(self.s, s))
 
     def embedding_and_root_backward(self, *, sync: bool) -> None:
         """The embedding's backward (in its unit, prefetched by the first block unit,
@@ -350,7 +342,8 @@ class Step:
         else:
             self.gathered(embedding, forward=False)
             tied, in_place = self.m.tie_embeddings, self.sc.loss_chunk is not None
-            led.apply(embedding_backward(s, tied=tied, in_place=in_place))
+            grad = embedding_grad_gather(s, self.hs)
+            led.apply(grad + embedding_backward(self.hs, tied=tied, in_place=in_place))
             if embedding is not None:
                 self.post_backward(embedding, sync=sync)
         self.post_backward(self.root, sync=sync)

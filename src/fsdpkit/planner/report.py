@@ -30,10 +30,17 @@ def fmt_bytes(n: int | None) -> str:
 def _mesh(sc: Scenario) -> str:
     chosen = strategy(sc.strategy)
     if chosen.replicates:
-        return f"replicate x{sc.replicate}"
-    if chosen.hybrid:
-        return f"{sc.strategy} {sc.replicate} replicas x shard {sc.shard}"
-    return f"{sc.strategy} shard over {sc.shard}"
+        mesh = f"replicate x{sc.replicate}"
+    elif chosen.hybrid:
+        mesh = f"{sc.strategy} {sc.replicate} replicas x shard {sc.shard}"
+    else:
+        mesh = f"{sc.strategy} shard over {sc.shard}"
+    if sc.tp == 1 and sc.cp == 1:
+        return mesh
+    sp = " (sequence parallel)" if sc.sequence_parallel else ""
+    parts = [f"cp {sc.cp}" if sc.cp > 1 else "", f"tp {sc.tp}{sp}" if sc.tp > 1 else ""]
+    folded = ", cp folded into the shard group" if sc.cp > 1 else ""
+    return f"{' x '.join(p for p in parts if p)} x {sc.dp} data-parallel ({mesh}{folded})"
 
 
 def describe_scenario(sc: Scenario) -> str:
@@ -153,8 +160,11 @@ def _states_line(mem: MemoryPlan, sc: Scenario) -> str:
     units = list(sc.all_units)
     trainable = sum(u.grads_numel for u in units)
     total = sum(u.numel for u in units)
+    per = f"shard {sc.shard}"
+    if sc.tp > 1:  # the blocks are split over tp too; embedding and head are not
+        per = f"(tp {sc.tp} x shard {sc.shard}) in the blocks, / shard {sc.shard} elsewhere"
     why = (
-        f"16 bytes/param / shard {sc.shard}"
+        f"16 bytes/param / {per}"
         if trainable == total
         else f"{trainable / total:.2%} of the parameters train: grads and AdamW for those only"
     )
@@ -172,6 +182,11 @@ def _comm_line(p: Plan) -> str:
         f"reduce-scatter {fmt_bytes(c.reduce_scatter)}, all-reduce {fmt_bytes(c.all_reduce)} "
         f"({c.calls} collectives)"
     )
+    if c.tp_exchange or c.cp_exchange:
+        line += (
+            f"; activation exchanges: tp {fmt_bytes(c.tp_exchange)}, cp all-to-all "
+            f"{fmt_bytes(c.cp_exchange)}"
+        )
     if c.host_transfer:
         line += f"; host<->device {fmt_bytes(c.host_transfer)}"
     return line
@@ -236,9 +251,15 @@ def _cost(c: Candidate) -> str:
     return (
         f"~{k.total_s:.2f} s/step (compute {k.compute_s:.2f} + recompute {k.recompute_s:.2f}, "
         f"comm {k.comm_s:.2f} overlapped"
+        + (f", tp/cp exchange {k.exchange_s:.2f}" if k.exchange_s else "")
         + (f", offload {k.offload_s:.2f}" if k.offload_s else "")
-        + ")"
+        + f"; {_tokens(c.plan.scenario):,} tokens/step)"
     )
+
+
+def _tokens(sc: Scenario) -> int:
+    """Tokens of one optimizer step over all data-parallel ranks."""
+    return sc.dp * sc.tokens * sc.grad_accum
 
 
 def _peak(c: Candidate) -> str:
@@ -262,7 +283,7 @@ def explain(rec: Recommendation) -> list[str]:
     if rec.best is None:
         lines.append(
             "nothing fits: more ranks, a shorter sequence or a smaller micro-batch are "
-            "needed (or tensor/pipeline parallelism, which fsdpkit does not do)."
+            "needed (or pipeline parallelism, which fsdpkit does not do)."
         )
     else:
         lines.append(f"pick: {_label(rec.best)} — {_peak(rec.best)}, {_cost(rec.best)}.")
@@ -270,7 +291,45 @@ def explain(rec: Recommendation) -> list[str]:
         c = rec.cheaper_unfit
         need = fmt_bytes(c.plan.memory.peak.bytes)
         lines.append(f"faster but does not fit: {_label(c)} ({_cost(c)}) needs {need}.")
-    return lines
+    return lines + _layout_lines(rec)
+
+
+def _chosen_layout(rec: Recommendation) -> str:
+    """One sentence: the layout picked and the smaller ones that did not do."""
+    assert rec.best is not None
+    sc = rec.best.plan.scenario
+    chosen = next(t for t in rec.layouts if (t.tp, t.cp) == (sc.tp, sc.cp))
+    smaller = [t for t in rec.layouts if t.ranks < chosen.ranks]
+    offload = " with CPU offload" if rec.best.config.offload.params else ""
+    why = f"layout: {chosen.describe()}{offload}, the fewest model-parallel ranks that fit"
+    names = ", ".join(t.describe() for t in smaller)
+    if smaller and all(t.fits_offloaded for t in smaller) and not offload:
+        return why + f"; smaller ones fit only with CPU offload ({names})."
+    if smaller:
+        return why + f"; smaller ones do not fit ({names}: below)."
+    return why + "."
+
+
+def _layout_lines(rec: Recommendation) -> list[str]:
+    """Why this tp x cp layout ([Note: layout search]): each layout tried, fewest
+    model-parallel ranks first, with its closest candidate's peak."""
+    if len(rec.layouts) < 2 and not any(t.ranks > 1 for t in rec.layouts):
+        return []
+    out = [_chosen_layout(rec)] if rec.best is not None else []
+    out += ["layouts (fewest model-parallel ranks first, each with its fastest fitting "
+            "candidate, else its lowest peak; the first that fits without CPU offload wins, "
+            "else the first that fits with it):"]  # fmt: skip
+    for t in rec.layouts:
+        if t.peak is None or t.usable is None:
+            out.append(f"  {t.describe()}: no valid configuration")
+            continue
+        over = t.peak - t.usable
+        verdict = f"fits ({fmt_bytes(-over)} to spare)" if over <= 0 else f"{fmt_bytes(over)} over"
+        how = "with CPU offload" if t.changes.get("offload.params") else "without offload"
+        if not t.fits_offloaded:
+            how = "at best"
+        out.append(f"  {t.describe()}: {fmt_bytes(t.peak)} {how}, {verdict}")
+    return out
 
 
 def format_recommendation(rec: Recommendation) -> str:
@@ -310,4 +369,5 @@ def recommendation_dict(rec: Recommendation) -> dict[str, Any]:
         "searched": rec.searched,
         "fitting": rec.fitting,
         "explanation": explain(rec),
+        "layouts": [dataclasses.asdict(t) | {"layout": t.describe()} for t in rec.layouts],
     }

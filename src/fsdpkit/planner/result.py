@@ -16,6 +16,7 @@ CATEGORIES: dict[str, str] = {
     "optimizer_states": "optimizer states (AdamW m, v)",
     "unsharded_params": "unsharded parameters in flight",
     "collective_buffers": "all-gather / reduce-scatter buffers",
+    "exchange_buffers": "tp / cp activation exchange buffers",
     "unsharded_grads": "unsharded gradients (before reduce-scatter)",
     "activations": "activations kept for backward",
     "logits_loss": "logits and loss buffers",
@@ -53,10 +54,17 @@ class CommVolume:
     """Collective calls per step."""
     host_transfer: int = 0
     """Host<->device copies per step with CPU offload (not network traffic)."""
+    tp_exchange: int = 0
+    """Tensor-parallel activation all-gathers / reduce-scatters (or all-reduces)."""
+    cp_exchange: int = 0
+    """Context-parallel all-to-alls of q, k, v and attention's output."""
 
     @property
     def total(self) -> int:
-        return self.all_gather + self.reduce_scatter + self.all_reduce
+        return (
+            self.all_gather + self.reduce_scatter + self.all_reduce
+            + self.tp_exchange + self.cp_exchange
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fsdpkit import precision as presets
-from fsdpkit.config import RunConfig, batch_split, mesh_shape, validate, validate_for_world
+from fsdpkit.config import RunConfig, batch_split, parallel_dims, validate, validate_for_world
 from fsdpkit.data import is_dataset
 from fsdpkit.devices import Device
 from fsdpkit.errors import UserError
@@ -22,6 +22,7 @@ from fsdpkit.models.llama import PRESETS, LlamaConfig
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.finetune_layout import finetune_layout, finetuned
 from fsdpkit.planner.layout import ModelLayout, Unit, llama_layout, units
+from fsdpkit.planner.mparallel import check_layout, tp_layout
 from fsdpkit.planner.reference import reference_terms
 from fsdpkit.planner.user_models import BuiltPlanModel, planned_model
 from fsdpkit.sharding.grads import SyncMode, sync_mode
@@ -49,7 +50,8 @@ class Scenario:
     replicate: int
     """Replicas (HSDP outer axis); 1 for full / grad_op."""
     shard: int
-    """Ranks one parameter is sharded over (the shard axis)."""
+    """Ranks one parameter is sharded over: the shard axis with cp folded in ([Note:
+    parallel dimensions] in fsdpkit.config.dims)."""
     strategy: str
     precision: str
     """Resolved preset: fp32, bf16, bf16-pure or fp16."""
@@ -92,6 +94,13 @@ class Scenario:
     """Resolved train.optimizer_impl: for-loop, foreach or fused ([Note: AdamW kernels])."""
     forward_prefetch: int = 0
     backward_prefetch: int = 1
+    tp: int = 1
+    """Tensor-parallel ranks (parallel.tp): the block units hold tp-local shards."""
+    cp: int = 1
+    """Context-parallel ranks (parallel.cp): each holds seq_len / cp tokens."""
+    sequence_parallel: bool = False
+    """Whether the residual stream and norms are split over tp too (the built-in Llama
+    with tp > 1; [Note: model-parallel block memory] in fsdpkit.planner.mparallel)."""
     edges: tuple[Unit, ...] = ()
     """An untied embedding, the final norm and the head as units of their own, in
     forward order, named by role ([Note: edge units] in fsdpkit.sharding.edges)."""
@@ -143,8 +152,14 @@ class Scenario:
 
     @property
     def tokens(self) -> int:
-        """Tokens per micro-batch per rank."""
+        """Tokens per micro-batch of one data-parallel rank (the whole sequences, before
+        cp splits them)."""
         return self.micro_batch * self.seq_len
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: world / (tp x cp)."""
+        return self.world_size // (self.tp * self.cp)
 
     def with_(self, **changes: object) -> Scenario:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -235,15 +250,20 @@ def scenario(
     reads it, see ``run_vocab_size``). Raises PlanError / ConfigError naming the field
     on bad input."""
     local = _checked_sizes(cfg, world_size=world_size, ranks_per_node=ranks_per_node)
-    replicate, shard = mesh_shape(cfg, world_size=world_size, local_world_size=local)
+    dims = parallel_dims(cfg, world_size=world_size, local_world_size=local)
+    shard = dims.fsdp_shard
     vocab = vocab_size if vocab_size is not None else run_vocab_size(cfg)
     precision, note = planned_precision(cfg.precision.mode, device)
     model = _planned_model(cfg, vocab=vocab, precision=precision)
-    planned = units(model.layout, shard=shard, parallel=cfg.parallel, activations=cfg.activations)
+    why_not = model.why_traced or _selective_why_traced(cfg)
+    check_layout(model.shape, tp=dims.tp, cp=dims.cp, why_not=why_not)
+    local_layout = tp_layout(model.layout, tp=dims.tp)
+    planned = units(local_layout, shard=shard, parallel=cfg.parallel, activations=cfg.activations)
     chunk, loss_note = loss_chunk(cfg, model.layout, why_not=model.chunked_why_not)
     notes = [n for n in (note, loss_note, _vocab_note(cfg, vocab=vocab)) if n]
     dev = device if device is not None else Device("unspecified", "cpu", None)
-    split = batch_split(cfg.train, dp_world=world_size)
+    split = batch_split(cfg.train, dp_world=dims.dp)
+    builtin = not (cfg.model.hf or cfg.model.factory)
     all_units = (planned.root, *planned.edges, *planned.blocks)
     dpo = reference_terms(  # [Note: reference in the plan]
         cfg,
@@ -259,7 +279,7 @@ def scenario(
     return Scenario(
         model=model.shape,
         world_size=world_size,
-        replicate=replicate,
+        replicate=dims.replicate,
         shard=shard,
         strategy=cfg.parallel.strategy,
         precision=precision,
@@ -281,7 +301,7 @@ def scenario(
         notes=tuple(notes),
         vocab_size=model.vocab_size,
         flops_per_token=model.flops_per_token,
-        analytic_why_not=model.why_traced or _selective_why_traced(cfg),
+        analytic_why_not=why_not,
         source=model.what,
         async_checkpoint=cfg.checkpoint.async_save and cfg.checkpoint.every > 0,
         accum_sync=sync_mode(cfg.parallel.accum_sync),
@@ -289,6 +309,9 @@ def scenario(
         optimizer_impl=planned_optimizer(cfg, dev, precision=precision),
         forward_prefetch=cfg.parallel.forward_prefetch,
         backward_prefetch=cfg.parallel.backward_prefetch,
+        tp=dims.tp,
+        cp=dims.cp,
+        sequence_parallel=dims.tp > 1 and builtin,
         reference_bytes=dpo.resident,
         reference_forward=dpo.forward,
     )

@@ -40,9 +40,12 @@ from fsdpkit.models.hf_init import own_initializer
 from fsdpkit.sharding.activations import checkpoint_forward
 from fsdpkit.sharding.blocks import choose_blocks
 from fsdpkit.sharding.compile import compile_blocks
+from fsdpkit.sharding.context import apply_context_parallel
 from fsdpkit.sharding.edges import edge_modules
 from fsdpkit.sharding.materialize import is_meta, materialize
+from fsdpkit.sharding.mesh import cp_mesh, fsdp_mesh, tp_mesh
 from fsdpkit.sharding.policy import offload_policy, reshard_after_forward, resolve_precision
+from fsdpkit.sharding.tensor import tensor_parallel
 from fsdpkit.sharding.units import UnitSpec, block_specs, unit_specs
 
 log = logging.getLogger(__name__)
@@ -78,6 +81,8 @@ class ShardPlan:
     """Whether each block was torch.compile'd (train.compile)."""
     edges: tuple[str, ...] = ()
     """Edge modules in units of their own ([Note: edge units]): "embedding", "norm", "head"."""
+    model_parallel: str | None = None
+    """The tensor / context parallelism applied before FSDP2 (None: FSDP alone)."""
 
     def describe(self) -> str:
         if not self.units:
@@ -94,6 +99,7 @@ class ShardPlan:
             f"activation checkpointing on {self.checkpointed}/{self.blocks} blocks; precision "
             f"{self.precision}; reshard_after_forward={self.reshard_after_forward}"
             + ("; blocks compiled" if self.compiled else "")
+            + (f"; {self.model_parallel}" if self.model_parallel else "")
         )
 
     def _ac(self) -> str:
@@ -147,6 +153,8 @@ def shard(
     precision = resolve_precision(cfg.precision, device_type=device_type)
     choice = choose_blocks(model, class_names=cfg.parallel.block_classes or None)
     blocks = list(choice.blocks)  # the class name is taken before FSDP renames it
+    model_parallel = _model_parallel(model, mesh=mesh, blocks=blocks, cp=cfg.parallel.cp)
+    mesh = fsdp_mesh(mesh)  # FSDP2 shards over the data axes only
     edges = edge_modules(model, blocks=blocks, enabled=cfg.parallel.edge_units)
     fp32_norms = cfg.precision.norms_fp32 and precision.low_precision
     if fp32_norms:  # every norm is an fp32 unit of its own already
@@ -183,9 +191,27 @@ def shard(
         reshard_after_forward=reshard_after_forward(cfg.parallel),
         specs=specs,
         edges=tuple(edges),
+        model_parallel=model_parallel,
     )
     log.info("fsdpkit.shard: %s", plan.describe())
     return plan
+
+
+def _model_parallel(
+    model: nn.Module, *, mesh: DeviceMesh, blocks: list[nn.Module], cp: int
+) -> str | None:
+    """Tensor parallelism over the mesh's tp axis, then context parallelism over its cp
+    axis, before anything wraps the blocks; what was applied, for the first lines."""
+    done = []
+    tp, cp_axis = tp_mesh(mesh), cp_mesh(mesh)
+    if tp is not None:
+        done.append(tensor_parallel(model, mesh=tp, blocks=blocks, cp=cp).describe(tp.size()))
+    if cp_axis is not None:
+        layers = apply_context_parallel(model, mesh=cp_axis)
+        done.append(
+            f"context parallel {cp_axis.size()} (Ulysses all-to-all in {layers} attention layers)"
+        )
+    return "; ".join(done) or None
 
 
 def _unit_modules(

@@ -23,6 +23,7 @@ parameters held), whichever way gradients are reduced.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Literal
@@ -97,15 +98,60 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, *, foreach: bool = True) 
     """Clip to ``max_norm`` (0 = measure only); the global L2 norm of all gradients
     across every shard and replica, as a 0-d tensor (no host sync).
 
-    ``foreach=False`` computes per-tensor norms: the same memory on real tensors, but
-    fake-tensor tracing (the planner) counts a copy of every gradient for the foreach
-    kernels on DTensors."""
+    Gradients on different meshes or placements (tensor parallelism: split block
+    weights and replicated norms on the data x tp mesh, the embedding and head on the
+    data mesh alone) are normed per group, each group's norm made whole over its
+    mesh, then combined: DTensor cannot stack norms of different meshes, and
+    miscounts mixed placements (``_by_mesh``). ``foreach=False`` computes per-tensor
+    norms: the same memory on real tensors, but fake-tensor tracing (the planner)
+    counts a copy of every gradient for the foreach kernels on DTensors."""
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return torch.zeros(())
     limit = max_norm if max_norm > 0 else float("inf")
-    total = torch.nn.utils.clip_grad_norm_(params, limit, foreach=foreach)
-    return total.full_tensor() if isinstance(total, DTensor) else total
+    groups = _by_mesh(params)
+    if len(groups) == 1:
+        total = torch.nn.utils.clip_grad_norm_(params, limit, foreach=foreach)
+        return total.full_tensor() if isinstance(total, DTensor) else total
+    _quiet_redistribute()
+    norms = []
+    for group in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=foreach)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for group in groups:
+        torch.nn.utils.clip_grads_with_norm_(group, limit, total, foreach=foreach)
+    return total
+
+
+class _SequentialReduceNotice(logging.Filter):
+    """Drops DTensor's notice that a norm partial over two mesh axes is reduced in two
+    all-reduces: for 0-d norms the cost is nil, and the notice would print once per
+    rank at every tensor-parallel run's first step."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "sequential all_reduce" not in record.getMessage()
+
+
+_NOTICE = _SequentialReduceNotice()
+
+
+def _quiet_redistribute() -> None:
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    if _NOTICE not in logger.filters:
+        logger.addFilter(_NOTICE)
+
+
+def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Parameters grouped by their gradients' device mesh and placements (plain tensors
+    together): DTensor's norm of a list mixing a replicated and a sharded placement on
+    one mesh axis counts the replicated one once per rank of that axis."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        grad = p.grad
+        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    return list(groups.values())
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:

@@ -1,9 +1,16 @@
-"""Device meshes for data parallelism: 1-D (shard) or 2-D (replicate x shard).
+"""Device meshes: 1-D (shard) or 2-D (replicate x shard) for data parallelism alone,
+and the N-D mesh of [Note: parallel dimensions] (fsdpkit.config.dims) with tensor or
+context parallelism, with the sub-meshes each layer of parallelism works on.
 
-The mesh is always passed explicitly; fsdpkit keeps no global mesh.
+The mesh is always passed explicitly; fsdpkit keeps no global mesh. Code that shards
+takes the run's whole mesh and asks this module for its part (``fsdp_mesh``,
+``tp_mesh``, ``cp_mesh``), so a mesh without tp or cp axes works unchanged. Which
+batches a rank reads is ``ParallelDims.dp_rank`` (fsdpkit.config.dims).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -20,6 +27,8 @@ def build_mesh(
     *,
     shard: int | None = None,
     replicate: int = 1,
+    cp: int = 1,
+    tp: int = 1,
     device_type: str | None = None,
     world_size: int | None = None,
 ) -> DeviceMesh:
@@ -27,9 +36,21 @@ def build_mesh(
 
     ``replicate == 1`` gives a 1-D mesh named ``("shard",)`` (FSDP / ZeRO); otherwise a
     2-D mesh ``("replicate", "shard")`` (HSDP; ``shard == 1`` is DDP-like replication).
-    ``shard`` defaults to world_size / replicate. The process group must be initialized.
+    ``shard`` defaults to world_size / (replicate x cp x tp). With ``cp`` or ``tp`` > 1
+    the mesh has the named axes of [Note: parallel dimensions] ("replicate" only when
+    > 1, "shard" always, then "cp", "tp" where > 1). The process group must be
+    initialized.
     """
     world = world_size if world_size is not None else dist.get_world_size()
+    if cp < 1 or tp < 1 or world % (cp * tp):
+        raise MeshError(
+            f"mesh cp={cp} x tp={tp} must be >= 1 and divide the world size {world} "
+            "(parallel.cp, parallel.tp)."
+        )
+    if cp * tp > 1:
+        return _model_parallel_mesh(
+            shard=shard, replicate=replicate, cp=cp, tp=tp, world=world, device_type=device_type
+        )
     if replicate < 1 or (shard is not None and shard < 1):
         raise MeshError(f"mesh degrees must be >= 1, got replicate={replicate}, shard={shard}")
     if shard is None:
@@ -49,3 +70,53 @@ def build_mesh(
     if replicate == 1:
         return init_device_mesh(dev, (shard,), mesh_dim_names=("shard",))
     return init_device_mesh(dev, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def _model_parallel_mesh(
+    *, shard: int | None, replicate: int, cp: int, tp: int, world: int, device_type: str | None
+) -> DeviceMesh:
+    """The N-D mesh of [Note: parallel dimensions]."""
+    dp = world // (cp * tp)
+    shard = shard if shard is not None else dp // max(replicate, 1)
+    if replicate < 1 or shard < 1 or replicate * shard != dp:
+        raise MeshError(
+            f"mesh replicate={replicate} x shard={shard} must multiply to the {dp} "
+            f"data-parallel ranks (world {world} / (cp {cp} x tp {tp}))."
+        )
+    named = [("replicate", replicate), ("shard", shard), ("cp", cp), ("tp", tp)]
+    kept = [(n, d) for n, d in named if d > 1 or n == "shard"]
+    dev = device_type or local_device_type()
+    mesh = init_device_mesh(
+        dev, tuple(d for _, d in kept), mesh_dim_names=tuple(n for n, _ in kept)
+    )
+    if cp > 1:  # FSDP shards over shard x cp ([Note: parallel dimensions])
+        mesh["shard", "cp"]._flatten("shard_cp")
+    return mesh
+
+
+def _names(mesh: DeviceMesh) -> tuple[str, ...]:
+    return tuple(mesh.mesh_dim_names or ())
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards over: the whole mesh without tp/cp axes, else its data
+    axes with cp folded into the shard axis."""
+    names = _names(mesh)
+    if "tp" not in names and "cp" not in names:
+        return mesh
+    shard = "shard_cp" if "cp" in names else "shard"
+    with warnings.catch_warnings():
+        # torch 2.13 slices the flattened shard x cp axis from the root mesh as asked,
+        # and announces a future deprecation of doing so on every call
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return mesh["replicate", shard] if "replicate" in names else mesh[shard]
+
+
+def tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The tensor-parallel axis, or None."""
+    return mesh["tp"] if "tp" in _names(mesh) else None
+
+
+def cp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The context-parallel axis, or None."""
+    return mesh["cp"] if "cp" in _names(mesh) else None

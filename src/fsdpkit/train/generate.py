@@ -23,15 +23,21 @@ def sample(
     device: torch.device,
     temperature: float = 0.8,
     seed: int = 0,
+    multiple_of: int = 1,
 ) -> str:
-    """Continue ``prompt`` by ``max_new_tokens`` tokens (top-k 40, temperature)."""
+    """Continue ``prompt`` by ``max_new_tokens`` tokens (top-k 40, temperature).
+    ``multiple_of``: right-pad each window to a multiple of this many tokens (sequence
+    parallelism splits the sequence evenly over the tp ranks); a causal model's logits
+    before the padding do not see it."""
     gen = torch.Generator().manual_seed(seed)
     ids = tokenizer.encode(prompt)
     was_training = model.training
     model.eval()
     for _ in range(max_new_tokens):
-        window = torch.tensor([ids[-context:]], device=device)
-        logits = model(window)[0, -1].float().cpu() / temperature
+        tail = ids[-context:]
+        padded = tail + [0] * (-len(tail) % multiple_of)
+        window = torch.tensor([padded], device=device)
+        logits = model(window)[0, len(tail) - 1].float().cpu() / temperature
         top = torch.topk(logits, k=min(40, logits.numel()))
         probs = torch.softmax(top.values, dim=-1)
         ids.append(int(top.indices[torch.multinomial(probs, 1, generator=gen)]))

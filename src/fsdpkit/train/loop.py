@@ -11,6 +11,7 @@ workers and under ``fsdpkit.testing.run_ranks`` in a test.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -29,6 +30,7 @@ from fsdpkit.runtime.rundir import RunDirError, check_run_dir
 from fsdpkit.runtime.runlock import RunLock, acquire
 from fsdpkit.runtime.signals import StopFlag, agreed_signal, describe_stop, install_stop_flag
 from fsdpkit.sharding.compile import compile_seconds
+from fsdpkit.sharding.context import local_attention
 from fsdpkit.sharding.grads import sync_mode
 from fsdpkit.train.generate import sample
 from fsdpkit.train.guards import check_finite
@@ -358,13 +360,17 @@ def _train(s: Session, *, obs: Observer, stop: StopFlag, probe: HangProbe) -> Ru
         progress.message(note)
     progress.close()
     if s.llama is not None and cfg.train.sample_tokens and s.state.step == cfg.train.steps:
-        summary.sample_text = sample(
-            s.model,
-            s.tokenizer,
-            prompt="def ",
-            max_new_tokens=cfg.train.sample_tokens,
-            context=cfg.data.seq_len,
-            device=s.device,
-            seed=cfg.train.seed,
-        )
+        # every cp rank runs the same whole window: no sequence exchange
+        local = local_attention(s.model) if cfg.parallel.cp > 1 else contextlib.nullcontext()
+        with local:
+            summary.sample_text = sample(
+                s.model,
+                s.tokenizer,
+                prompt="def ",
+                max_new_tokens=cfg.train.sample_tokens,
+                context=cfg.data.seq_len,
+                device=s.device,
+                seed=cfg.train.seed,
+                multiple_of=cfg.parallel.tp,
+            )
     return summary

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpkit.checkpoint import Checkpointer, ModelOptimizerState, RankLocal, RNGState
 from fsdpkit.checkpoint.frozen import FrozenBase
-from fsdpkit.config import BatchSplit, RunConfig, batch_split, mesh_shape, to_toml
+from fsdpkit.config import BatchSplit, ParallelDims, RunConfig, batch_split, parallel_dims, to_toml
 from fsdpkit.data import Tokenizer, TrainingData, open_training_data
 from fsdpkit.data.preference import open_preference_data
 from fsdpkit.finetune import Finetune
@@ -74,10 +74,6 @@ class Session:
     loss_note: str | None = None
     """Why ``train.chunked_loss = auto`` kept full logits (None: it did not)."""
 
-    @property
-    def dp_rank(self) -> int:
-        return self.env.rank
-
     def app_state(self) -> dict[str, Any]:
         """What a checkpoint holds (DCP Statefuls)."""
 
@@ -122,11 +118,11 @@ def init_process_group(cfg: RunConfig, env: DistEnv) -> torch.device:
     return device
 
 
-def _data(cfg: RunConfig, env: DistEnv, split: BatchSplit) -> TrainingData:
+def _data(cfg: RunConfig, env: DistEnv, split: BatchSplit, dims: ParallelDims) -> TrainingData:
     """This rank's data: the one pipeline (fsdpkit.data.open_training_data) prepares raw
     sources into the run directory once per node and maps the shards; no collective."""
     if cfg.train.objective == "dpo":  # preference pairs (fsdpkit.data.preference)
-        ranks = {"dp_rank": env.rank, "dp_world": env.world_size}
+        ranks = {"dp_rank": dims.dp_rank(env.rank), "dp_world": dims.dp}
         opts = {"seed": cfg.train.seed, "eval_batches": cfg.train.eval_batches}
         return open_preference_data(cfg.data, split=split, **ranks, **opts)
     return open_training_data(
@@ -134,8 +130,8 @@ def _data(cfg: RunConfig, env: DistEnv, split: BatchSplit) -> TrainingData:
         seed=cfg.train.seed,
         micro_batch=split.micro_batch,
         grad_accum=split.grad_accum,
-        dp_rank=env.rank,
-        dp_world=env.world_size,
+        dp_rank=dims.dp_rank(env.rank),
+        dp_world=dims.dp,
         eval_batches=cfg.train.eval_batches,
         work_dir=Path(cfg.logging.run_dir),
         steps=cfg.train.steps,
@@ -147,8 +143,9 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     choice are checked before the process group starts, so bad input fails every rank
     alike without any collective ([Note: one builder])."""
     cfg = with_model_tokenizer(cfg)
-    split = batch_split(cfg.train, dp_world=env.world_size)
-    data = _data(cfg, env, split)
+    dims = parallel_dims(cfg, world_size=env.world_size, local_world_size=env.local_world_size)
+    split = batch_split(cfg.train, dp_world=dims.dp)
+    data = _data(cfg, env, split, dims)
     unsharded = build_unsharded(
         cfg, vocab_size=data.tokenizer.vocab_size, device_type=env.device_type, sft=data.sft
     )
@@ -156,10 +153,13 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         cfg, vocab_size=data.tokenizer.vocab_size, device_type=env.device_type
     )
     device = init_process_group(cfg, env)
-    replicate, shard_deg = mesh_shape(
-        cfg, world_size=env.world_size, local_world_size=env.local_world_size
+    mesh = build_mesh(
+        replicate=dims.replicate,
+        shard=dims.shard,
+        cp=dims.cp,
+        tp=dims.tp,
+        device_type=env.device_type,
     )
-    mesh = build_mesh(replicate=replicate, shard=shard_deg, device_type=env.device_type)
     run = shard_trainable(unsharded, cfg, mesh=mesh, device=device)
     if cfg.train.objective == "dpo":
         ref = shard_reference(reference, cfg, mesh=mesh, device=device) if reference else None
@@ -190,7 +190,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
             cfg,
             env,
             run_dir=run_dir,
-            mesh=(replicate, shard_deg),
+            dims=dims,
             llama=run.llama,
             finetune=run.finetune.record(run.model),
         ),
@@ -207,7 +207,7 @@ def _checkpointer(
     env: DistEnv,
     *,
     run_dir: Path,
-    mesh: tuple[int, int],
+    dims: ParallelDims,
     llama: LlamaConfig | None,
     finetune: dict[str, Any] | None = None,
 ) -> Checkpointer | None:
@@ -216,7 +216,7 @@ def _checkpointer(
         return None
     meta = {
         "world_size": env.world_size,
-        "mesh": {"replicate": mesh[0], "shard": mesh[1]},
+        "mesh": dict(dims.named()),
         "strategy": cfg.parallel.strategy,
         "config": cfg.to_dict(),
         "model": llama.to_dict() if llama is not None else None,

@@ -40,7 +40,10 @@ from fsdpkit.models.factory import BuiltModel, build_model
 from fsdpkit.models.llama import Llama, LlamaConfig
 from fsdpkit.precision import Precision
 from fsdpkit.sharding import ShardPlan, detect_blocks, resolve_precision, shard
+from fsdpkit.sharding.context_batch import context_parallel_loss
 from fsdpkit.sharding.materialize import is_meta
+from fsdpkit.sharding.mesh import cp_mesh
+from fsdpkit.sharding.tensor import check_model
 from fsdpkit.trainable.optim import build_optimizer
 
 
@@ -93,6 +96,8 @@ def build_unsharded(
         compiled=cfg.train.compile and precision.low_precision,  # where it helps
     )
     detect_blocks(built.module, class_names=cfg.parallel.block_classes or None)
+    if cfg.parallel.tp > 1 or cfg.parallel.cp > 1:
+        check_model(built.module, tp=cfg.parallel.tp, cp=cfg.parallel.cp)
     return Unsharded(built, finetune, precision, loss.loss_fn, loss.note)
 
 
@@ -127,9 +132,11 @@ def shard_trainable(
     if cfg.model.init_from and fake is None:
         init_from(model, Path(cfg.model.init_from))
     optimizer = build_optimizer(model, cfg.train, grad_scaler=unsharded.precision.scaler)
+    cp = cp_mesh(mesh)
+    loss_fn = unsharded.loss_fn if cp is None else context_parallel_loss(unsharded.loss_fn, mesh=cp)
     return Trainable(
         model=model,
-        loss_fn=unsharded.loss_fn,
+        loss_fn=loss_fn,
         optimizer=optimizer,
         plan=plan,
         precision=unsharded.precision,

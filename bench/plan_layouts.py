@@ -1,0 +1,166 @@
+"""Plans of issue 23 with tensor and context parallelism: FSDP alone against the layout
+``fsdpkit plan --recommend`` picks, and torchtitan's published memory for the same shapes.
+
+    .venv/bin/python bench/plan_layouts.py                  # ~1 min, analytic plans only
+    .venv/bin/python bench/plan_layouts.py --render-docs    # docs/planner.md's table
+
+Every row is ``fsdpkit plan`` (the analytic planner: nothing runs on a device) with
+bf16, full activation checkpointing and micro-batch 1 on H100s (``--device-mem h100``:
+80 GiB, 70.29 GiB usable after the runtime reserve and the 10% margin), the chunked loss
+(the default) unless the row says otherwise. "recommended" rows run ``recommend()`` and
+plan its pick. torchtitan's figures are quoted from its published benchmark
+(``benchmarks/llama3_h100_202412_torchtitan.md``, torchtitan 9dec370, 2024-12: 96 GB
+H100s, max reserved memory, torch.compile and Float8 on, ring-attention CP, full
+logits); they are published numbers, not measured here.
+Writes bench/results/plan_layouts.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import results_io
+
+from fsdpkit.config import load, with_changes
+from fsdpkit.config.toml import toml_value
+from fsdpkit.devices import parse_device
+from fsdpkit.planner import plan, recommend
+
+NAME = "plan_layouts"
+ISSUE = ["precision.mode=bf16", "activations.mode=full", "train.micro_batch_size=1"]
+TORCHTITAN = "benchmarks/llama3_h100_202412_torchtitan.md"
+
+ROWS: list[tuple[str, list[str], int, str | None]] = [
+    # (label, overrides, world size, torchtitan's published GiB for the same shape)
+    ("llama3-70b 32768: FSDP only", ["model.preset=llama3-70b", "data.seq_len=32768"], 8, None),
+    ("llama3-70b 32768: FSDP + CPU offload",
+     ["model.preset=llama3-70b", "data.seq_len=32768", "offload.params=true"], 8, None),
+    ("llama3-70b 32768: cp 2 + CPU offload",
+     ["model.preset=llama3-70b", "data.seq_len=32768", "offload.params=true", "parallel.cp=2"],
+     8, None),
+    ("llama3-70b 32768: tp 8 (no offload)",
+     ["model.preset=llama3-70b", "data.seq_len=32768", "parallel.tp=8"], 8, None),
+    ("llama3-8b 131072: FSDP only", ["model.preset=llama3-8b", "data.seq_len=131072"], 8, None),
+    ("llama3-8b 131072: tp 2", ["model.preset=llama3-8b", "data.seq_len=131072",
+                                 "parallel.tp=2"], 8, None),
+    ("llama3-8b 131072: FSDP 2 x cp 4 (torchtitan's layout)",
+     ["model.preset=llama3-8b", "data.seq_len=131072", "parallel.cp=4"], 8, "84.0 (Table 2)"),
+    ("llama3-8b 131072: FSDP 2 x cp 4, full logits",
+     ["model.preset=llama3-8b", "data.seq_len=131072", "parallel.cp=4",
+      "train.chunked_loss=off"], 8, "84.0 (Table 2)"),
+    ("llama3-8b 32768: FSDP 8, full logits",
+     ["model.preset=llama3-8b", "data.seq_len=32768", "train.chunked_loss=off"], 8,
+     "83.9 (Table 2)"),
+    ("llama3-8b 65536: FSDP 4 x cp 2, full logits",
+     ["model.preset=llama3-8b", "data.seq_len=65536", "parallel.cp=2", "train.chunked_loss=off"],
+     8, "84.2 (Table 2)"),
+    ("llama3-405b 8192: FSDP only", ["model.preset=llama3-405b", "data.seq_len=8192"], 512, None),
+    ("llama3-405b 8192: tp 8", ["model.preset=llama3-405b", "data.seq_len=8192",
+                                "parallel.tp=8"], 512, None),
+    ("llama3-70b 8192 x 16: FSDP 32 x tp 8 (torchtitan's 2D run)",
+     ["model.preset=llama3-70b", "data.seq_len=8192", "train.micro_batch_size=16",
+      "parallel.tp=8"], 256, "71.9 (Table 4)"),
+]  # fmt: skip
+RECOMMENDED = [
+    ("llama3-70b 32768: recommended", ["model.preset=llama3-70b", "data.seq_len=32768"], 8),
+    ("llama3-8b 131072: recommended", ["model.preset=llama3-8b", "data.seq_len=131072"], 8),
+    ("llama3-405b 8192: recommended", ["model.preset=llama3-405b", "data.seq_len=8192"], 512),
+]
+GiB = 2**30
+
+
+def _row(label: str, overrides: list[str], world: int, published: str | None) -> dict[str, Any]:
+    cfg = load(None, [*ISSUE, *overrides])
+    p = plan(cfg, world_size=world, device=parse_device("h100"))
+    peak = p.memory.peak
+    return {
+        "label": label,
+        "command": " ".join([*ISSUE, *overrides]) + f" --world-size {world}",
+        "peak_gib": round(peak.bytes / GiB, 2),
+        "fits": p.fits,
+        "headroom_gib": round((p.headroom or 0) / GiB, 2),
+        "where": f"{peak.phase}: {peak.where}",
+        "states_gib": round(sum(p.memory.model_states.values()) / GiB, 2),
+        "states_on": "host" if p.memory.host_bytes else "device",
+        "activations_gib": round(peak.breakdown.get("activations", 0) / GiB, 2),
+        "exchange_gib": round(peak.breakdown.get("exchange_buffers", 0) / GiB, 2),
+        "tp_cp_traffic_gib": round((p.comm.tp_exchange + p.comm.cp_exchange) / GiB, 1),
+        "torchtitan_gib": published,
+    }
+
+
+def _recommended(label: str, overrides: list[str], world: int) -> dict[str, Any]:
+    cfg = load(None, [*ISSUE, *overrides])
+    rec = recommend(cfg, world_size=world, device=parse_device("h100"))
+    assert rec.best is not None, label
+    changes = {k: v for k, v in rec.best.changes.items() if v is not None}
+    row = _row(
+        label, [*overrides, *(f"{k}={toml_value(v)}" for k, v in changes.items())], world, None
+    )
+    tried = [
+        f"{t.describe()} {t.peak / GiB:.2f} GiB"
+        + (" (offload)" if t.changes.get("offload.params") else "")
+        for t in rec.layouts
+        if t.peak is not None
+    ]
+    with_changes(cfg, changes, source="bench")  # the pick is a valid config
+    return row | {"changes": changes, "layouts_tried": tried}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--render-docs", action="store_true", help="only re-render the docs")
+    args = parser.parse_args()
+    if not args.render_docs:
+        rows = [_row(*r) for r in ROWS] + [_recommended(*r) for r in RECOMMENDED]
+        results_io.write(NAME, rows=rows, torchtitan_source=TORCHTITAN)
+    render_docs()
+
+
+DOCS = results_io.ROOT / "docs" / "planner.md"
+
+
+def render(results: dict[str, Any]) -> str:
+    """The docs table of a results file (docs/planner.md holds exactly this between the
+    markers; tests/unit/test_bench_docs.py checks it)."""
+    head = (
+        results_io.provenance(results, NAME) + "\n\n"
+        "| plan (bf16, full AC, micro-batch 1, h100) | ranks | peak | verdict | model states "
+        "| kept activations at the peak | tp/cp traffic per step | torchtitan published, GiB |\n"
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |\n"
+    )
+    lines = []
+    for r in results["rows"]:
+        world = r["command"].rsplit(" ", 1)[-1]
+        verdict = f"fits ({r['headroom_gib']:.2f} spare)" if r["fits"] else (
+            f"{-r['headroom_gib']:.2f} GiB over"
+        )  # fmt: skip
+        label = r["label"]
+        if "changes" in r:
+            label += ": " + ", ".join(f"`{k}={toml_value(v)}`" for k, v in r["changes"].items())
+        lines.append(
+            f"| {label} | {world} | {r['peak_gib']:.2f} GiB | {verdict} | "
+            f"{r['states_gib']:.2f} GiB ({r['states_on']}) | {r['activations_gib']:.2f} GiB | "
+            f"{r['tp_cp_traffic_gib']:.1f} GiB | {r['torchtitan_gib'] or ''} |"
+        )
+    tried = "\n".join(
+        f"- {r['label']}: " + "; ".join(r["layouts_tried"])
+        for r in results["rows"]
+        if "layouts_tried" in r
+    )
+    return (
+        head + "\n".join(lines) + "\n\nLayouts the recommender planned, fewest model-parallel "
+        "ranks first (each with its fastest fitting candidate, else its lowest peak):\n\n"
+        + tried
+        + "\n"
+    )
+
+
+def render_docs() -> None:
+    """Rewrite docs/planner.md's layout table from the results file."""
+    results_io.render_into(DOCS, NAME, render(results_io.read(NAME)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Tensor and context parallelism in the planner: what a ``parallel.tp`` x ``parallel.cp``
+layout divides, what it exchanges, and which layouts are refused.
+
+[Note: model-parallel block memory]
+Per rank, with tp tensor-parallel and cp context-parallel ranks and FSDP sharding over
+S = shard x cp ([Note: parallel dimensions] in fsdpkit.config.dims):
+
+- block parameters, gradients and AdamW states: the tp-local shard of every linear
+  (q/k/v and gate/up split by output rows, o and down by input columns; norms whole),
+  FSDP-sharded over S: 16 bytes x block params / (tp x S). The embedding, the final
+  norm and the head are not split over tp: 16 bytes x their params / S. Unsharded
+  (all-gathered) block parameters are the tp-local shard: / tp.
+- inside a block every head- and hidden-unit-wide tensor (q, k, v, attention output,
+  the SwiGLU tensors) holds heads / tp (f / tp) over seq / cp tokens: m = b x seq / cp
+  tokens at the matmuls;
+- the residual stream and the norms hold n tokens: n = m / tp with sequence parallelism
+  (the built-in Llama), n = m without it (model.hf: the residual stays whole over tp).
+  So under full checkpointing the kept block inputs are b x seq x d x e / cp (/ tp
+  with sequence parallelism), and the loss head works on the m gathered tokens;
+- exchange buffers (the ``exchange_buffers`` category): under sequence parallelism
+  each attention / MLP input is an all-gathered (m, d) copy of the norm's output, in
+  flight until the projections have read it (saved by them when the block is not
+  checkpointed), and in backward the residual grad all-gathered the same way;
+  under context parallelism each all-to-all's output coexists with its input for the
+  exchange: q, k, v (m x (heads + 2 kv) x hd / tp), attention's output (m x heads x
+  hd / tp), the same in backward (fsdpkit.planner.blockmem).
+
+Traffic per block and micro-batch, B = m x d x e bytes (ring: each rank moves
+(g - 1) / g of a g-rank collective's buffer):
+
+- tensor parallel: forward 2 all-gathers + 2 reduce-scatters of B (sequence parallel)
+  or 2 all-reduces of B (2 x the bytes each): 4 x B x (tp - 1) / tp either way; the
+  same in backward, and again in the recompute of a checkpointed block; plus, under
+  sequence parallelism, the final hidden states gathered for the head (reduce-scattered
+  back in backward) and the embedding output's grad gathered in backward: 3 x B x
+  (tp - 1) / tp per micro-batch;
+- context parallel: forward 4 all-to-alls (q, k, v, output) of Q + 2K + Q bytes, Q = m
+  x heads x hd x e / tp, K = m x kv x hd x e / tp, each moving (cp - 1) / cp; the same
+  in backward and in the recompute.
+
+These exchanges sit on the critical path (a block cannot start its matmul before its
+input arrives), so the recommender counts their time on top of the overlapped FSDP
+traffic, over NVLink for tp (inside a node) and for cp when tp x cp fits a node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from fsdpkit.models.llama import LlamaConfig
+from fsdpkit.planner.errors import PlanError
+from fsdpkit.planner.layout import ModelLayout, Shape
+from fsdpkit.sharding.tensor import LLAMA_BLOCK, TensorParallelError, check_heads
+
+
+def _split(name: str, shape: Shape, tp: int) -> Shape:
+    """The tp-local (rows, cols) of one block parameter, by the trainer's block plan
+    (``LLAMA_BLOCK``, [Note: tensor-parallel plans]: the built-in Llama's module names,
+    which transformers' Llama / Mistral / Qwen2 layers share). A LoRA adapter follows its
+    base: lora_B of a column-parallel base splits its rows, lora_A of a row-parallel base
+    its columns; the other adapter matrix, norms and biases of row-parallel linears stay
+    whole."""
+    module, _, leaf = name.rpartition(".")
+    if ".lora_A." in name or ".lora_B." in name:
+        base = name.split(".lora_", 1)[0]
+        kind = LLAMA_BLOCK.get(base)
+        adapter = "B" if ".lora_B." in name else "A"
+        if (kind, adapter) == ("colwise", "B"):
+            return -(-shape[0] // tp), shape[1]
+        if (kind, adapter) == ("rowwise", "A"):
+            return shape[0], -(-shape[1] // tp)
+        return shape
+    kind = LLAMA_BLOCK.get(module.removesuffix(".base_layer"))
+    if kind == "colwise":
+        return -(-shape[0] // tp), shape[1]
+    if kind == "rowwise" and leaf == "weight":
+        return shape[0], -(-shape[1] // tp)
+    return shape
+
+
+def tp_layout(layout: ModelLayout, *, tp: int) -> ModelLayout:
+    """``layout`` with every block parameter replaced by its tp-local shard (the
+    embedding, head and root stay whole: replicated over tp)."""
+    if tp == 1:
+        return layout
+    names = layout.block_names
+    blocks = tuple(
+        tuple(_split(n, s, tp) for n, s in zip(names, shapes, strict=True))
+        for shapes in layout.blocks
+    )
+    return replace(layout, blocks=blocks)
+
+
+def check_layout(model: LlamaConfig | None, *, tp: int, cp: int, why_not: str | None) -> None:
+    """Refuse a tp / cp layout the planner (and the trainer) cannot run: a PlanError of
+    one paragraph naming the field. (The world size, the node and data.seq_len are
+    checked with the config: fsdpkit.config.dims.)"""
+    if tp == 1 and cp == 1:
+        return
+    if model is None or why_not is not None:
+        raise PlanError(
+            f"parallel.tp = {tp}, parallel.cp = {cp}: the planner models tensor and context "
+            f"parallelism for Llama-shaped decoder blocks, but this run has "
+            f"{why_not or 'other units'} (the traced planner does not model tp / cp yet). "
+            "Plan it with parallel.tp = 1 and parallel.cp = 1."
+        )
+    try:  # the trainer's own rule (fsdpkit.sharding.tensor)
+        check_heads(n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, tp=tp, cp=cp)
+    except TensorParallelError as exc:
+        raise PlanError(str(exc)) from None
+
+
+def _ring(nbytes: int, group: int) -> int:
+    return nbytes * (group - 1) // group if group > 1 else 0
+
+
+def exchange_traffic(
+    model: LlamaConfig,
+    *,
+    tp: int,
+    cp: int,
+    sp: bool,
+    tokens: int,
+    e: int,
+    passes: int,
+) -> tuple[int, int, int]:
+    """(tensor-parallel bytes, context-parallel bytes, collective calls) per rank for
+    ``passes`` block passes (forward, backward and recompute each count one) of one
+    micro-batch of ``tokens`` tokens per rank — the formulas of [Note: model-parallel
+    block memory]; ``sp`` adds the head's gather, its backward and the embedding
+    grad's gather."""
+    m = tokens // cp
+    b = m * model.dim * e
+    tp_bytes = passes * 4 * _ring(b, tp)
+    if sp:
+        tp_bytes += 3 * _ring(b, tp)
+    q = m * model.n_heads * model.head_dim * e // tp
+    k = m * model.n_kv_heads * model.head_dim * e // tp
+    cp_bytes = passes * _ring(2 * q + 2 * k, cp)
+    calls = passes * 4 * ((tp > 1) + (cp > 1)) + (3 if sp else 0)
+    return tp_bytes, cp_bytes, calls

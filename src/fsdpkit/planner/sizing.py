@@ -1,0 +1,40 @@
+"""One rank's byte sizes of a block's tensors and of the loss head's, for a scenario
+(the ``Sizes`` the event model of fsdpkit.planner.blockmem and headmem runs over)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from fsdpkit.planner.blockmem import Sizes
+from fsdpkit.planner.scenario import Scenario
+
+
+def sizes(sc: Scenario) -> Sizes:
+    """One rank's share of a block's tensors ([Note: model-parallel block memory] in
+    fsdpkit.planner.mparallel): heads and hidden units / tp, tokens / cp, and the
+    residual stream's tokens / tp too under sequence parallelism."""
+    m = sc.model
+    assert m is not None, "require_decoder_blocks first"
+    inner = sc.tokens // sc.cp
+    return Sizes(
+        n=inner // sc.tp if sc.sequence_parallel else inner,
+        d=m.dim,
+        f=-(-m.ffn_dim // sc.tp),
+        heads=m.n_heads // sc.tp,
+        kv_heads=m.n_kv_heads // sc.tp,
+        head_dim=m.head_dim,
+        vocab=m.vocab_size,
+        e=sc.param_bytes,
+        norm_grads=not sc.layout.norms_frozen,
+        inner_n=inner,
+        tp=sc.tp,
+        cp=sc.cp,
+    )
+
+
+def head_sizes(sc: Scenario) -> Sizes:
+    """The final norm, head and loss: not split over tp, on the rank's seq / cp tokens
+    (gathered over tp under sequence parallelism; the final norm is planned on the
+    gathered tokens, an overestimate by tp of its own few tensors)."""
+    s = sizes(sc)
+    return replace(s, n=s.m, inner_n=0, tp=1, cp=1)

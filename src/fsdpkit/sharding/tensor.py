@@ -1,0 +1,256 @@
+"""Tensor and sequence parallelism: which linear layers split how, applied with
+torch's ``parallelize_module`` before FSDP2 shards what is left over the data ranks.
+
+[Note: tensor-parallel plans]
+Every block splits its attention by heads and its MLP by hidden units (Megatron's
+pairing): q/k/v and gate/up are column-parallel (each tp rank computes its heads /
+hidden units), o and down are row-parallel (partial sums reduced over tp). The plan
+comes from:
+
+- the built-in Llama: fsdpkit's plan, with sequence parallelism: the norms and the
+  residual stream between blocks hold seq / tp tokens per rank; each attention and
+  MLP input is all-gathered over the sequence and each o / down output
+  reduce-scattered back (the same bytes as the all-reduces they replace);
+- a transformers model: its config's ``base_model_tp_plan`` (colwise / rowwise
+  entries of ``layers.*.NAME``), else fsdpkit's plan where its blocks have the
+  Llama / Mistral / Qwen2 module names. Its residual stream stays whole (no sequence
+  parallelism): the model body computes masks and positions from the embedding
+  output's shape, which sequence-sharding would change;
+- anything else is refused by name (``TensorParallelError``).
+
+The embedding, the final norm's weight and the output head are not split over tp:
+they stay replicated over the tp ranks and are FSDP-sharded over the data ranks, so
+a tied pair stays tied and the chunked loss (fsdpkit.loss.head) runs unchanged on
+the whole hidden states. The head's matmul is repeated on each tp rank; vocab-sharded
+logits (loss parallel) are not implemented.
+
+LoRA adapters (peft) on a split linear follow their base: on a column-parallel base
+``lora_B`` is column-parallel and ``lora_A`` replicated; on a row-parallel base
+``lora_A`` is row-parallel and ``lora_B`` replicated (under sequence parallelism it
+runs on the sequence shard, its weight a replicated DTensor whose gradient DTensor
+reduces over tp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from fsdpkit.config import RunConfig
+from fsdpkit.models.accessors import input_embeddings, output_embeddings
+from fsdpkit.models.errors import ModelError
+from fsdpkit.models.hf import read_hf_dir
+from fsdpkit.models.llama import Llama, preset
+
+LLAMA_BLOCK: dict[str, str] = {
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
+"""fsdpkit's block plan: module names of the built-in Llama and of transformers'
+Llama, Mistral and Qwen2 decoder layers."""
+
+
+class TensorParallelError(ModelError):
+    """The model cannot be split over ``parallel.tp`` ranks."""
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """What ``tensor_parallel`` applied, for the run's first lines."""
+
+    source: str
+    """Where the block plan came from."""
+    sequence_parallel: bool
+    linears: int
+    """Linear layers split (per model, all blocks)."""
+
+    def describe(self, tp: int) -> str:
+        sp = ", sequence parallel" if self.sequence_parallel else ""
+        return f"tensor parallel {tp} ({self.source}{sp}: {self.linears} linears split)"
+
+
+def block_plan(model: nn.Module, *, tp: int) -> tuple[dict[str, str], str]:
+    """(module name in a block -> "colwise" / "rowwise", where it came from)."""
+    if isinstance(model, Llama):
+        return dict(LLAMA_BLOCK), "fsdpkit's Llama plan"
+    return _hf_block_plan(getattr(model, "config", None), name=type(model).__name__, tp=tp)
+
+
+def _hf_block_plan(config: Any, *, name: str, tp: int) -> tuple[dict[str, str], str]:
+    """A transformers config's ``base_model_tp_plan`` as a block plan, or the refusal."""
+    hf_plan = getattr(config, "base_model_tp_plan", None) or {}
+    translated = {k.split("layers.*.", 1)[1]: v for k, v in hf_plan.items() if "layers.*." in k}
+    if translated and all(v in ("colwise", "rowwise") for v in translated.values()):
+        return translated, f"transformers' base_model_tp_plan of {name}"
+    has = "none" if not hf_plan else f"entries it does not apply: {sorted(set(hf_plan.values()))}"
+    raise TensorParallelError(
+        f"parallel.tp = {tp}: fsdpkit has no tensor-parallel plan for {name}. It splits the "
+        "built-in Llama and transformers models whose config has a colwise/rowwise "
+        f"base_model_tp_plan (Llama, Mistral, Qwen2, ...); this one has {has}. Use "
+        "parallel.tp = 1 (FSDP over all ranks; parallel.cp splits long sequences instead), "
+        "or a model family with a plan."
+    )
+
+
+def check_layout(cfg: RunConfig) -> None:
+    """Refuse a tp / cp layout the configured model cannot take, from the config alone
+    (the launcher calls this before any process starts). A factory model is checked
+    when it is built, before the process group starts."""
+    p, m = cfg.parallel, cfg.model
+    if (p.tp == 1 and p.cp == 1) or m.factory:
+        return
+    if m.hf:
+        config = read_hf_dir(m.hf).config
+        if p.tp > 1:
+            _hf_block_plan(config, name=type(config).__name__, tp=p.tp)
+        heads = config.num_attention_heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+    else:
+        shape = preset(m.preset)
+        heads, kv = m.n_heads or shape.n_heads, m.n_kv_heads or shape.n_kv_heads
+    check_heads(n_heads=heads, n_kv_heads=kv, tp=p.tp, cp=p.cp)
+
+
+def check_heads(*, n_heads: int, n_kv_heads: int, tp: int, cp: int = 1) -> None:
+    """Heads must split evenly over tp (and each tp rank's over cp)."""
+    for name, heads in (("attention heads", n_heads), ("key/value heads", n_kv_heads)):
+        if heads % tp:
+            raise TensorParallelError(
+                f"parallel.tp = {tp} does not divide the model's {heads} {name}: every "
+                f"tensor-parallel rank computes an equal share of them. Use a tp that "
+                f"divides {heads}."
+            )
+    if cp > 1 and (n_heads // tp) % cp:
+        raise TensorParallelError(
+            f"parallel.cp = {cp} does not divide the {n_heads // tp} attention heads per "
+            f"tensor-parallel rank (parallel.tp = {tp}): the context-parallel exchange gives "
+            f"each rank heads / cp of them over the whole sequence. Use a cp that divides "
+            f"{n_heads // tp}."
+        )
+
+
+def model_heads(model: nn.Module) -> tuple[int, int]:
+    """(attention heads, key/value heads) of the built-in Llama or a transformers model."""
+    config = getattr(model, "config", None)
+    if isinstance(model, Llama):
+        return model.config.n_heads, model.config.n_kv_heads
+    heads = getattr(config, "num_attention_heads", None)
+    if heads is None:
+        raise TensorParallelError(
+            f"parallel.tp / parallel.cp: {type(model).__name__} does not say how many "
+            "attention heads it has (config.num_attention_heads); fsdpkit splits only models "
+            "that do. Use parallel.tp = 1 and parallel.cp = 1."
+        )
+    return heads, getattr(config, "num_key_value_heads", None) or heads
+
+
+def check_model(model: nn.Module, *, tp: int, cp: int = 1) -> tuple[dict[str, str], str]:
+    """The model's block plan (at tp > 1) after checking its heads split over tp and cp;
+    ``build_unsharded`` calls it before any process group starts."""
+    plan, source = block_plan(model, tp=tp) if tp > 1 else ({}, "")
+    n_heads, n_kv = model_heads(model)
+    check_heads(n_heads=n_heads, n_kv_heads=n_kv, tp=tp, cp=cp)
+    return plan, source
+
+
+def _styles(kind: str, *, sequence_parallel: bool) -> ParallelStyle:
+    if kind == "colwise":
+        return ColwiseParallel()
+    return RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
+
+
+def _linear_plan(
+    block: nn.Module, name: str, kind: str, *, sequence_parallel: bool
+) -> dict[str, ParallelStyle]:
+    """Styles of one planned linear: itself, or a peft LoRA layer's base and adapters."""
+    module = block.get_submodule(name)
+    if not hasattr(module, "base_layer"):
+        return {name: _styles(kind, sequence_parallel=sequence_parallel)}
+    plan = {f"{name}.base_layer": _styles(kind, sequence_parallel=sequence_parallel)}
+    for adapter in getattr(module, "lora_A", {}):
+        if kind == "colwise":  # lora_A replicated: it sees the whole input
+            plan[f"{name}.lora_B.{adapter}"] = ColwiseParallel()
+            continue
+        out = Shard(1) if sequence_parallel else Replicate()
+        plan[f"{name}.lora_A.{adapter}"] = RowwiseParallel(output_layouts=out)
+        if sequence_parallel:  # on the sequence shard; its grad reduced over tp
+            plan[f"{name}.lora_B.{adapter}"] = SequenceParallel(use_local_output=True)
+    return plan
+
+
+def _sequence_parallel_block(block: nn.Module) -> dict[str, ParallelStyle]:
+    """The norms and module inputs of a built-in Llama block under sequence parallelism."""
+    attn_args = (Shard(1), None, None, None)  # x, cos, sin, mask
+    return {
+        "input_layernorm": SequenceParallel(),
+        "self_attn": PrepareModuleInput(
+            input_layouts=attn_args,
+            desired_input_layouts=(Replicate(), None, None, None),
+            use_local_output=True,  # plain tensors for a replicated lora_A
+        ),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
+    }
+
+
+def _sequence_parallel_edges(model: nn.Module, *, mesh: DeviceMesh) -> None:
+    """The embedding's output enters the blocks sequence-sharded; the final norm runs
+    on the shard; the head gets the whole sequence back."""
+    embedding, head = input_embeddings(model), output_embeddings(model)
+    norm = model.get_submodule("model.norm")
+    parallelize_module(
+        embedding,
+        mesh,
+        PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
+    )
+    parallelize_module(norm, mesh, SequenceParallel())
+    parallelize_module(
+        head,
+        mesh,
+        PrepareModuleInput(
+            input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
+        ),
+    )
+
+
+def tensor_parallel(
+    model: nn.Module, *, mesh: DeviceMesh, blocks: list[nn.Module], cp: int = 1
+) -> TensorPlan:
+    """Split ``model``'s blocks over the tp ``mesh`` ([Note: tensor-parallel plans]),
+    in place; call before activation checkpointing and FSDP2."""
+    tp = mesh.size()
+    plan, source = check_model(model, tp=tp, cp=cp)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    sp = isinstance(model, Llama)
+    linears = 0
+    for block in blocks:
+        styles: dict[str, Any] = _sequence_parallel_block(block) if sp else {}
+        for name, kind in plan.items():
+            styles.update(_linear_plan(block, name, kind, sequence_parallel=sp))
+            linears += 1
+        parallelize_module(block, mesh, styles)
+    if sp:
+        _sequence_parallel_edges(model, mesh=mesh)
+    for name, param in model.named_parameters():  # SequenceParallel makes new Parameters
+        param.requires_grad_(name not in frozen)  # that forget they were frozen
+    return TensorPlan(source=source, sequence_parallel=sp, linears=linears)

@@ -1,0 +1,191 @@
+"""Tensor (and sequence) parallelism and context parallelism with FSDP2 on a 4-rank
+gloo mesh match the unsharded model trained in one process.
+
+One spawn runs every variant (process start-up dominates). Each variant builds its
+model on meta, applies ``fsdpkit.shard`` with ``parallel.tp`` / ``parallel.cp`` (the
+built-in Llama with sequence parallelism; transformers' Llama and Qwen2 with their
+own ``base_model_tp_plan``; LoRA adapters on the split linears; the Ulysses exchange
+with plain and packed SFT rows, the loss through ``context_parallel_loss`` as
+``fsdpkit train`` wraps it), and takes 10 AdamW steps with clipping; the parent
+compares losses, grad norms and the final parameters with the same model, batches
+and loss in one process (fp32: 1e-5).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from fsdpkit import build_mesh, shard
+from fsdpkit.config import RunConfig, load, parallel_dims
+from fsdpkit.data.batch import IGNORE_INDEX, SFTBatch
+from fsdpkit.finetune import prepare
+from fsdpkit.loss.contract import next_token_loss
+from fsdpkit.loss.sft import sft_loss
+from fsdpkit.models.factory import build_model
+from fsdpkit.precision import PRESETS
+from fsdpkit.sharding.context_batch import context_parallel_loss
+from fsdpkit.sharding.materialize import materialize
+from fsdpkit.sharding.mesh import cp_mesh
+from fsdpkit.testing import run_ranks
+from support import TINY, build, full_state, global_batches, train, untied
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 10
+VOCAB = 128
+WORLD = 4
+SHAPES = {"llama": untied(), "llama-tied": TINY, "llama-kv4": replace(untied(), n_kv_heads=4)}
+
+# name -> (model kind, config overrides)
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "dp2xtp2": ("llama", ["parallel.tp=2"]),
+    "dp2xtp2-tied": ("llama-tied", ["parallel.tp=2"]),
+    "tp4": ("llama-kv4", ["parallel.tp=4"]),
+    "dp2xtp2-ac-full": ("llama", ["parallel.tp=2", "activations.mode=full"]),
+    "dp2xtp2-ac-selective": ("llama", ["parallel.tp=2", "activations.mode=selective"]),
+    "hybrid-1x2xtp2": ("llama", ["parallel.tp=2", "parallel.strategy=hybrid"]),
+    "hf-llama-tp2": ("hf-llama", ["parallel.tp=2"]),
+    "hf-qwen2-tp2": ("hf-qwen2", ["parallel.tp=2"]),
+    "hf-llama-lora-tp2": ("hf-llama", ["parallel.tp=2", "lora.rank=4", "lora.alpha=8"]),
+    "llama-lora-tp2": ("llama", ["parallel.tp=2", "lora.rank=4", "lora.alpha=8"]),
+    "dp2xcp2": ("llama", ["parallel.cp=2"]),
+    "dp2xcp2-ac-full": ("llama", ["parallel.cp=2", "activations.mode=full"]),
+    "tp2xcp2": ("llama", ["parallel.tp=2", "parallel.cp=2"]),
+    "dp2xcp2-packed-sft": ("llama", ["parallel.cp=2"]),
+    "tp2xcp2-packed-sft": ("llama", ["parallel.tp=2", "parallel.cp=2"]),
+    "hf-llama-cp2": ("hf-llama", ["parallel.cp=2"]),
+    "hf-qwen2-tp2xcp2": ("hf-qwen2", ["parallel.tp=2", "parallel.cp=2"]),
+}
+
+
+def _config(kind: str, overrides: list[str], dirs: dict[str, str]) -> RunConfig:
+    model = [f"model.hf={dirs[kind]}"] if kind.startswith("hf-") else []
+    return load(None, [*model, *overrides, "data.seq_len=16", "train.seed=0"])
+
+
+def _model(kind: str, cfg: RunConfig, *, sharded: bool) -> tuple[torch.nn.Module, Any]:
+    """The variant's model, built on meta, and its initializer; unsharded
+    (``sharded=False``: the one-process reference) it is materialized here the way
+    ``shard`` materializes the sharded one (same seed, weights and adapters)."""
+    if kind.startswith("hf-"):
+        built = build_model(cfg.model, vocab_size=VOCAB, seq_len=16, seed=3)
+        model, init = built.module, built.init
+    elif not cfg.lora.rank and not sharded:  # materializing on CPU would untie a tied head
+        return build(SHAPES[kind]), None
+    else:
+        model, init = build(SHAPES[kind], meta=True), None
+    if cfg.lora.rank:
+        init = prepare(model, cfg, precision=PRESETS["fp32"], init=init).init
+    if not sharded:
+        cpu = torch.device("cpu")
+        materialize(model, seed=0, param_device=cpu, buffer_device=cpu, init=init)
+    return model, init
+
+
+def packed(tokens: torch.Tensor) -> SFTBatch:
+    """Packed SFT rows: two examples per row (positions restart at 7, so the second
+    crosses the cp slice boundary at 8), the first tokens of each masked as prompt."""
+    b, s = tokens.shape[0], tokens.shape[1] - 1
+    positions = torch.cat([torch.arange(7), torch.arange(s - 7)]).expand(b, s)
+    targets = tokens[:, 1:].clone()
+    targets[:, :3] = IGNORE_INDEX
+    targets[:, 7:9] = IGNORE_INDEX
+    return SFTBatch(inputs=tokens[:, :-1], targets=targets, positions=positions)
+
+
+def _loss(name: str, cp: Any = None) -> Any:
+    """The variant's loss: next-token or packed SFT, sliced over cp when there is one."""
+    sft = name.endswith("packed-sft")
+    base = sft_loss if sft else next_token_loss
+    loss = base if cp is None else context_parallel_loss(base, mesh=cp)
+    return (lambda model, tokens: loss(model, packed(tokens))) if sft else loss
+
+
+def _run_variant(rank: int, name: str, dirs: dict[str, str]) -> dict[str, Any]:
+    kind, overrides = VARIANTS[name]
+    cfg = _config(kind, overrides, dirs)
+    dims = parallel_dims(cfg, world_size=WORLD, local_world_size=WORLD)
+    model, init = _model(kind, cfg, sharded=True)
+    mesh = build_mesh(
+        replicate=dims.replicate, shard=dims.shard, cp=dims.cp, tp=dims.tp, device_type="cpu"
+    )
+    plan = shard(model, cfg, mesh=mesh, init=init)
+    out = train(
+        model,
+        global_batches(STEPS, vocab=VOCAB),
+        rank=dims.dp_rank(rank),
+        world=WORLD,
+        dp_world=dims.dp,
+        loss_fn=_loss(name, cp_mesh(mesh)),
+    )
+    out["params"] = full_state(model)
+    out["plan"] = plan.describe()
+    return out
+
+
+def _all(rank: int, world: int, dirs: dict[str, str]) -> dict[str, Any]:
+    return {name: _run_variant(rank, name, dirs) for name in VARIANTS}
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from fsdpkit.testing.hf import write_tiny_model
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    tmp = tmp_path_factory.mktemp("hf-tp")
+    return {
+        f"hf-{arch}": str(
+            write_tiny_model(tmp / arch, arch=arch, vocab_size=VOCAB, dim=32, tokenizer=False)
+        )
+        for arch in ("llama", "qwen2")
+    }
+
+
+@pytest.fixture(scope="module")
+def results(hf_dirs: dict[str, str]) -> dict[str, Any]:
+    return run_ranks(_all, world_size=WORLD, args=(hf_dirs,), timeout_s=900)[0]
+
+
+def _reference(name: str, dirs: dict[str, str]) -> dict[str, Any]:
+    kind, overrides = VARIANTS[name]
+    cfg = _config(kind, overrides, dirs)
+    torch.set_num_threads(1)
+    model, _ = _model(kind, cfg, sharded=False)
+    ref = train(model, global_batches(STEPS, vocab=VOCAB), loss_fn=_loss(name))
+    ref["params"] = full_state(model)
+    return ref
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_matches_unsharded_reference(
+    results: dict[str, Any], hf_dirs: dict[str, str], name: str
+) -> None:
+    got, ref = results[name], _reference(name, hf_dirs)
+    for degree, words in (
+        ("parallel.tp=", "tensor parallel"),
+        ("parallel.cp=", "context parallel"),
+    ):
+        if any(o.startswith(degree) for o in VARIANTS[name][1]):
+            assert words in got["plan"], got["plan"]
+    for step, (a, b) in enumerate(zip(got["loss"], ref["loss"], strict=True)):
+        assert _rel(a, b) <= 1e-5, f"{name}: step {step} loss {a} vs reference {b}"
+    for step, (a, b) in enumerate(zip(got["norm"], ref["norm"], strict=True)):
+        assert _rel(a, b) <= 1e-5, f"{name}: step {step} grad norm {a} vs reference {b}"
+    assert got["params"].keys() == ref["params"].keys()
+    for key, value in ref["params"].items():
+        torch.testing.assert_close(
+            got["params"][key],
+            value,
+            rtol=1e-5,
+            atol=1e-5,
+            msg=lambda m, k=key: f"{name}: parameter {k}: {m}",
+        )

@@ -1,0 +1,202 @@
+"""The planner's tensor- and context-parallel axes ([Note: model-parallel block memory],
+[Note: layout search]): what tp and cp divide, what they exchange, which layouts the
+recommender picks for the plans of issue 23, and which layouts are refused."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from fsdpkit.config import ConfigError, load
+from fsdpkit.planner import PlanError, parse_device, plan, recommend
+from fsdpkit.planner.blockmem import (
+    GRAD,
+    XCHG,
+    Sizes,
+    block_backward,
+    block_forward,
+    saved_per_block,
+)
+from fsdpkit.planner.layouts import layout_groups
+from fsdpkit.planner.mparallel import exchange_traffic
+from fsdpkit.planner.replay import Step
+from fsdpkit.planner.report import format_plan, format_recommendation
+from fsdpkit.planner.scenario import scenario
+from fsdpkit.planner.sizing import head_sizes, sizes
+from fsdpkit.planner.states import model_states
+
+H100 = parse_device("h100")
+ISSUE = ["precision.mode=bf16", "activations.mode=full", "train.micro_batch_size=1"]
+GiB = 2**30
+
+
+def _cfg(*overrides: str):  # type: ignore[no-untyped-def]
+    return load(None, [*ISSUE, *overrides])
+
+
+def _8b(seq: int, *more: str):  # type: ignore[no-untyped-def]
+    return _cfg("model.preset=llama3-8b", f"data.seq_len={seq}", *more)
+
+
+@pytest.mark.parametrize(
+    "split",
+    [
+        {},
+        {"tp": 4, "n": 128, "inner_n": 512},
+        {"cp": 2},
+        {"tp": 2, "cp": 2, "n": 64, "inner_n": 256},
+    ],
+)
+def test_block_events_balance_per_category(split: dict[str, int]) -> None:
+    # every byte a kept forward allocates (exchange buffers included) is freed by the
+    # backward, category by category; the saved set is saved_per_block's formula
+    tp = split.get("tp", 1)
+    s = Sizes(
+        **{"n": 512, "d": 256, "head_dim": 32, "vocab": 2048, "e": 2} | split,
+        f=688 // tp, heads=8 // tp, kv_heads=4 // tp,
+    )  # fmt: skip
+    fwd = block_forward(s, keep=True)
+    assert sum(n for _, n in fwd) == saved_per_block(s)
+    net: dict[str, int] = defaultdict(int)
+    for category, nbytes in fwd + block_backward(s):
+        net[category] += nbytes
+    assert {c: n for c, n in net.items() if c != GRAD and n} == {}
+    assert any(c == XCHG for c, _ in fwd) == (s.sp or s.cp > 1)
+
+
+def test_sizes_divide_by_tp_and_cp() -> None:
+    sc = scenario(_8b(8192, "parallel.tp=4", "parallel.cp=2"), world_size=8, device=H100)
+    s, hs = sizes(sc), head_sizes(sc)
+    assert (s.m, s.n) == (8192 // 2, 8192 // 8)  # matmuls: seq / cp; residual: / tp too
+    assert (s.heads, s.kv_heads, s.f) == (32 // 4, 8 // 4, 14336 // 4)
+    assert hs.n == 8192 // 2 and hs.tp == 1  # the head: whole over tp, on seq / cp
+    plain = sizes(sc.with_(sequence_parallel=False))  # model.hf: no sequence parallelism
+    assert plain.n == plain.m == 8192 // 2
+
+
+def test_model_states_and_gathers_divide_by_the_layout() -> None:
+    # 16 bytes per block parameter / (tp x shard x cp); embedding and head / (shard x cp)
+    full = scenario(_8b(8192), world_size=8, device=H100)
+    for tp, cp in ((2, 1), (4, 1), (1, 4), (2, 2)):
+        sc = scenario(_8b(8192, f"parallel.tp={tp}", f"parallel.cp={cp}"), world_size=8)
+        assert sc.shard == 8 // tp and sc.dp == 8 // (tp * cp)
+        norms = 2 * 4096  # whole on every tp rank; the matmuls split
+        for u, f in zip(sc.units, full.units, strict=True):
+            assert u.numel == (f.numel - norms) // tp + norms
+        emb, emb_full = sc.edge("embedding"), full.edge("embedding")
+        assert emb is not None and emb_full is not None
+        assert emb.sharded == emb_full.sharded * tp  # replicated over tp
+
+
+def test_peaks_fall_with_tp_and_cp() -> None:
+    # tp at a fixed data-parallel size (8 shards: the embedding and head, not split over
+    # tp, stay the same); cp at a fixed world (folded into the shard group)
+    def peak(tp: int, cp: int, world: int) -> int:
+        cfg = _8b(65536, f"parallel.tp={tp}", f"parallel.cp={cp}")
+        return plan(cfg, world_size=world, device=H100).memory.peak.bytes
+
+    by_tp = [peak(tp, 1, 8 * tp) for tp in (1, 2, 4, 8)]
+    by_cp = [peak(1, cp, 8) for cp in (1, 2, 4, 8)]
+    for held in (by_tp, by_cp):
+        assert held == sorted(held, reverse=True) and len(set(held)) == len(held)
+    assert peak(2, 2, 16) < min(peak(2, 1, 16), peak(1, 2, 16))
+
+
+def test_exchange_traffic_formulas() -> None:
+    cfg = _8b(8192, "parallel.tp=4", "parallel.cp=2")
+    p = plan(cfg, world_size=8, device=H100)
+    m, e, blocks = 8192 // 2, 2, 32  # full AC: forward, recompute, backward per block
+    b = m * 4096 * e  # (b, s / cp, d)
+    # + the head's gather, its reduce-scatter and the embedding grad's gather
+    assert p.comm.tp_exchange == 3 * blocks * 4 * b * 3 // 4 + 3 * b * 3 // 4
+    q, k = m * 32 * 128 * e // 4, m * 8 * 128 * e // 4
+    assert p.comm.cp_exchange == 3 * blocks * (2 * q + 2 * k) // 2
+    none = exchange_traffic(p.scenario.model, tp=1, cp=1, sp=False, tokens=8192, e=2, passes=3)
+    assert none == (0, 0, 0)
+    fsdp = plan(_8b(8192), world_size=8, device=H100).comm
+    assert p.comm.all_gather < fsdp.all_gather  # the gathered blocks are / tp
+    assert "activation exchanges: tp" in format_plan(p) and "tp 4" in format_plan(p)
+
+
+def test_layout_search_order() -> None:
+    model = scenario(_cfg("model.preset=llama3-70b"), world_size=8).model
+    groups = layout_groups(model, world=8, per_node=8, seq_len=32768)
+    assert [sorted(g) for g in groups] == [
+        [(1, 1)],
+        [(1, 2), (2, 1)],
+        [(1, 4), (2, 2), (4, 1)],
+        [(1, 8), (2, 4), (4, 2), (8, 1)],
+    ]
+    # tp inside a node and dividing the 8 kv heads; cp dividing the sequence and heads
+    wide = layout_groups(model, world=64, per_node=16, seq_len=96)
+    assert max(tp for g in wide for tp, _ in g) == 8
+    assert {cp for g in wide for _, cp in g} == {1, 2, 4, 8, 16, 32}
+
+
+def test_issue_plans_fit_with_the_recommended_layout() -> None:
+    # llama3-8b at 131072 tokens: FSDP alone 80.59 GiB; FSDP + offload squeezes in, but
+    # the fewest model-parallel ranks that fit without offload win: 2
+    rec = recommend(_8b(131072), world_size=8, device=H100)
+    assert rec.best is not None and rec.best.fits
+    assert rec.best.changes.get("parallel.cp", 1) * rec.best.changes.get("parallel.tp", 1) == 2
+    assert rec.layouts[0].describe() == "FSDP only"
+    assert rec.layouts[0].fits is False and rec.layouts[0].fits_offloaded
+    text = format_recommendation(rec)
+    assert "FSDP only: " in text and "with CPU offload" in text
+    assert "the fewest model-parallel ranks that fit; smaller ones fit only with CPU" in text
+    # llama3-70b at 32768 tokens: 16 bytes x 70.6B / 8 ranks = 131 GiB of model states
+    # whatever the layout, so only offload fits; FSDP alone then, tp / cp for headroom
+    big = ["model.preset=llama3-70b", "data.seq_len=32768", "offload.params=true"]
+    fsdp = plan(_cfg(*big), world_size=8, device=H100)
+    cp2 = plan(_cfg(*big, "parallel.cp=2"), world_size=8, device=H100)
+    assert fsdp.fits and cp2.fits and cp2.memory.peak.bytes < fsdp.memory.peak.bytes
+    resident = plan(_cfg(*big[:2], "parallel.tp=8"), world_size=8, device=H100)
+    assert not resident.fits and sum(resident.memory.model_states.values()) > 131 * GiB
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "per_node", "field"),
+    [
+        (["parallel.tp=16"], 16, 16, "key/value heads"),  # llama3-8b: 8 kv heads
+        (["parallel.tp=16"], 32, 8, "ranks per node"),  # tp across nodes
+        (["parallel.cp=16", "data.seq_len=1000"], 16, 8, "data.seq_len"),
+        (["parallel.tp=8", "parallel.cp=8"], 64, 8, "heads per tensor-parallel rank"),
+    ],
+)
+def test_bad_layouts_are_refused_naming_the_field(
+    overrides: list[str], world: int, per_node: int, field: str
+) -> None:
+    cfg = _cfg("model.preset=llama3-8b", *overrides)
+    with pytest.raises((PlanError, ConfigError)) as err:
+        scenario(cfg, world_size=world, ranks_per_node=per_node)
+    text = str(err.value)
+    assert field in text and ("parallel.tp" in text or "parallel.cp" in text)
+    assert "\n" not in text
+
+
+def test_trace_refuses_model_parallel_layouts() -> None:
+    with pytest.raises(PlanError, match=r"--trace with parallel\.tp = 2"):
+        plan(_cfg("model.preset=tiny", "parallel.tp=2"), world_size=2, trace=True)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.tp=2"],
+        ["parallel.cp=2"],
+        ["parallel.tp=2", "parallel.cp=2", "activations.mode=none"],
+        ["parallel.cp=2", "activations.mode=selective"],
+    ],
+)
+def test_a_step_frees_everything_but_the_sharded_grads(layout: list[str]) -> None:
+    # the whole replay balances under tp / cp: every activation, exchange buffer and
+    # gathered parameter is freed; what stays is the sharded gradient (model_states)
+    sc = scenario(_8b(4096, *layout), world_size=8, device=H100)
+    step = Step(sc)
+    step.persistent()
+    before = dict(step.led.live)
+    step.forward()
+    step.backward(sync=True)
+    left = {k: v - before.get(k, 0) for k, v in step.led.live.items() if v != before.get(k, 0)}
+    assert left == {"gradients": model_states(sc)["gradients"]}
