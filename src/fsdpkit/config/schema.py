@@ -179,6 +179,10 @@ class TrainConfig:
     loss_chunk_tokens: int = 1024
     """Tokens per chunk of the chunked loss: logits of this many tokens (and their fp32
     copy) exist at once."""
+    objective: Literal["lm", "dpo"] = "lm"
+    """What the run optimizes: lm = next-token cross-entropy (text or SFT rows); dpo =
+    preference tuning on chosen/rejected pairs with the [dpo] section's loss
+    (docs/preference.md). Under dpo train.micro_batch_size counts pairs."""
 
 
 @dataclass(frozen=True)
@@ -319,6 +323,28 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class DpoConfig:
+    beta: float = 0.1
+    """Inverse temperature of the preference loss: how far the policy may move from the
+    reference per unit of log-ratio (SimPO's papers use 2-2.5 on length-averaged
+    log-probs)."""
+    loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
+    """sigmoid = DPO (-log sigmoid of beta x the policy/reference log-ratio margin); ipo =
+    IPO (squared distance of the length-averaged margin from 1/(2 beta)); simpo =
+    reference-free SimPO (length-averaged log-probs, margin simpo_gamma; no reference
+    model is built)."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin (loss = -log sigmoid(beta x margin - simpo_gamma))."""
+    reference: str | None = None
+    """A Hugging Face model directory to use as the frozen reference; empty = the policy's
+    own starting weights (model.hf / the built-in model, plus model.init_from). Not
+    allowed with lora.rank > 0 (the reference is then the base with adapters off)."""
+    reference_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Storage and compute dtype of the separate reference model: auto = bf16 when the
+    run computes in bf16 (precision.mode bf16 / bf16-pure), else fp32."""
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     run_dir: str = "runs/default"
     """Directory for the resolved config, metrics.jsonl, checkpoints and plots."""
@@ -353,6 +379,7 @@ class RunConfig:
     activations: ActivationsConfig = field(default_factory=ActivationsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_dict(self) -> dict[str, Any]:

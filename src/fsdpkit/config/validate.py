@@ -65,6 +65,7 @@ def validate(cfg: RunConfig) -> None:
     _validate_data(cfg)
     _validate_combinations(cfg)
     _validate_finetune(cfg)
+    _validate_dpo(cfg)
     _validate_logging(cfg)
 
 
@@ -105,6 +106,48 @@ def _validate_finetune(cfg: RunConfig) -> None:
             "checkpoint.adapters_only = true saves only the trainable parameters, but this "
             "run trains all of them (lora.rank = 0, model.freeze empty). Set lora.rank (or "
             "model.freeze), or checkpoint.adapters_only = false."
+        )
+
+
+def _validate_dpo(cfg: RunConfig) -> None:
+    """[dpo] against the run: preference pairs need a data.path of pairs, and the
+    reference is either a separate model or (under LoRA) the base with adapters off."""
+    dpo = cfg.dpo
+    if dpo.beta <= 0 or dpo.simpo_gamma < 0:
+        raise ConfigError(
+            f"dpo.beta ({dpo.beta}) must be > 0 and dpo.simpo_gamma ({dpo.simpo_gamma}) >= 0."
+        )
+    if cfg.train.objective != "dpo":
+        return
+    if not cfg.data.path or cfg.data.mix:
+        raise ConfigError(
+            "train.objective = 'dpo' trains on preference pairs, so data.path must name a "
+            "file or directory of {prompt, chosen, rejected} rows (data.mix is not "
+            "supported for preference data); see docs/preference.md."
+        )
+    if dpo.reference and (cfg.lora.rank or dpo.loss == "simpo"):
+        why = (
+            "lora.rank > 0 uses the base with adapters off"
+            if cfg.lora.rank
+            else ("dpo.loss = 'simpo' is reference-free")
+        )
+        raise ConfigError(
+            f"dpo.reference = {dpo.reference!r} names a separate reference model, but {why}, "
+            "so it would never be read. Empty dpo.reference, or use dpo.loss = sigmoid / ipo "
+            "with lora.rank = 0."
+        )
+    if cfg.parallel.tp > 1 or cfg.parallel.cp > 1:
+        raise ConfigError(
+            f"train.objective = 'dpo' with parallel.tp = {cfg.parallel.tp} / parallel.cp = "
+            f"{cfg.parallel.cp}: DPO sums each side's log-probs over whole sequences and "
+            "full-vocabulary logits, which tensor and context parallelism split; that is "
+            "not supported yet. Use parallel.tp = 1 and parallel.cp = 1 (FSDP / HSDP only)."
+        )
+    if cfg.train.compile or cfg.train.chunked_loss == "on":
+        raise ConfigError(
+            "train.objective = 'dpo' computes the full logits of each side once (its "
+            "log-probs), so train.compile = true and train.chunked_loss = 'on' are not "
+            "supported with it yet; set train.compile = false and train.chunked_loss = auto."
         )
 
 

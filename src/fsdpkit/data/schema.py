@@ -19,8 +19,9 @@ this order; ``data.columns`` renames columns first, e.g. ``["prompt=question",
   reply, through the chat template when the tokenizer has one, else ``ALPACA_PROMPT``;
 - ``text``: ``data.text_field`` (plain text, every token trained).
 
-Preference rows (``chosen``/``rejected``) and records that match nothing are refused
-with the keys they have: a record is never trained as its JSON text.
+Preference rows (``chosen``/``rejected``: ``train.objective = dpo``, see
+fsdpkit.data.preference) and records that match nothing are refused here with the keys
+they have: a record is never trained as its JSON text.
 """
 
 from __future__ import annotations
@@ -136,8 +137,9 @@ def no_schema(record: Any, where: object, *, text_field: str) -> DataError:
     keys = ", ".join(map(repr, record)) or "none"
     if "chosen" in record and "rejected" in record:
         return DataError(
-            f"{where}: a preference row (chosen/rejected, for DPO-style training), which "
-            "fsdpkit does not train on. Use prompt/completion or messages rows."
+            f"{where}: a preference row (chosen/rejected), which SFT does not train on. "
+            "Train it with train.objective = 'dpo' (docs/preference.md), or use "
+            "prompt/completion or messages rows for SFT."
         )
     return DataError(
         f"{where}: the record matches no data schema (keys: {keys}). fsdpkit reads "

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdpkit.observe.breakdown import CATEGORIES
-from fsdpkit.observe.runlog import RunLog, Series
+from fsdpkit.observe.runlog import REWARDS, RunLog, Series
 
 PLOTS_DIR = "plots"
 
@@ -58,6 +58,20 @@ def _loss(runs: list[RunLog]) -> Callable[[Any], bool]:
             label = f"{r.name} " if len(runs) > 1 else ""
             drawn |= _line(ax, r.series["loss"], f"{label}train", linewidth=1.2)
             drawn |= _line(ax, r.series["val_loss"], f"{label}validation", marker="o")
+        return drawn
+
+    return draw
+
+
+def _rewards(runs: list[RunLog]) -> Callable[[Any], bool]:
+    """A DPO run's rewards: chosen, rejected and their margin (nothing for other runs)."""
+
+    def draw(ax: Any) -> bool:
+        drawn = False
+        for r in runs:
+            label = f"{r.name} " if len(runs) > 1 else ""
+            for key in REWARDS[:3]:
+                drawn |= _line(ax, r.series[key], label + key.split("/")[1], linewidth=1.2)
         return drawn
 
     return draw
@@ -121,6 +135,10 @@ def render(runs: list[RunLog], out_dir: Path) -> list[Plot]:
     specs: list[tuple[str, str, str, str, Callable[[Any], bool]]] = [
         ("loss", "Loss", "loss", "train loss every logged step; validation loss as dots",
          _loss(runs)),
+        ("rewards", "DPO rewards", "reward", "beta x policy/reference log-ratio of each "
+         "side, mean over the step's pairs", _rewards(runs)),
+        ("reward_accuracy", "DPO reward accuracy", "share of pairs",
+         "chosen reward above rejected", _series_plot(runs, "rewards/accuracy", "share")),
         ("lr", "Learning rate", "LR", "the LR each step used", _series_plot(runs, "lr", "LR")),
         ("grad_norm", "Gradient norm", "global norm", "before clipping",
          _series_plot(runs, "grad_norm", "norm")),

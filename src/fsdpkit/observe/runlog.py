@@ -58,6 +58,8 @@ class RunLog:
 
 
 SERIES = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu")
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy")
+"""A DPO run's per-step rewards (fsdpkit.trainable.reference)."""
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -74,7 +76,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 def _collect(records: list[dict[str, Any]]) -> tuple[dict[str, Series], dict[int, Series]]:
-    series = {name: Series() for name in (*SERIES, "checkpoint_blocking_s")}
+    series = {name: Series() for name in (*SERIES, *REWARDS, "checkpoint_blocking_s")}
     memory: dict[int, Series] = {}
     for r in records:
         for name, s in series.items():

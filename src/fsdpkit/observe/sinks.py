@@ -20,6 +20,10 @@ TAGS = {
     "mfu": "perf/mfu",
     "val_loss": "val/loss",
     "checkpoint_blocking_s": "checkpoint/blocking_s",
+    "rewards/chosen": "dpo/rewards_chosen",
+    "rewards/rejected": "dpo/rewards_rejected",
+    "rewards/accuracy": "dpo/rewards_accuracy",
+    "rewards/margin": "dpo/rewards_margin",
 }
 
 

@@ -59,9 +59,14 @@ def analytic_memory(sc: Scenario) -> MemoryPlan:
     require_decoder_blocks(sc)
     step = Step(sc)
     step.persistent()
+    step.led.add("reference", sc.reference_bytes)  # [Note: reference in the plan]
     micro = [0] if sc.grad_accum == 1 else [0, sc.grad_accum - 1]
     for index in micro:
         step.last_micro = index == sc.grad_accum - 1
+        if sc.reference_forward:  # its no-grad forward: transient bytes appear and go
+            step.led.at("forward", "reference model forward (no grad)")
+            step.led.add("reference", sc.reference_forward)
+            step.led.add("reference", -sc.reference_forward)
         step.forward()
         step.backward(sync=step.last_micro or sc.every_sync)
     step.optimizer()

@@ -22,6 +22,7 @@ CATEGORIES: dict[str, str] = {
     "logits_loss": "logits and loss buffers",
     "temporaries": "temporaries (activation grads, op workspaces)",
     "buffers_inputs": "buffers and inputs",
+    "reference": "DPO reference model (frozen, forward only)",
 }
 """Breakdown keys, in report order, with their human labels."""
 

@@ -23,6 +23,7 @@ from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.finetune_layout import finetune_layout, finetuned
 from fsdpkit.planner.layout import ModelLayout, Unit, llama_layout, units
 from fsdpkit.planner.mparallel import check_layout, tp_layout
+from fsdpkit.planner.reference import reference_terms
 from fsdpkit.planner.user_models import BuiltPlanModel, planned_model
 from fsdpkit.sharding.grads import SyncMode, sync_mode
 from fsdpkit.sharding.policy import reshard_after_forward
@@ -103,6 +104,11 @@ class Scenario:
     edges: tuple[Unit, ...] = ()
     """An untied embedding, the final norm and the head as units of their own, in
     forward order, named by role ([Note: edge units] in fsdpkit.sharding.edges)."""
+    reference_bytes: int = 0
+    """DPO's frozen reference model: its sharded parameters per rank ([Note: reference
+    in the plan] in fsdpkit.planner.reference; 0: none)."""
+    reference_forward: int = 0
+    """What the reference's no-grad forward holds at its peak besides them."""
 
     def edge(self, role: str) -> Unit | None:
         """The edge unit of ``role`` ("embedding", "norm", "head"), None if it is in the
@@ -258,6 +264,18 @@ def scenario(
     dev = device if device is not None else Device("unspecified", "cpu", None)
     split = batch_split(cfg.train, dp_world=dims.dp)
     builtin = not (cfg.model.hf or cfg.model.factory)
+    all_units = (planned.root, *planned.edges, *planned.blocks)
+    dpo = reference_terms(  # [Note: reference in the plan]
+        cfg,
+        units=all_units,
+        rows=2 * split.micro_batch,
+        seq_len=cfg.data.seq_len,
+        vocab=model.vocab_size,
+        low=presets.PRESETS[precision].param_bytes == 2,
+    )
+    if dpo.rows_per_pair == 2:  # DPO's log-probs take full logits
+        chunk = None
+        notes += [dpo.note] if dpo.note else []
     return Scenario(
         model=model.shape,
         world_size=world_size,
@@ -273,7 +291,7 @@ def scenario(
         ac_mode=cfg.activations.mode,
         ac_every=cfg.activations.every,
         offload=cfg.offload.params,
-        micro_batch=split.micro_batch,
+        micro_batch=dpo.rows_per_pair * split.micro_batch,
         seq_len=cfg.data.seq_len,
         grad_accum=split.grad_accum,
         keep_unsharded=cfg.parallel.accum_keep_unsharded,
@@ -294,6 +312,8 @@ def scenario(
         tp=dims.tp,
         cp=dims.cp,
         sequence_parallel=dims.tp > 1 and builtin,
+        reference_bytes=dpo.resident,
+        reference_forward=dpo.forward,
     )
 
 

@@ -38,6 +38,7 @@ from fsdpkit.train.progress import Progress
 from fsdpkit.train.session import Session, write_run_dir
 from fsdpkit.train.summary import RunSummary
 from fsdpkit.train.telemetry import device_peak_flops, peak_memory_kind, peak_memory_mib
+from fsdpkit.trainable.reference import DpoLoss
 from fsdpkit.trainable.step import train_step
 
 log = logging.getLogger(__name__)
@@ -55,9 +56,10 @@ def _global_mean(value: torch.Tensor) -> float:
     return float(value)
 
 
-def _step(s: Session, probe: HangProbe) -> tuple[float, float]:
-    """One optimizer step on the next micro-batches; (mean loss over ranks, grad norm).
-    The scheduler steps too, so read the step's LR before calling this."""
+def _step(s: Session, probe: HangProbe) -> tuple[float, float, dict[str, float]]:
+    """One optimizer step on the next micro-batches; (mean loss over ranks, grad norm,
+    the objective's own metrics: DPO rewards). The scheduler steps too, so read the
+    step's LR before calling this."""
     with record_function(DATA_NAME):  # the profiler's "data" category
         batches = [b.to(s.device, non_blocking=True) for b in s.loader.next_step()]
     result = train_step(
@@ -72,7 +74,8 @@ def _step(s: Session, probe: HangProbe) -> tuple[float, float]:
         mark=probe.marker(len(batches)),
     )
     s.scheduler.step()
-    return _global_mean(result.loss), float(result.grad_norm)
+    extra = s.loss_fn.step_metrics() if isinstance(s.loss_fn, DpoLoss) else {}  # collective
+    return _global_mean(result.loss), float(result.grad_norm), extra
 
 
 @torch.no_grad()
@@ -104,7 +107,8 @@ def _record(
 ) -> dict[str, Any]:
     """One metrics record; tokens/s over the step time without compilation."""
     cfg = s.cfg
-    tokens_per_s = s.split.global_batch * cfg.data.seq_len / max(dt - compile_s, 1e-9)
+    rows = s.split.global_batch * (2 if cfg.train.objective == "dpo" else 1)  # DPO: 2 per pair
+    tokens_per_s = rows * cfg.data.seq_len / max(dt - compile_s, 1e-9)
     peak = device_peak_flops(device_type=s.env.device_type, low_precision=s.precision.low_precision)
     mfu = None
     if peak and s.llama is not None:
@@ -218,7 +222,7 @@ def _run_steps(
         t0, c0 = time.perf_counter(), compile_seconds()
         lr = float(s.scheduler.get_last_lr()[0])
         try:
-            loss, norm = _step(s, probe)
+            loss, norm, extra = _step(s, probe)
         except UserError:  # e.g. a model output without logits: the message says what to do
             raise
         except Exception as exc:
@@ -236,6 +240,7 @@ def _run_steps(
             progress.message(note)
         if step % cfg.logging.log_every == 0 or step == cfg.train.steps:
             record = _record(s, step=step, loss=loss, norm=norm, lr=lr, dt=dt, compile_s=compile_s)
+            record |= extra
             _write_metrics(s, record)
             obs.on_step(record)
             rates.append(record["tokens_per_s"])
@@ -338,8 +343,8 @@ def _train(s: Session, *, obs: Observer, stop: StopFlag, probe: HangProbe) -> Ru
     )
     progress.message(
         f"fsdpkit: {env.world_size} ranks ({env.device_type}), {s.plan.describe()}; "
-        f"{s.split.global_batch} sequences per step ({s.split.grad_accum} x "
-        f"{s.split.micro_batch} per rank)"
+        f"{s.split.global_batch} {'pairs' if cfg.train.objective == 'dpo' else 'sequences'} "
+        f"per step ({s.split.grad_accum} x {s.split.micro_batch} per rank)"
     )
     for note in (s.finetune.describe() if s.finetune else None, s.data_note, s.loss_note):
         if note:

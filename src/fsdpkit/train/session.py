@@ -22,6 +22,7 @@ from fsdpkit.checkpoint import Checkpointer, ModelOptimizerState, RankLocal, RNG
 from fsdpkit.checkpoint.frozen import FrozenBase
 from fsdpkit.config import BatchSplit, ParallelDims, RunConfig, batch_split, parallel_dims, to_toml
 from fsdpkit.data import Tokenizer, TrainingData, open_training_data
+from fsdpkit.data.preference import open_preference_data
 from fsdpkit.finetune import Finetune
 from fsdpkit.loss.contract import LossFn
 from fsdpkit.models.hf import HF_RUN_DIR, copy_hf_files, with_model_tokenizer
@@ -35,6 +36,7 @@ from fsdpkit.train.state import TrainerState
 from fsdpkit.train.telemetry import MetricsWriter
 from fsdpkit.trainable.build import build_unsharded, shard_trainable
 from fsdpkit.trainable.optim import build_scheduler
+from fsdpkit.trainable.reference import DpoLoss, build_reference_unsharded, shard_reference
 from fsdpkit.version import written_by
 
 
@@ -119,6 +121,10 @@ def init_process_group(cfg: RunConfig, env: DistEnv) -> torch.device:
 def _data(cfg: RunConfig, env: DistEnv, split: BatchSplit, dims: ParallelDims) -> TrainingData:
     """This rank's data: the one pipeline (fsdpkit.data.open_training_data) prepares raw
     sources into the run directory once per node and maps the shards; no collective."""
+    if cfg.train.objective == "dpo":  # preference pairs (fsdpkit.data.preference)
+        ranks = {"dp_rank": dims.dp_rank(env.rank), "dp_world": dims.dp}
+        opts = {"seed": cfg.train.seed, "eval_batches": cfg.train.eval_batches}
+        return open_preference_data(cfg.data, split=split, **ranks, **opts)
     return open_training_data(
         cfg.data,
         seed=cfg.train.seed,
@@ -143,6 +149,9 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     unsharded = build_unsharded(
         cfg, vocab_size=data.tokenizer.vocab_size, device_type=env.device_type, sft=data.sft
     )
+    reference = build_reference_unsharded(  # DPO's frozen reference ([Note: reference model])
+        cfg, vocab_size=data.tokenizer.vocab_size, device_type=env.device_type
+    )
     device = init_process_group(cfg, env)
     mesh = build_mesh(
         replicate=dims.replicate,
@@ -152,6 +161,10 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         device_type=env.device_type,
     )
     run = shard_trainable(unsharded, cfg, mesh=mesh, device=device)
+    if cfg.train.objective == "dpo":
+        ref = shard_reference(reference, cfg, mesh=mesh, device=device) if reference else None
+        run.loss_fn = DpoLoss(cfg.dpo, reference=ref, lora=bool(cfg.lora.rank))
+        run.loss_note = run.loss_fn.describe()  # its own loss: the chunked-loss note is moot
     scaler = make_grad_scaler(run.precision, device_type=env.device_type)
     run_dir = Path(cfg.logging.run_dir)
     return Session(

@@ -1,0 +1,85 @@
+"""Preference losses over the log-probs of each pair's answers: DPO, IPO, SimPO.
+
+[Note: preference losses]
+For pair ``i`` with chosen answer ``y_w`` and rejected ``y_l`` (log-probs summed over
+the answer tokens only, fp32; ``pi`` the policy, ``ref`` the frozen reference):
+
+- ``sigmoid`` (DPO, Rafailov et al. 2023): ``h = beta * ((pi_w - ref_w) - (pi_l - ref_l))``,
+  ``loss = -log sigmoid(h)``;
+- ``ipo`` (Azar et al. 2023, as TRL computes it): the same margin from log-probs averaged
+  over each answer's tokens, ``loss = (margin - 1 / (2 beta))^2``;
+- ``simpo`` (Meng et al. 2024, reference-free): ``h = beta * (avg pi_w - avg pi_l) -
+  gamma`` on length-averaged log-probs, ``loss = -log sigmoid(h)``.
+
+Rewards (logged, never differentiated): ``beta * (pi - ref)`` of each side (SimPO:
+``beta * avg pi``); accuracy is the share of pairs whose chosen reward is the larger;
+the margin is chosen minus rejected reward. The batch's loss is the mean over its pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fsdpkit.data.batch import IGNORE_INDEX
+
+KINDS = ("sigmoid", "ipo", "simpo")
+REFERENCE_FREE = frozenset({"simpo"})
+"""Losses that need no reference model."""
+LENGTH_AVERAGED = frozenset({"ipo", "simpo"})
+"""Losses on log-probs averaged over each answer's tokens."""
+
+
+@dataclass(frozen=True)
+class PreferenceOutput:
+    """One micro-batch's losses and rewards, one entry per pair."""
+
+    losses: torch.Tensor
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+
+
+def answer_logps(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of answer-token log-probs, answer tokens) per row of ``targets`` (fp32):
+    minus the cross-entropy of each target, so ignored positions add nothing."""
+    token = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]),
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    ).reshape(targets.shape)
+    return -token.sum(-1), (targets != IGNORE_INDEX).sum(-1).float()
+
+
+def preference_loss(
+    policy: torch.Tensor,
+    reference: torch.Tensor | None,
+    counts: torch.Tensor,
+    *,
+    kind: str,
+    beta: float,
+    gamma: float = 0.0,
+) -> PreferenceOutput:
+    """[Note: preference losses] of rows ``2i`` (chosen) / ``2i + 1`` (rejected):
+    ``policy`` and ``reference`` are summed answer log-probs per row, ``counts`` the
+    answer tokens per row."""
+    if kind in LENGTH_AVERAGED:
+        policy = policy / counts
+        reference = None if reference is None else reference / counts
+    if kind in REFERENCE_FREE:
+        chosen, rejected = beta * policy[0::2], beta * policy[1::2]
+        losses = -F.logsigmoid(chosen - rejected - gamma)
+        return PreferenceOutput(losses, chosen.detach(), rejected.detach())
+    if reference is None:
+        raise ValueError(f"dpo.loss = {kind!r} needs the reference model's log-probs")
+    ratio = policy - reference
+    chosen, rejected = ratio[0::2], ratio[1::2]
+    if kind == "sigmoid":
+        losses = -F.logsigmoid(beta * (chosen - rejected))
+    elif kind == "ipo":
+        losses = (chosen - rejected - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown preference loss {kind!r}; one of {', '.join(KINDS)}")
+    return PreferenceOutput(losses, beta * chosen.detach(), beta * rejected.detach())
