@@ -1,7 +1,7 @@
 """Tensor, sequence and context parallelism next to FSDP only: tokens/s and per-rank
 memory of the same training at 4 CPU ranks (gloo), one row per layout.
 
-    .venv/bin/python bench/model_parallel.py                 # 3 rounds, ~9 min
+    .venv/bin/python bench/model_parallel.py                 # 3 rounds, ~12 min at load ~10
     .venv/bin/python bench/model_parallel.py --quick         # 1 round, 4 steps (a smoke run)
     .venv/bin/python bench/model_parallel.py --render-docs docs/parallelism.md
 
@@ -193,7 +193,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.render_docs:
-        results_io.render_into(args.render_docs, NAME, render(results_io.read(NAME)))
+        results_io.render_into(args.render_docs.resolve(), NAME, render(results_io.read(NAME)))
         return
     if args.quick:
         args.rounds, args.steps = 1, 4
@@ -249,22 +249,54 @@ def render(results: dict[str, Any]) -> str:
             f"{r['built_mib']:,.0f} MiB | {r['step_mib']:,.0f} MiB | {r['step_ratio']:.2f} | "
             f"{r['max_loss_diff']:.1e} |"
         )
-    lines += ["", _PROSE]
+    lines += ["", _speed(results), "", _memory(results)]
     return "\n".join(lines) + "\n"
 
 
-_PROSE = (
-    "What this can and cannot show. Memory is the meaningful column: the resident set "
-    "(interpreter and torch included, so the step part is the figure that moves with "
-    "the layout) does not depend on the machine's load. The tokens/s column is gloo on 2 "
-    "shared CPU cores: 4 processes time-share 2 cores, and gloo runs every collective on "
-    "the compute thread, so nothing overlaps; a layout that adds collectives (tensor "
-    "parallelism: an all-gather and a reduce-scatter per attention and MLP; Ulysses: 4 "
-    "all-to-alls per layer) pays for each one in full, and its ratio is dominated by "
-    "that traffic, not by what the layout would cost on GPUs with NVLink, where those "
-    "collectives overlap compute (bench/gpu_model_parallel.py measures that, on a 2+ "
-    "GPU machine)."
-)
+def _row(results: dict[str, Any], key: str) -> dict[str, Any]:
+    return next(r for r in results["rows"] if r["key"] == key)
+
+
+def _speed(results: dict[str, Any]) -> str:
+    """What the tokens/s column shows: judged by the A/A control's own spread."""
+    mid, low, high = _row(results, "fsdp-B")["ratio"]
+    loads = results["load_1min_per_round"]
+    return (
+        f"Tokens/s: the A/A control (FSDP only run again) lands at {mid:.2f} of FSDP only, "
+        f"its per-round ratios {low:.2f}-{high:.2f}. Ratios inside that span show nothing: "
+        f"on this run the shared machine's load ({min(loads):.0f}-{max(loads):.0f} on 2 "
+        "cores) moved every row more than the layouts differ. Even on an idle machine gloo "
+        "on 2 CPU cores could not show what the layouts cost on GPUs: 4 processes "
+        "time-share 2 cores and gloo runs every collective on the compute thread, so "
+        "nothing overlaps, and each collective a layout adds (tensor parallelism: an "
+        "all-gather and a reduce-scatter around every attention and MLP; Ulysses: 4 "
+        "all-to-alls per layer) is paid in full. bench/gpu_model_parallel.py measures the "
+        "layouts with NCCL, async TP and torch's ring attention on a machine with 2 or "
+        "more GPUs."
+    )
+
+
+def _memory(results: dict[str, Any]) -> str:
+    """What the memory columns show, with the figures of this results file."""
+    fsdp, tp, cp, both = (_row(results, k) for k in ("fsdp", "tp", "cp", "tpcp"))
+    return (
+        "Memory is the meaningful column: the machine's load does not change it, and the "
+        "ranks of a run agree within about 10 MiB. After the build every layout holds the "
+        f"same ~{fsdp['built_mib']:.0f} MiB (interpreter, torch, a 3M-parameter model: at "
+        "this size parameters are not what differs), so the step part (peak - after "
+        "build: activations, gradients, optimizer state, gloo buffers) is what the layout "
+        f"moves: {fsdp['step_mib']:.0f} MiB for FSDP only (1 sequence of "
+        f"{results['settings']['seq']} tokens per rank); x{tp['step_ratio']:.2f} under dp2 "
+        "x tp2, where each rank takes its data rank's 2 sequences and the embedding, "
+        "output head and loss, which are not split over tp, run on both; "
+        f"x{cp['step_ratio']:.2f} under dp2 x cp2, whose ranks hold half of 2 sequences "
+        "(as many tokens as FSDP only's) plus, per layer, the exchanged whole-sequence q / "
+        f"k / v of their heads and the gathered mask; x{both['step_ratio']:.2f} under tp2 "
+        "x cp2 (2 micro-batches of 2 sequences: each rank half of each, as many tokens as "
+        "FSDP only's, and half the heads and hidden units). That is where the design puts "
+        "each share, not a measured breakdown; the loss column shows every layout trains "
+        "the same numbers."
+    )
 
 
 if __name__ == "__main__":
