@@ -5,7 +5,7 @@ and the GPU-only parts torch offers: async TP and ring attention.
 session that wrote it has one H200). With fewer than 2 GPUs it prints one line and
 exits 0, so it is safe to call anywhere; its first real run may need fixes.
 
-    python bench/gpu_model_parallel.py                      # every GPU, up to 4; ~15 min
+    python bench/gpu_model_parallel.py                      # every GPU, up to 4 (~15 min, a guess)
     python bench/gpu_model_parallel.py --gpus 2 --rounds 1  # quicker
     python bench/gpu_model_parallel.py --only attention     # only the attention rows
 
