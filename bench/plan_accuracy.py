@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -231,7 +232,7 @@ def merged(records: list[dict[str, Any]], *, steps: int, seconds: float) -> dict
         for run in old.get("reruns", [])
     ]
     this = {
-        "command": "python " + " ".join(sys.argv), "commit": results_io.commit(),
+        "command": "python " + shlex.join(sys.argv), "commit": results_io.commit(),
         "machine": results_io.machine(), "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()], "steps": steps,
         "seconds": round(seconds, 1), "configurations": names,
