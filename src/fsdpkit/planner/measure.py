@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fsdpkit.config import RunConfig, mesh_shape
+from fsdpkit.config import RunConfig, parallel_dims
 from fsdpkit.cpumem import enable_process_wide_accounting, live_bytes, peak_bytes
 from fsdpkit.models.accessors import input_vocab
 from fsdpkit.models.llama import LlamaConfig
@@ -39,14 +39,18 @@ def _step_peaks(
     cfg: RunConfig, shape: LlamaConfig | None, *, rank: int, world_size: int, steps: int
 ) -> list[int]:
     base = live_bytes()
-    replicate, shard_degree = mesh_shape(cfg, world_size=world_size, local_world_size=world_size)
-    mesh = build_mesh(replicate=replicate, shard=shard_degree, device_type="cpu")
+    # the trainer's own mesh: (replicate, shard, cp, tp) of [Note: parallel dimensions]
+    dims = parallel_dims(cfg, world_size=world_size, local_world_size=world_size)
+    mesh = build_mesh(
+        replicate=dims.replicate, shard=dims.shard, cp=dims.cp, tp=dims.tp, device_type="cpu"
+    )
     vocab = shape.vocab_size if shape is not None else 1  # model.hf / factory: its own
     unsharded = build_unsharded(cfg, vocab_size=vocab, device_type="cpu", shape=shape)
     run = shard_trainable(unsharded, cfg, mesh=mesh, device=torch.device("cpu"))
-    gen = torch.Generator().manual_seed(rank)
+    # ranks of one tp / cp group read the same batches (they split its work, not its data)
+    gen = torch.Generator().manual_seed(dims.dp_rank(rank))
     vocab = input_vocab(run.model, default=256) if shape is None else vocab
-    batches = synthetic_batches(cfg, dp_world=world_size, vocab_size=vocab, generator=gen)
+    batches = synthetic_batches(cfg, dp_world=dims.dp, vocab_size=vocab, generator=gen)
 
     def step() -> None:
         train_step(run.model, run.optimizer, batches, loss_fn=run.loss_fn, **step_options(cfg))

@@ -23,7 +23,17 @@ S = shard x cp ([Note: parallel dimensions] in fsdpkit.config.dims):
   checkpointed), and in backward the residual grad all-gathered the same way;
   under context parallelism each all-to-all's output coexists with its input for the
   exchange: q, k, v (m x (heads + 2 kv) x hd / tp), attention's output (m x heads x
-  hd / tp), the same in backward (fsdpkit.planner.blockmem).
+  hd / tp), the same in backward (fsdpkit.planner.blockmem);
+- the final norm runs on the n-token shard (SequenceParallel) and only its output is
+  all-gathered for the head: the norm's saved input and normalized copy are n x d
+  each, not m x d (planned on m tokens before, the analytic peak of a dp2 x tp2 / tp4
+  step sat 2 x m x d x 4 x (1 - 1 / tp) over the real one, bench/plan_accuracy.py
+  "MP" rows);
+- RoPE under context parallelism: the model is called with each rank's global
+  position ids, so cos and sin are gathered per token, b x seq / cp x hd x e each for
+  the whole step (copies even in fp32, where the plain call slices views of the
+  table): ``rope_bytes`` (measured: every cp row sat 0.25 MiB, exactly these two
+  tensors, under the real peak without it).
 
 Traffic per block and micro-batch, B = m x d x e bytes (ring: each rank moves
 (g - 1) / g of a g-rank collective's buffer):
@@ -140,3 +150,13 @@ def exchange_traffic(
     cp_bytes = passes * _ring(2 * q + 2 * k, cp)
     calls = passes * 4 * ((tp > 1) + (cp > 1)) + (3 if sp else 0)
     return tp_bytes, cp_bytes, calls
+
+
+def rope_bytes(*, seq_len: int, head_dim: int, tokens: int, e: int, cp: int) -> int:
+    """RoPE's cos / sin a forward holds until its backward ends ([Note: model-parallel
+    block memory]): under context parallelism gathered by position id for the rank's
+    ``tokens`` (micro-batch x seq / cp), copies at any dtype; otherwise views of the
+    model's table, copied (seq_len rows) only by a cast to a lower compute dtype."""
+    if cp > 1:
+        return 2 * tokens * head_dim * e
+    return 2 * seq_len * head_dim * e if e != 4 else 0

@@ -28,7 +28,6 @@ from fsdpkit.planner.headmem import (
     embedding_output,
     final_norm_backward,
     head_backward,
-    head_forward,
     hidden_gather,
     hidden_grad_scatter,
     loss_backward,
@@ -36,6 +35,7 @@ from fsdpkit.planner.headmem import (
 )
 from fsdpkit.planner.layout import Unit
 from fsdpkit.planner.ledger import EventSummary, Ledger, summarize
+from fsdpkit.planner.mparallel import rope_bytes
 from fsdpkit.planner.scenario import Scenario
 from fsdpkit.planner.sizing import head_sizes, sizes
 from fsdpkit.planner.states import leading_frozen_units, model_states
@@ -252,12 +252,17 @@ class Step:
             self.unit_forward(j, u)
         self.head_and_loss_forward()
 
+    def rope(self) -> int:
+        """RoPE's cos / sin, held from the embedding's forward to its backward."""
+        s, sc = self.s, self.sc
+        return rope_bytes(seq_len=sc.seq_len, head_dim=s.head_dim, tokens=s.m, e=s.e, cp=sc.cp)
+
     def embedding_forward(self) -> None:
         """The embedding's output, in the embedding unit (then resharded like a block
         unit) or the root's."""
         s, embedding = self.s, self.sc.edge("embedding")
         self.gathered(embedding, forward=True)
-        rope = 2 * self.sc.seq_len * self.m.head_dim * s.e if s.cast else 0
+        rope = self.rope()
         self.led.apply([("buffers_inputs", rope), *embedding_output(s, self.hs)])
         if embedding is not None:
             self.reshard_after_forward(embedding, self.reshard_of(embedding))
@@ -279,16 +284,17 @@ class Step:
         """Final norm and head (in their units, kept unsharded, or the root's), the
         loss, and the root's post-forward."""
         led, s = self.led, self.hs
-        led.apply(hidden_gather(self.s, s))
         led.at("forward", "final norm and output head")
         chunk, head = self.sc.loss_chunk, self.sc.edge("head")
-        if head is None:
-            led.apply(head_forward(s) if chunk is None else chunked_head_forward(s))
-        else:
+        if head is not None:
             self.gathered(self.sc.edge("norm"), forward=True)
-            led.apply(chunked_head_forward(s))  # the final norm
+        # the final norm runs on the rank's sequence shard (SequenceParallel); its output
+        # is all-gathered for the head ([Note: model-parallel block memory])
+        led.apply(chunked_head_forward(self.s))
+        led.apply(hidden_gather(self.s, s))
+        if head is not None:
             self.gathered(head, forward=True)
-            led.add(LOGITS, s.nve if chunk is None else 0)
+        led.add(LOGITS, s.nve if chunk is None else 0)
         if chunk is not None:  # inside the root's forward ([Note: the loss inside ...])
             led.at("forward", f"chunked loss ({chunk}-token chunks)")
             led.apply(chunked_loss_forward(s, chunk=chunk))
@@ -318,18 +324,18 @@ class Step:
         for ahead in self.units[::-1][: self.sc.backward_prefetch]:
             self.prefetch(ahead)
         head = self.sc.edge("head")
-        weight_grad, norm = "head" not in self.sc.layout.frozen_names, head is None
+        weight_grad = "head" not in self.sc.layout.frozen_names
         if chunk is None:
-            led.apply(head_backward(s, weight_grad=weight_grad, norm=norm))
+            led.apply(head_backward(s, weight_grad=weight_grad, norm=False))
         else:
-            led.apply(chunked_loss_backward(s, chunk=chunk, weight_grad=weight_grad, norm=norm))
+            led.apply(chunked_loss_backward(s, chunk=chunk, weight_grad=weight_grad, norm=False))
         if head is not None:
             self.post_backward(head, sync=sync)
-            led.apply(final_norm_backward(s))
-            norm_unit = self.sc.edge("norm")
-            if norm_unit is not None:
-                self.post_backward(norm_unit, sync=sync)
-        led.apply(hidden_grad_scatter(self.s, s))
+        led.apply(hidden_grad_scatter(self.s, s))  # back to the shard the norm ran on
+        led.apply(final_norm_backward(self.s))
+        norm_unit = self.sc.edge("norm")
+        if head is not None and norm_unit is not None:
+            self.post_backward(norm_unit, sync=sync)
 
     def embedding_and_root_backward(self, *, sync: bool) -> None:
         """The embedding's backward (in its unit, prefetched by the first block unit,
@@ -350,8 +356,7 @@ class Step:
         for flat in self.prefetched.values():  # prefetched for a unit backward skipped:
             led.add(COLL, -flat)  # freed when FSDP2's final callback reshards everything
         self.prefetched.clear()
-        rope = 2 * self.sc.seq_len * self.m.head_dim * s.e if s.cast else 0
-        led.apply([("buffers_inputs", -rope), (COLL, -self.rs_state)])
+        led.apply([("buffers_inputs", -self.rope()), (COLL, -self.rs_state)])
         self.rs_state = 0
 
     def unit_backward(self, j: int, *, sync: bool) -> None:

@@ -33,8 +33,8 @@ def sizes(sc: Scenario) -> Sizes:
 
 
 def head_sizes(sc: Scenario) -> Sizes:
-    """The final norm, head and loss: not split over tp, on the rank's seq / cp tokens
-    (gathered over tp under sequence parallelism; the final norm is planned on the
-    gathered tokens, an overestimate by tp of its own few tensors)."""
+    """The head and loss: not split over tp, on the rank's seq / cp tokens (gathered
+    over tp under sequence parallelism). The final norm runs before the gather, on
+    ``sizes(sc)``'s shard (fsdpkit.planner.replay)."""
     s = sizes(sc)
     return replace(s, n=s.m, inner_n=0, tp=1, cp=1)
