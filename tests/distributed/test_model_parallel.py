@@ -32,7 +32,7 @@ from fsdpkit.sharding.context_batch import context_parallel_loss
 from fsdpkit.sharding.materialize import materialize
 from fsdpkit.sharding.mesh import cp_mesh
 from fsdpkit.testing import run_ranks
-from support import TINY, build, full_state, global_batches, train, untied
+from support import TINY, build, full_state, global_batches, needs_cxx, train, untied
 
 pytestmark = pytest.mark.distributed
 
@@ -61,6 +61,11 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "hf-llama-cp2": ("hf-llama", ["parallel.cp=2"]),
     "hf-qwen2-tp2xcp2": ("hf-qwen2", ["parallel.tp=2", "parallel.cp=2"]),
 }
+
+
+COMPILED = "tp2xcp2-compile"
+"""Run apart (a compiler, and ~1 min of inductor on 4 ranks): not in ``VARIANTS``."""
+SPECS = {**VARIANTS, COMPILED: ("llama", ["parallel.tp=2", "parallel.cp=2", "train.compile=true"])}
 
 
 def _config(kind: str, overrides: list[str], dirs: dict[str, str]) -> RunConfig:
@@ -107,7 +112,7 @@ def _loss(name: str, cp: Any = None) -> Any:
 
 
 def _run_variant(rank: int, name: str, dirs: dict[str, str]) -> dict[str, Any]:
-    kind, overrides = VARIANTS[name]
+    kind, overrides = SPECS[name]
     cfg = _config(kind, overrides, dirs)
     dims = parallel_dims(cfg, world_size=WORLD, local_world_size=WORLD)
     model, init = _model(kind, cfg, sharded=True)
@@ -152,7 +157,7 @@ def results(hf_dirs: dict[str, str]) -> dict[str, Any]:
 
 
 def _reference(name: str, dirs: dict[str, str]) -> dict[str, Any]:
-    kind, overrides = VARIANTS[name]
+    kind, overrides = SPECS[name]
     cfg = _config(kind, overrides, dirs)
     torch.set_num_threads(1)
     model, _ = _model(kind, cfg, sharded=False)
@@ -174,7 +179,7 @@ def test_matches_unsharded_reference(
         ("parallel.tp=", "tensor parallel"),
         ("parallel.cp=", "context parallel"),
     ):
-        if any(o.startswith(degree) for o in VARIANTS[name][1]):
+        if any(o.startswith(degree) for o in SPECS[name][1]):
             assert words in got["plan"], got["plan"]
     for step, (a, b) in enumerate(zip(got["loss"], ref["loss"], strict=True)):
         assert _rel(a, b) <= 1e-5, f"{name}: step {step} loss {a} vs reference {b}"
@@ -189,3 +194,21 @@ def test_matches_unsharded_reference(
             atol=1e-5,
             msg=lambda m, k=key: f"{name}: parameter {k}: {m}",
         )
+
+
+def _compiled(rank: int, world: int) -> dict[str, Any]:
+    return _run_variant(rank, COMPILED, {})
+
+
+@needs_cxx
+@pytest.mark.slow
+def test_compiled_blocks_under_tp_and_cp_match_the_eager_reference() -> None:
+    """train.compile with sequence parallelism and the Ulysses exchange in every block:
+    inductor-compiled blocks on 4 ranks against the eager one-process model."""
+    got = run_ranks(_compiled, world_size=WORLD, timeout_s=900)[0]
+    ref = _reference(COMPILED, {})
+    assert "blocks compiled" in got["plan"] and "context parallel 2" in got["plan"]
+    for step, (a, b) in enumerate(zip(got["loss"], ref["loss"], strict=True)):
+        assert _rel(a, b) <= 1e-5, f"step {step} loss {a} vs reference {b}"
+    for key, value in ref["params"].items():
+        torch.testing.assert_close(got["params"][key], value, rtol=1e-5, atol=1e-5, msg=key)
