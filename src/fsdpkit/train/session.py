@@ -216,13 +216,19 @@ def _checkpointer(
         return None
     meta = {
         "world_size": env.world_size,
-        "mesh": dict(dims.named()),
+        "mesh": _mesh_record(dims),
         "strategy": cfg.parallel.strategy,
         "config": cfg.to_dict(),
         "model": llama.to_dict() if llama is not None else None,
         "finetune": finetune,
     }
     return Checkpointer(run_dir=run_dir, cfg=cfg.checkpoint, run_meta=meta)
+
+
+def _mesh_record(dims: ParallelDims) -> dict[str, int]:
+    """The checkpoint's ``run.mesh``: the data axes always (format 1), a cp / tp axis
+    only where the run has one (an additive key older readers ignore)."""
+    return {name: d for name, d in dims.named() if name in ("replicate", "shard") or d > 1}
 
 
 def write_run_dir(session: Session) -> None:
