@@ -25,6 +25,7 @@ from fsdpkit.config import RunConfig, load, parallel_dims
 from fsdpkit.data.batch import IGNORE_INDEX, SFTBatch
 from fsdpkit.finetune import prepare
 from fsdpkit.loss.contract import next_token_loss
+from fsdpkit.loss.head import ChunkedLoss
 from fsdpkit.loss.sft import sft_loss
 from fsdpkit.models.factory import build_model
 from fsdpkit.precision import PRESETS
@@ -37,6 +38,12 @@ from support import TINY, build, full_state, global_batches, needs_cxx, train, u
 pytestmark = pytest.mark.distributed
 
 STEPS = 10
+BF16_LOSS, BF16_PARAM = 2e-3, 5e-2
+"""bf16 against FSDP alone in bf16, 10 steps (measured: losses within 4.3e-4, every
+parameter's difference within 2.0e-2 of its norm, the embedding the farthest; the
+control, ``parallel.strategy = replicate`` in bf16, 4e-5 and 4e-3). Tensor
+parallelism adds roundings FSDP alone does not have: o / down's partial sums are
+reduced over tp in bf16."""
 VOCAB = 128
 WORLD = 4
 SHAPES = {"llama": untied(), "llama-tied": TINY, "llama-kv4": replace(untied(), n_kv_heads=4)}
@@ -60,12 +67,35 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "tp2xcp2-packed-sft": ("llama", ["parallel.tp=2", "parallel.cp=2"]),
     "hf-llama-cp2": ("hf-llama", ["parallel.cp=2"]),
     "hf-qwen2-tp2xcp2": ("hf-qwen2", ["parallel.tp=2", "parallel.cp=2"]),
+    "dp2xtp2-chunked": ("llama", ["parallel.tp=2"]),
+    "dp2xtp2-tied-chunked": ("llama-tied", ["parallel.tp=2"]),
+    "tp2xcp2-chunked-packed-sft": ("llama", ["parallel.tp=2", "parallel.cp=2"]),
+    "hf-qwen2-tp2-chunked": ("hf-qwen2", ["parallel.tp=2"]),
 }
+"""Variants named "-chunked" train with the chunked loss (vocabulary-parallel under tp),
+the others with full logits (all-gathered over the vocabulary under tp)."""
 
+
+BF16: dict[str, tuple[str, list[str]]] = {
+    f"{name}-bf16": ("llama", [*layout, "precision.mode=bf16"])
+    for name, layout in (
+        ("dp4", []),
+        ("replicate4", ["parallel.strategy=replicate"]),  # control: FSDP alone, summed otherwise
+        ("dp2xtp2-chunked", ["parallel.tp=2"]),
+        ("tp2xcp2-chunked", ["parallel.tp=2", "parallel.cp=2"]),
+    )
+}
+"""bf16 compute (fp32 master weights and gradient reduction): each model-parallel
+layout against FSDP alone at the same precision (a one-process run has no FSDP2
+mixed-precision policy to compare with)."""
 
 COMPILED = "tp2xcp2-compile"
 """Run apart (a compiler, and ~1 min of inductor on 4 ranks): not in ``VARIANTS``."""
-SPECS = {**VARIANTS, COMPILED: ("llama", ["parallel.tp=2", "parallel.cp=2", "train.compile=true"])}
+SPECS = {
+    **VARIANTS,
+    **BF16,
+    COMPILED: ("llama", ["parallel.tp=2", "parallel.cp=2", "train.compile=true"]),
+}
 
 
 def _config(kind: str, overrides: list[str], dirs: dict[str, str]) -> RunConfig:
@@ -104,9 +134,12 @@ def packed(tokens: torch.Tensor) -> SFTBatch:
 
 
 def _loss(name: str, cp: Any = None) -> Any:
-    """The variant's loss: next-token or packed SFT, sliced over cp when there is one."""
+    """The variant's loss: next-token or packed SFT, from full logits or chunked, sliced
+    over cp when there is one."""
     sft = name.endswith("packed-sft")
-    base = sft_loss if sft else next_token_loss
+    base = (
+        ChunkedLoss(chunk_tokens=12) if "-chunked" in name else sft_loss if sft else next_token_loss
+    )
     loss = base if cp is None else context_parallel_loss(base, mesh=cp)
     return (lambda model, tokens: loss(model, packed(tokens))) if sft else loss
 
@@ -134,7 +167,7 @@ def _run_variant(rank: int, name: str, dirs: dict[str, str]) -> dict[str, Any]:
 
 
 def _all(rank: int, world: int, dirs: dict[str, str]) -> dict[str, Any]:
-    return {name: _run_variant(rank, name, dirs) for name in VARIANTS}
+    return {name: _run_variant(rank, name, dirs) for name in [*VARIANTS, *BF16]}
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +227,18 @@ def test_matches_unsharded_reference(
             atol=1e-5,
             msg=lambda m, k=key: f"{name}: parameter {k}: {m}",
         )
+
+
+@pytest.mark.parametrize("name", [n for n in BF16 if not n.startswith("dp4")])  # + control
+def test_bf16_matches_fsdp_alone_at_bf16(results: dict[str, Any], name: str) -> None:
+    got, ref = results[name], results["dp4-bf16"]
+    assert "bf16" in got["plan"], got["plan"]
+    assert ("loss parallel" in got["plan"]) == ("tp" in name), got["plan"]
+    for step, (a, b) in enumerate(zip(got["loss"], ref["loss"], strict=True)):
+        assert _rel(a, b) <= BF16_LOSS, f"{name}: step {step} loss {a} vs FSDP alone {b}"
+    for key, value in ref["params"].items():
+        off = float((got["params"][key] - value).norm() / value.norm())
+        assert off <= BF16_PARAM, f"{name}: parameter {key} is {off:.2e} of its norm away"
 
 
 def _compiled(rank: int, world: int) -> dict[str, Any]:

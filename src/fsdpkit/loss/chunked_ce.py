@@ -41,6 +41,20 @@ into existing buffers). ``python bench/loss_compile.py`` (one chunk, 1024 tokens
 fp32 0.98x: the cast-free fp32 path has nothing left to fuse, so fp32 runs stay eager.
 The planner plans the eager kernels (an upper bound, as for compiled blocks).
 
+[Note: vocabulary-parallel cross-entropy]
+Under tensor parallelism the head is split by vocabulary rows over the tp ranks
+(fsdpkit.sharding.tensor): each rank holds rows [offset, offset + V / tp) and the
+whole hidden states. Per chunk it computes only its logits (c x V / tp), their
+log-sum-exp and the target's logit where the target is one of its rows (else 0); one
+all-gather of those two c-vectors over tp gives every rank the chunk's global
+log-sum-exp (log-sum-exp of the ranks' values) and target logit (their sum), so the
+loss is the same number on every tp rank. In backward each rank turns its own
+logits into its columns of softmax - one-hot, its grad of the head rows is local,
+and its grad of the hidden states is a partial sum over its vocabulary: one
+all-reduce of the (N, d) hidden-state grad after the last chunk completes it
+(Megatron's vocab-parallel cross-entropy, computed in chunks). The head's matmuls and
+its chunk buffers are divided by tp; nothing of vocabulary size crosses the wire.
+
 Numerics match the full path: logits in the compute dtype, softmax and loss in fp32.
 Ignored targets contribute no loss and no gradient. The head's weight is used as
 given: under FSDP2 the caller runs this while the root unit's parameters are
@@ -51,10 +65,21 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's rows of a head split by vocabulary over ``group`` ([Note:
+    vocabulary-parallel cross-entropy]): global rows [offset, offset + local rows)."""
+
+    group: dist.ProcessGroup
+    offset: int
 
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -75,18 +100,23 @@ class _ChunkedLinearCE(torch.autograd.Function):
         ignore_index: int,
         grad_into_weight: bool,
         compiled: bool,
+        shard: VocabShard | None,
     ) -> torch.Tensor:
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         forward = _compiled(_chunk_forward) if compiled else _chunk_forward
+        offset = shard.offset if shard is not None else 0
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            lse[rows], part = forward(hidden[rows], weight, bias, targets[rows], ignore_index)
-            total += part
+            tgt = targets[rows]
+            lse[rows], picked = forward(hidden[rows], weight, bias, tgt, offset)
+            if shard is not None:
+                lse[rows], picked = _across_vocab(lse[rows], picked, group=shard.group)
+            total += torch.where(tgt != ignore_index, lse[rows] - picked, 0.0).sum()
         ctx.save_for_backward(hidden, weight, bias, targets, lse)  # type: ignore[arg-type]
         ctx.chunk, ctx.ignore_index = chunk, ignore_index  # type: ignore[attr-defined]
         ctx.grad_into_weight = grad_into_weight  # type: ignore[attr-defined]
-        ctx.compiled = compiled  # type: ignore[attr-defined]
+        ctx.compiled, ctx.shard = compiled, shard  # type: ignore[attr-defined]
         return total
 
     @staticmethod
@@ -98,10 +128,12 @@ class _ChunkedLinearCE(torch.autograd.Function):
         grad_b = torch.zeros_like(bias) if need_b else None
         cast = weight.dtype != torch.float32
         chunk_grad = _compiled(_chunk_grad) if ctx.compiled else _chunk_grad
+        offset = ctx.shard.offset if ctx.shard is not None else 0
         for rows in backward_chunks(hidden.shape[0], ctx.chunk, cast=cast):
             g = chunk_grad(
-                hidden[rows], weight, bias, targets[rows], lse[rows], grad_total, ctx.ignore_index
-            )
+                hidden[rows], weight, bias, targets[rows], lse[rows], grad_total,
+                ctx.ignore_index, offset,
+            )  # fmt: skip
             if grad_h is not None:
                 torch.mm(g, weight, out=grad_h[rows])
             if need_w and grad_w is None:
@@ -111,10 +143,12 @@ class _ChunkedLinearCE(torch.autograd.Function):
             if grad_b is not None:
                 grad_b += g.sum(0)
             del g
+        if grad_h is not None and ctx.shard is not None:  # each rank's vocabulary's part
+            dist.all_reduce(grad_h, group=ctx.shard.group)
         if grad_w is not None and ctx.grad_into_weight and weight.is_leaf:
             weight.grad = grad_w if weight.grad is None else weight.grad.add_(grad_w)
             grad_w = None
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 @functools.cache
@@ -123,18 +157,41 @@ def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compile(fn, fullgraph=True)
 
 
+def _local_targets(
+    tgt: torch.Tensor, *, offset: int, rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(column of each target in this rank's ``rows`` vocabulary rows, clamped into
+    range; whether the target is one of them). An ignored target is never in range."""
+    local = tgt - offset
+    return local.clamp(0, rows - 1), (local >= 0) & (local < rows)
+
+
 def _chunk_forward(
     h: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     tgt: torch.Tensor,
-    ignore_index: int,
+    offset: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-sum-exp per token, summed loss of the chunk); the logits die on return."""
+    """(log-sum-exp per token, the target's logit per token: 0 where the target is not
+    in this rank's rows) over the local vocabulary; the logits die on return."""
     logits = _logits(h, weight, bias).float()  # a fresh fp32 buffer
-    picked = logits.gather(1, tgt.clamp(min=0).unsqueeze(1)).squeeze(1)
-    lse = _logsumexp_(logits)
-    return lse, torch.where(tgt != ignore_index, lse - picked, 0.0).sum()
+    col, hit = _local_targets(tgt, offset=offset, rows=weight.shape[0])
+    picked = torch.where(hit, logits.gather(1, col.unsqueeze(1)).squeeze(1), 0.0)
+    return _logsumexp_(logits), picked
+
+
+def _across_vocab(
+    lse: torch.Tensor, picked: torch.Tensor, *, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ranks' local log-sum-exps and target logits combined: one all-gather of the
+    two vectors ([Note: vocabulary-parallel cross-entropy])."""
+    both = torch.stack([lse, picked])
+    ranks = dist.get_world_size(group)
+    gathered = both.new_empty((ranks * 2, both.shape[1]))  # concatenated rank by rank
+    dist.all_gather_single(gathered, both, group=group)
+    gathered = gathered.view(ranks, 2, -1)
+    return torch.logsumexp(gathered[:, 0], dim=0), gathered[:, 1].sum(dim=0)
 
 
 def backward_chunks(n: int, chunk: int, *, cast: bool) -> list[slice]:
@@ -160,14 +217,15 @@ def _chunk_grad(
     lse: torch.Tensor,
     grad_total: torch.Tensor,
     ignore_index: int,
+    offset: int,
 ) -> torch.Tensor:
-    """d loss / d logits of one chunk, in the compute dtype: (softmax - one_hot) times
-    the incoming gradient, zero on ignored rows."""
+    """d loss / d logits of one chunk over the local vocabulary, in the compute dtype:
+    (softmax - one_hot) times the incoming gradient, zero on ignored rows."""
     g = _logits(h, weight, bias).float()  # a fresh fp32 buffer (or the logits in fp32)
     g.sub_(lse.unsqueeze(1)).exp_()
-    valid = tgt != ignore_index
-    g[torch.arange(g.shape[0], device=g.device), tgt.clamp(min=0)] -= 1.0
-    g.mul_(torch.where(valid, grad_total, 0.0).unsqueeze(1))
+    col, hit = _local_targets(tgt, offset=offset, rows=weight.shape[0])
+    g[torch.arange(g.shape[0], device=g.device), col] -= hit.to(g.dtype)
+    g.mul_(torch.where(tgt != ignore_index, grad_total, 0.0).unsqueeze(1))
     return g.to(weight.dtype)
 
 
@@ -181,6 +239,7 @@ def chunked_linear_cross_entropy(
     ignore_index: int = -100,
     grad_into_weight: bool = False,
     compiled: bool = False,
+    shard: VocabShard | None = None,
 ) -> torch.Tensor:
     """Sum of the fp32 cross-entropy of every token whose target is not
     ``ignore_index``: ``hidden`` (N, d) or (..., d), ``weight`` (V, d), ``targets``
@@ -191,7 +250,10 @@ def chunked_linear_cross_entropy(
     plain tensors, whose input buffer adds a tied embedding's gradient into this one in
     place; fake tensors (the traced planner) are tensor subclasses, which autograd
     always sums out of place, one V*d buffer more than a real run holds. ``compiled``:
-    each chunk's kernels run compiled ([Note: compiling the chunk])."""
+    each chunk's kernels run compiled ([Note: compiling the chunk]). ``shard``:
+    ``weight`` (and ``bias``) are this rank's rows of a head split by vocabulary, the
+    targets global ids ([Note: vocabulary-parallel cross-entropy]); collective over
+    its group."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
     flat = hidden.reshape(-1, hidden.shape[-1])
@@ -199,6 +261,6 @@ def chunked_linear_cross_entropy(
         flat = flat.to(weight.dtype)
     out = _ChunkedLinearCE.apply(
         flat, weight, bias, targets.reshape(-1), chunk_tokens, ignore_index, grad_into_weight,
-        compiled,
+        compiled, shard,
     )  # fmt: skip
     return out  # type: ignore[no-any-return]

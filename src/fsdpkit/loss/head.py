@@ -36,10 +36,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from fsdpkit.data.batch import IGNORE_INDEX, SFTBatch
 from fsdpkit.errors import ConfigError
-from fsdpkit.loss.chunked_ce import chunked_linear_cross_entropy
+from fsdpkit.loss.chunked_ce import VocabShard, chunked_linear_cross_entropy
 from fsdpkit.loss.contract import LossFn, ModelOutputError, logits_of, next_token_loss
 from fsdpkit.loss.sft import model_kwargs, sft_loss
 from fsdpkit.models.accessors import output_embeddings
@@ -157,10 +158,11 @@ class ChunkedLoss:
             )
 
         def loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+            weight, bias, shard = vocab_shard(weight, bias)
             total = chunked_linear_cross_entropy(
                 hidden, weight, bias, targets, chunk_tokens=self.chunk_tokens,
                 ignore_index=IGNORE_INDEX, grad_into_weight=self.grad_into_weight,
-                compiled=self.compiled,
+                compiled=self.compiled, shard=shard,
             )  # fmt: skip
             if normalizer is not None:
                 return total / normalizer
@@ -183,8 +185,11 @@ def loss_in_forward(
     seen: dict[str, Any] = {}
 
     def head_forward(x: torch.Tensor) -> torch.Tensor:
-        seen.update(x=x, weight=head.weight, bias=head.bias)
+        seen.update(weight=head.weight, bias=head.bias)
         return x
+
+    def head_hook(_module: nn.Module, _args: Any, output: Any) -> None:
+        seen["x"] = output  # after a tensor-parallel head's own hooks: a plain tensor
 
     def root_hook(_module: nn.Module, _args: Any, output: Any) -> torch.Tensor:
         x = seen.pop("x", None)
@@ -199,6 +204,7 @@ def loss_in_forward(
 
     head.forward = head_forward  # type: ignore[method-assign,assignment]
     handle = model.register_forward_hook(root_hook, prepend=True)
+    head_handle = head.register_forward_hook(head_hook)
     try:
         with warnings.catch_warnings():
             # A head unit returns its input, a view made by FSDP2's post-backward
@@ -207,7 +213,29 @@ def loss_in_forward(
             yield
     finally:
         handle.remove()
+        head_handle.remove()
         del head.forward
+
+
+def vocab_shard(
+    weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None, VocabShard | None]:
+    """(weight, bias, None) for a whole head; for a head split by vocabulary over tp
+    (a DTensor sharded on its rows, fsdpkit.sharding.tensor) its local rows, bias and
+    where they sit ([Note: vocabulary-parallel cross-entropy])."""
+    if not isinstance(weight, DTensor):
+        return weight, bias, None
+    mesh = weight.device_mesh
+    if weight.placements != (Shard(0),) or mesh.ndim != 1:
+        raise HeadLossError(
+            f"train.chunked_loss: the output head's weight is a DTensor placed "
+            f"{weight.placements} on a {mesh.ndim}-D mesh; the chunked loss takes a whole "
+            "head or one split by vocabulary rows over tp. Set train.chunked_loss = off."
+        )
+    local = weight.to_local()
+    offset = mesh.get_local_rank() * -(-weight.shape[0] // mesh.size())
+    local_bias = bias.to_local() if isinstance(bias, DTensor) else bias
+    return local, local_bias, VocabShard(group=mesh.get_group(), offset=offset)
 
 
 def _returned_logits(output: Any, inputs: torch.Tensor) -> torch.Tensor | None:

@@ -63,7 +63,7 @@ def comm_volume(sc: Scenario) -> CommVolume:
         passes = sum(2 + ckpt for u in sc.units for ckpt in u.checkpointed)
         tp_bytes, cp_bytes, mp_calls = exchange_traffic(
             sc.model, tp=sc.tp, cp=sc.cp, sp=sc.sequence_parallel, tokens=sc.tokens,
-            e=sc.param_bytes, passes=passes,
+            e=sc.param_bytes, passes=passes, vocab=sc.vocab_parallel,
         )  # fmt: skip
         tp_bytes, cp_bytes = tp_bytes * sc.grad_accum, cp_bytes * sc.grad_accum
         calls += mp_calls * sc.grad_accum

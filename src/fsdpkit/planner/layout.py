@@ -24,7 +24,7 @@ from torch import nn
 
 from fsdpkit.config import ActivationsConfig, ParallelConfig
 from fsdpkit.loss.head import output_head
-from fsdpkit.models.accessors import input_embeddings, is_norm, output_embeddings
+from fsdpkit.models.accessors import input_embeddings, input_vocab, is_norm, output_embeddings
 from fsdpkit.models.llama import DecoderLayer, Llama, LlamaConfig
 from fsdpkit.sharding import choose_blocks, unit_specs
 from fsdpkit.sharding.edges import edge_modules
@@ -73,6 +73,11 @@ class ModelLayout:
     plain_head: bool = True
     """The output head is a plain ``nn.Linear`` (not LoRA-wrapped): the chunked loss
     applies (fsdpkit.loss.head)."""
+    plain_embedding: bool = True
+    """The input embedding is a plain ``nn.Embedding``: with ``plain_head``, what lets
+    tensor parallelism split both by vocabulary (fsdpkit.sharding.tensor.vocab_refusal)."""
+    embedding_rows: int = 0
+    """The input embedding's rows (its vocabulary)."""
     edges: tuple[EdgeLayout, ...] = ()
     """The edge units in forward order (embedding, head), where ``shard()`` makes them."""
     block_names: tuple[str, ...] = ()
@@ -163,6 +168,8 @@ def layout_of(model: nn.Module, *, class_names: Sequence[str] | None = None) -> 
         frozen_bytes=frozen[0].element_size() if frozen else 4,
         frozen_names=_frozen_roles(model) if tuned else (),
         plain_head=output_head(model) is not None,
+        plain_embedding=type(input_embeddings(model)) is nn.Embedding,
+        embedding_rows=input_vocab(model, default=0),
         norms_frozen=tuned and _norms_frozen(choice.blocks),
         edges=tuple(
             EdgeLayout(

@@ -7,9 +7,11 @@ S = shard x cp ([Note: parallel dimensions] in fsdpkit.config.dims):
 
 - block parameters, gradients and AdamW states: the tp-local shard of every linear
   (q/k/v and gate/up split by output rows, o and down by input columns; norms whole),
-  FSDP-sharded over S: 16 bytes x block params / (tp x S). The embedding, the final
-  norm and the head are not split over tp: 16 bytes x their params / S. Unsharded
-  (all-gathered) block parameters are the tp-local shard: / tp.
+  FSDP-sharded over S: 16 bytes x block params / (tp x S). The embedding and the
+  head are split by vocabulary rows over tp where the trainer splits them
+  (``vocab_parallel``: plain modules, a vocabulary tp divides), so / (tp x S) too;
+  the final norm is not split: / S. Unsharded (all-gathered) parameters are the
+  tp-local shard: / tp.
 - inside a block every head- and hidden-unit-wide tensor (q, k, v, attention output,
   the SwiGLU tensors) holds heads / tp (f / tp) over seq / cp tokens: m = b x seq / cp
   tokens at the matmuls;
@@ -61,7 +63,7 @@ from fsdpkit.errors import ConfigError
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.layout import ModelLayout, Shape
-from fsdpkit.sharding.tensor import LLAMA_BLOCK, TensorParallelError, check_heads
+from fsdpkit.sharding.tensor import LLAMA_BLOCK, TensorParallelError, check_heads, vocab_refusal
 
 
 def _split(name: str, shape: Shape, tp: int) -> Shape:
@@ -89,9 +91,25 @@ def _split(name: str, shape: Shape, tp: int) -> Shape:
     return shape
 
 
-def tp_layout(layout: ModelLayout, *, tp: int) -> ModelLayout:
-    """``layout`` with every block parameter replaced by its tp-local shard (the
-    embedding, head and root stay whole: replicated over tp)."""
+def vocab_parallel(layout: ModelLayout, *, vocab: int, tp: int) -> bool:
+    """Whether tensor parallelism splits the embedding and head by vocabulary (the
+    trainer's rule, fsdpkit.sharding.tensor.vocab_refusal)."""
+    return tp > 1 and (
+        vocab_refusal(
+            plain_embedding=layout.plain_embedding,
+            plain_head=layout.plain_head,
+            vocab=vocab,
+            embedding_rows=layout.embedding_rows,
+            tp=tp,
+        )
+        is None
+    )
+
+
+def tp_layout(layout: ModelLayout, *, tp: int, vocab: int | None = None) -> ModelLayout:
+    """``layout`` with every block parameter replaced by its tp-local shard; with
+    ``vocab`` (``vocab_parallel``) the embedding and head rows (``vocab`` x dim, in
+    the root or edge units) by theirs too. The final norm stays whole."""
     if tp == 1:
         return layout
     names = layout.block_names
@@ -99,7 +117,12 @@ def tp_layout(layout: ModelLayout, *, tp: int) -> ModelLayout:
         tuple(_split(n, s, tp) for n, s in zip(names, shapes, strict=True))
         for shapes in layout.blocks
     )
-    return replace(layout, blocks=blocks)
+
+    def rows(shapes: tuple[Shape, ...]) -> tuple[Shape, ...]:
+        return tuple((r // tp, c) if vocab and r == vocab and c > 1 else (r, c) for r, c in shapes)
+
+    edges = tuple(replace(e, shapes=rows(e.shapes)) for e in layout.edges)
+    return replace(layout, blocks=blocks, root=rows(layout.root), edges=edges)
 
 
 def check_layout(model: LlamaConfig | None, *, tp: int, cp: int, why_not: str | None) -> None:
@@ -134,22 +157,35 @@ def exchange_traffic(
     tokens: int,
     e: int,
     passes: int,
+    vocab: bool = False,
 ) -> tuple[int, int, int]:
     """(tensor-parallel bytes, context-parallel bytes, collective calls) per rank for
     ``passes`` block passes (forward, backward and recompute each count one) of one
     micro-batch of ``tokens`` tokens per rank — the formulas of [Note: model-parallel
-    block memory]; ``sp`` adds the head's gather, its backward and the embedding
-    grad's gather."""
+    block memory]; ``sp`` and ``vocab`` add the edges' exchanges (``_edge_traffic``)."""
     m = tokens // cp
     b = m * model.dim * e
-    tp_bytes = passes * 4 * _ring(b, tp)
-    if sp:
-        tp_bytes += 3 * _ring(b, tp)
+    edge_bytes, edge_calls = _edge_traffic(b, tp=tp, sp=sp, vocab=vocab)
+    tp_bytes = passes * 4 * _ring(b, tp) + edge_bytes
     q = m * model.n_heads * model.head_dim * e // tp
     k = m * model.n_kv_heads * model.head_dim * e // tp
     cp_bytes = passes * _ring(2 * q + 2 * k, cp)
-    calls = passes * 4 * ((tp > 1) + (cp > 1)) + (3 if sp else 0)
+    calls = passes * 4 * ((tp > 1) + (cp > 1)) + edge_calls
     return tp_bytes, cp_bytes, calls
+
+
+def _edge_traffic(b: int, *, tp: int, sp: bool, vocab: bool) -> tuple[int, int]:
+    """(bytes, calls) of the embedding's and head's tp exchanges per micro-batch, B =
+    ``b``: split by vocabulary, the embedding's partial sums reduce-scattered over the
+    sequence (sequence parallel; its grad gathered back) or all-reduced, and the head's
+    hidden-state grad all-reduced (fsdpkit.loss.chunked_ce; the per-chunk log-sum-exp
+    gathers are a few bytes per token); whole under sequence parallelism, the head's
+    input gathered, reduce-scattered back in backward, the embedding grad gathered."""
+    if vocab:
+        embedding = 2 * _ring(b, tp)  # reduce-scatter + grad gather, or all-reduce
+        head = (_ring(b, tp) if sp else 0) + 2 * _ring(b, tp)  # input gather, grad ar
+        return embedding + head, 4 if sp else 2
+    return (3 * _ring(b, tp), 3) if sp else (0, 0)
 
 
 def rope_bytes(*, seq_len: int, head_dim: int, tokens: int, e: int, cp: int) -> int:

@@ -347,7 +347,10 @@ class Step:
             led.add(TEMP, -s.nde)
         else:
             self.gathered(embedding, forward=False)
-            tied, in_place = self.m.tie_embeddings, self.sc.loss_chunk is not None
+            # split by vocabulary, both grads are DTensors: autograd sums a tensor
+            # subclass's grads out of place (fsdpkit.loss.chunked_ce, grad_into_weight)
+            in_place = self.sc.loss_chunk is not None and not self.sc.vocab_parallel
+            tied = self.m.tie_embeddings
             grad = embedding_grad_gather(s, self.hs)
             led.apply(grad + embedding_backward(self.hs, tied=tied, in_place=in_place))
             if embedding is not None:

@@ -22,7 +22,7 @@ from fsdpkit.models.llama import PRESETS, LlamaConfig
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.finetune_layout import finetune_layout, finetuned
 from fsdpkit.planner.layout import ModelLayout, Unit, llama_layout, units
-from fsdpkit.planner.mparallel import check_layout, tp_layout
+from fsdpkit.planner.mparallel import check_layout, tp_layout, vocab_parallel
 from fsdpkit.planner.reference import reference_terms
 from fsdpkit.planner.user_models import BuiltPlanModel, planned_model
 from fsdpkit.sharding.grads import SyncMode, sync_mode
@@ -101,6 +101,9 @@ class Scenario:
     sequence_parallel: bool = False
     """Whether the residual stream and norms are split over tp too (the built-in Llama
     with tp > 1; [Note: model-parallel block memory] in fsdpkit.planner.mparallel)."""
+    vocab_parallel: bool = False
+    """Whether the embedding and head are split by vocabulary over tp (loss parallel:
+    fsdpkit.planner.mparallel.vocab_parallel)."""
     edges: tuple[Unit, ...] = ()
     """An untied embedding, the final norm and the head as units of their own, in
     forward order, named by role ([Note: edge units] in fsdpkit.sharding.edges)."""
@@ -257,7 +260,10 @@ def scenario(
     model = _planned_model(cfg, vocab=vocab, precision=precision)
     why_not = model.why_traced or _selective_why_traced(cfg)
     check_layout(model.shape, tp=dims.tp, cp=dims.cp, why_not=why_not)
-    local_layout = tp_layout(model.layout, tp=dims.tp)
+    split_vocab = vocab_parallel(model.layout, vocab=model.vocab_size, tp=dims.tp)
+    local_layout = tp_layout(
+        model.layout, tp=dims.tp, vocab=model.vocab_size if split_vocab else None
+    )
     planned = units(local_layout, shard=shard, parallel=cfg.parallel, activations=cfg.activations)
     chunk, loss_note = loss_chunk(cfg, model.layout, why_not=model.chunked_why_not)
     notes = [n for n in (note, loss_note, _vocab_note(cfg, vocab=vocab)) if n]
@@ -312,6 +318,7 @@ def scenario(
         tp=dims.tp,
         cp=dims.cp,
         sequence_parallel=dims.tp > 1 and builtin,
+        vocab_parallel=split_vocab,
         reference_bytes=dpo.resident,
         reference_forward=dpo.forward,
     )

@@ -33,8 +33,12 @@ def sizes(sc: Scenario) -> Sizes:
 
 
 def head_sizes(sc: Scenario) -> Sizes:
-    """The head and loss: not split over tp, on the rank's seq / cp tokens (gathered
-    over tp under sequence parallelism). The final norm runs before the gather, on
-    ``sizes(sc)``'s shard (fsdpkit.planner.replay)."""
+    """The head and loss on the rank's seq / cp tokens (gathered over tp under sequence
+    parallelism). Split by vocabulary over tp (``sc.vocab_parallel``), the chunked
+    loss's buffers and the head and embedding weight grads hold vocab / tp rows; with
+    full logits the vocabulary is planned whole (the logits are gathered whole: the
+    weight grads, tp times smaller there, are over-counted). The final norm runs before
+    the gather, on ``sizes(sc)``'s shard (fsdpkit.planner.replay)."""
     s = sizes(sc)
-    return replace(s, n=s.m, inner_n=0, tp=1, cp=1)
+    vocab = s.vocab // sc.tp if sc.vocab_parallel and sc.loss_chunk is not None else s.vocab
+    return replace(s, n=s.m, inner_n=0, tp=1, cp=1, vocab=vocab)

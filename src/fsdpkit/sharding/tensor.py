@@ -18,11 +18,21 @@ comes from:
   output's shape, which sequence-sharding would change;
 - anything else is refused by name (``TensorParallelError``).
 
-The embedding, the final norm's weight and the output head are not split over tp:
-they stay replicated over the tp ranks and are FSDP-sharded over the data ranks, so
-a tied pair stays tied and the chunked loss (fsdpkit.loss.head) runs unchanged on
-the whole hidden states. The head's matmul is repeated on each tp rank; vocab-sharded
-logits (loss parallel) are not implemented.
+The embedding and the output head are split by vocabulary rows over tp (loss
+parallel, as torchtitan): the embedding is row-parallel (each rank looks up the ids
+in its rows, zeros elsewhere; the partial sums are all-reduced, or reduce-scattered
+over the sequence under sequence parallelism), the head column-parallel on the whole
+hidden states. The chunked loss (fsdpkit.loss.head) reads the head's local rows and
+computes the cross-entropy vocabulary-parallel ([Note: vocabulary-parallel
+cross-entropy] in fsdpkit.loss.chunked_ce): each tp rank does V / tp of the head's
+matmuls and holds V / tp of its weight and chunk buffers, and nothing of vocabulary
+size crosses the wire. A loss that asks for the logits (``train.chunked_loss =
+off``, a model that post-processes them, sampling) gets them all-gathered over the
+vocabulary. A tied pair is one row-sharded parameter and stays tied. The embedding
+and head stay whole (replicated over tp, FSDP-sharded over the data ranks, the
+head's matmul repeated on each tp rank) where they are not a plain ``nn.Embedding``
+and ``nn.Linear`` (a LoRA-wrapped head) or the vocabulary does not split evenly; the
+run's first lines say so. The final norm's weight is not split.
 
 LoRA adapters (peft) on a split linear follow their base: on a column-parallel base
 ``lora_B`` is column-parallel and ``lora_A`` replicated; on a row-parallel base
@@ -50,6 +60,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from fsdpkit.config import RunConfig
+from fsdpkit.loss.head import output_head
 from fsdpkit.models.accessors import input_embeddings, output_embeddings
 from fsdpkit.models.errors import ModelError
 from fsdpkit.models.hf import read_hf_dir
@@ -82,10 +93,17 @@ class TensorPlan:
     sequence_parallel: bool
     linears: int
     """Linear layers split (per model, all blocks)."""
+    whole_vocab: str | None = None
+    """Why the embedding and head were not split by vocabulary (None: they were)."""
 
     def describe(self, tp: int) -> str:
         sp = ", sequence parallel" if self.sequence_parallel else ""
-        return f"tensor parallel {tp} ({self.source}{sp}: {self.linears} linears split)"
+        vocab = (
+            "embedding and head split by vocabulary (loss parallel)"
+            if self.whole_vocab is None
+            else f"embedding and head whole: {self.whole_vocab}"
+        )
+        return f"tensor parallel {tp} ({self.source}{sp}: {self.linears} linears split; {vocab})"
 
 
 def block_plan(model: nn.Module, *, tp: int) -> tuple[dict[str, str], str]:
@@ -210,24 +228,80 @@ def _sequence_parallel_block(block: nn.Module) -> dict[str, ParallelStyle]:
     }
 
 
-def _sequence_parallel_edges(model: nn.Module, *, mesh: DeviceMesh) -> None:
-    """The embedding's output enters the blocks sequence-sharded; the final norm runs
-    on the shard; the head gets the whole sequence back."""
+def vocab_refusal(
+    *, plain_embedding: bool, plain_head: bool, vocab: int, embedding_rows: int, tp: int
+) -> str | None:
+    """Why the embedding and head stay whole over tp ([Note: tensor-parallel plans]);
+    None: both split by vocabulary rows. The trainer and the planner ask this."""
+    if not plain_embedding:
+        return "the input embedding is not a plain nn.Embedding"
+    if not plain_head:
+        return "the output head is not a plain nn.Linear (a LoRA-wrapped head?)"
+    if vocab % tp or embedding_rows != vocab:
+        return f"the vocabulary ({vocab} rows) does not split evenly over tp = {tp}"
+    return None
+
+
+def vocab_parallel_refusal(model: nn.Module, *, tp: int) -> str | None:
+    """``vocab_refusal`` for ``model``'s embedding and head."""
+    embedding, head = input_embeddings(model), output_head(model)
+    rows = getattr(getattr(embedding, "weight", None), "shape", (0,))[0]
+    return vocab_refusal(
+        plain_embedding=type(embedding) is nn.Embedding,
+        plain_head=head is not None,
+        vocab=head.weight.shape[0] if head is not None else 0,
+        embedding_rows=rows,
+        tp=tp,
+    )
+
+
+def _vocab_parallel_edges(model: nn.Module, *, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """The embedding and head split by vocabulary rows: the embedding's partial rows
+    reduced (scattered over the sequence under sequence parallelism), the head's input
+    gathered whole and its logits gathered over the vocabulary, which the chunked loss
+    never asks for (it reads the local rows: fsdpkit.loss.chunked_ce). A tied pair is
+    one Shard(0) parameter, tied again after both are split."""
     embedding, head = input_embeddings(model), output_embeddings(model)
-    norm = model.get_submodule("model.norm")
+    tied = head.weight is embedding.weight
+    sequence = Shard(1) if sequence_parallel else Replicate()
     parallelize_module(
-        embedding,
+        embedding, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence)
+    )
+    parallelize_module(
+        head, mesh, ColwiseParallel(input_layouts=sequence, output_layouts=Replicate())
+    )
+    if tied:
+        head.weight = embedding.weight
+
+
+def _whole_edges(model: nn.Module, *, mesh: DeviceMesh) -> None:
+    """Under sequence parallelism, an embedding and head kept whole: the embedding's
+    output enters the blocks sequence-sharded; the head gets the whole sequence."""
+    parallelize_module(
+        input_embeddings(model),
         mesh,
         PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
     )
-    parallelize_module(norm, mesh, SequenceParallel())
     parallelize_module(
-        head,
+        output_embeddings(model),
         mesh,
         PrepareModuleInput(
             input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
         ),
     )
+
+
+def _edges(model: nn.Module, *, mesh: DeviceMesh, sequence_parallel: bool) -> str | None:
+    """Parallelize the embedding, the final norm and the head; returns why the
+    vocabulary was not split (None: it was)."""
+    refusal = vocab_parallel_refusal(model, tp=mesh.size())
+    if refusal is None:
+        _vocab_parallel_edges(model, mesh=mesh, sequence_parallel=sequence_parallel)
+    elif sequence_parallel:
+        _whole_edges(model, mesh=mesh)
+    if sequence_parallel:  # the final norm runs on the sequence shard
+        parallelize_module(model.get_submodule("model.norm"), mesh, SequenceParallel())
+    return refusal
 
 
 def tensor_parallel(
@@ -246,8 +320,7 @@ def tensor_parallel(
             styles.update(_linear_plan(block, name, kind, sequence_parallel=sp))
             linears += 1
         parallelize_module(block, mesh, styles)
-    if sp:
-        _sequence_parallel_edges(model, mesh=mesh)
+    whole_vocab = _edges(model, mesh=mesh, sequence_parallel=sp)
     for name, param in model.named_parameters():  # SequenceParallel makes new Parameters
         param.requires_grad_(name not in frozen)  # that forget they were frozen
-    return TensorPlan(source=source, sequence_parallel=sp, linears=linears)
+    return TensorPlan(source=source, sequence_parallel=sp, linears=linears, whole_vocab=whole_vocab)
