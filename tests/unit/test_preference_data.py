@@ -103,8 +103,6 @@ def test_config_refuses_what_would_be_ignored() -> None:
         load(None, ["train.objective=dpo", "data.path=x", "dpo.reference=/m", "lora.rank=4"])
     with pytest.raises(ConfigError, match=r"data\.path"):
         load(None, ["train.objective=dpo"])
-    with pytest.raises(ConfigError, match=r"parallel\.tp = 2"):
-        load(None, ["train.objective=dpo", "data.path=x", "parallel.tp=2"])
     with pytest.raises(ConfigError, match=r"dpo\.beta"):
         load(None, ["dpo.beta=0"])
 

@@ -111,7 +111,9 @@ def _validate_finetune(cfg: RunConfig) -> None:
 
 def _validate_dpo(cfg: RunConfig) -> None:
     """[dpo] against the run: preference pairs need a data.path of pairs, and the
-    reference is either a separate model or (under LoRA) the base with adapters off."""
+    reference is either a separate model or (under LoRA) the base with adapters off.
+    Tensor and context parallelism are fine: the logits are gathered whole on every
+    tp rank and cp sums each side's log-probs over its slices (fsdpkit.loss.dpo)."""
     dpo = cfg.dpo
     if dpo.beta <= 0 or dpo.simpo_gamma < 0:
         raise ConfigError(
@@ -135,13 +137,6 @@ def _validate_dpo(cfg: RunConfig) -> None:
             f"dpo.reference = {dpo.reference!r} names a separate reference model, but {why}, "
             "so it would never be read. Empty dpo.reference, or use dpo.loss = sigmoid / ipo "
             "with lora.rank = 0."
-        )
-    if cfg.parallel.tp > 1 or cfg.parallel.cp > 1:
-        raise ConfigError(
-            f"train.objective = 'dpo' with parallel.tp = {cfg.parallel.tp} / parallel.cp = "
-            f"{cfg.parallel.cp}: DPO sums each side's log-probs over whole sequences and "
-            "full-vocabulary logits, which tensor and context parallelism split; that is "
-            "not supported yet. Use parallel.tp = 1 and parallel.cp = 1 (FSDP / HSDP only)."
         )
     if cfg.train.compile or cfg.train.chunked_loss == "on":
         raise ConfigError(

@@ -14,6 +14,22 @@ the answer tokens only, fp32; ``pi`` the policy, ``ref`` the frozen reference):
 Rewards (logged, never differentiated): ``beta * (pi - ref)`` of each side (SimPO:
 ``beta * avg pi``); accuracy is the share of pairs whose chosen reward is the larger;
 the margin is chosen minus rejected reward. The batch's loss is the mean over its pairs.
+
+[Note: preference losses over a split sequence]
+Under context parallelism each cp rank holds a slice of every row's tokens
+(fsdpkit.sharding.context_batch.slice_batch): the rows (so the pairs) stay whole, the
+sequence does not. A side's log-prob is a sum over its answer tokens, so each rank's
+sums and answer-token counts are partial: ``whole_answers`` adds them over the cp
+group (one all-reduce of the stacked policy / reference / count rows) before any
+sigmoid, square or length average, and every cp rank then holds the whole batch's
+losses and rewards, equal to the unsplit ones. The all-reduce is autograd's
+(``funcol.all_reduce``): its backward all-reduces the sums' gradient, so each cp rank's
+slice receives ``cp x dL/d(sum)``. Each rank's loss is the whole loss L, and FSDP
+averages parameter gradients over the dp x cp ranks: per dp rank the cp ranks' grads
+add up to ``cp x dL/dtheta`` (attention's exchange carries the cross-slice terms), and
+the mean over cp brings that back to ``dL/dtheta``, the unsplit gradient. This is the
+same bookkeeping as [Note: context-parallel loss normalization], with the whole loss
+on every rank instead of cp x a share of it.
 """
 
 from __future__ import annotations
@@ -22,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+from torch.distributed import _functional_collectives as funcol
 
 from fsdpkit.data.batch import IGNORE_INDEX
 
@@ -51,6 +69,24 @@ def answer_logps(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Ten
         reduction="none",
     ).reshape(targets.shape)
     return -token.sum(-1), (targets != IGNORE_INDEX).sum(-1).float()
+
+
+def whole_answers(
+    policy: torch.Tensor,
+    reference: torch.Tensor | None,
+    counts: torch.Tensor,
+    *,
+    group: ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``answer_logps`` of a sequence slice -> those of the whole rows: summed over the
+    context-parallel ``group`` ([Note: preference losses over a split sequence]);
+    unchanged when ``group`` is None."""
+    if group is None:
+        return policy, reference, counts
+    parts = [policy, counts] if reference is None else [policy, counts, reference]
+    summed = funcol.wait_tensor(funcol.all_reduce(torch.stack(parts), "sum", group))
+    whole_reference = None if reference is None else summed[2].detach()
+    return summed[0], whole_reference, summed[1].detach()
 
 
 def preference_loss(

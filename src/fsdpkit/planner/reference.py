@@ -17,6 +17,12 @@ reference, [Note: reference model]):
   policy's own backward).
 
 Under LoRA (the base with adapters off) and SimPO only the first applies.
+
+With ``parallel.tp`` / ``parallel.cp`` the reference is split like the policy: its units
+are the policy's tp-local units (``tp_layout``), FSDP-sharded over the same shard x cp
+ranks, so its shards and all-gathered copies divide by tp as the policy's do; its
+logits are gathered whole over the vocabulary on every tp rank, and under cp each rank
+computes the logits of its seq / cp tokens only.
 """
 
 from __future__ import annotations
@@ -51,8 +57,8 @@ class ReferenceTerms:
 def reference_terms(
     cfg: RunConfig, *, units: Sequence[Unit], rows: int, seq_len: int, vocab: int, low: bool
 ) -> ReferenceTerms:
-    """The terms for ``cfg`` with ``rows`` policy micro-batch rows (already doubled)
-    and ``low``: the run computes in bf16."""
+    """The terms for ``cfg`` with ``rows`` policy micro-batch rows (already doubled),
+    ``units`` the policy's (tp-local) units and ``low``: the run computes in bf16."""
     if cfg.train.objective != "dpo":
         return ReferenceTerms(rows_per_pair=1)
     if cfg.dpo.loss == "simpo" or cfg.lora.rank:
@@ -61,7 +67,8 @@ def reference_terms(
     bf16 = wanted == "bf16" or (wanted == "auto" and low)
     elem = 2 if bf16 else 4
     gathered = sorted((u.gathered for u in units), reverse=True)[:2]
-    logits = rows * seq_len * vocab * (elem + 4 + (4 if bf16 else 0))
+    tokens = rows * seq_len // cfg.parallel.cp  # this cp rank's slice of every row
+    logits = tokens * vocab * (elem + 4 + (4 if bf16 else 0))
     return ReferenceTerms(
         rows_per_pair=2,
         resident=elem * sum(u.sharded for u in units),

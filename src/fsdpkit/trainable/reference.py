@@ -18,6 +18,16 @@ frozen reference:
   (sharded) parameters by it already.
 - SimPO (reference-free): neither.
 
+With ``parallel.tp`` / ``parallel.cp`` the reference is split like the policy: it is
+built from the same config (``reference_config`` changes only the model and fine-tuning
+fields), so ``fsdpkit.shard`` applies the same tensor-parallel plan and Ulysses
+exchange on the same mesh before FSDP2. Under tp the output head is split by
+vocabulary ([Note: tensor-parallel plans]) and DPO's full-logits path gets the logits
+all-gathered over it, so both models' logits are whole on every tp rank and the
+log-probs need nothing more. Under cp ``DpoLoss`` gives both models
+this rank's slice of every row and sums each side's log-probs over the cp ranks
+([Note: preference losses over a split sequence] in fsdpkit.loss.dpo).
+
 ``DpoLoss`` is a ``LossFn``: ``train_step`` and evaluation call it as any other loss,
 so accumulation, clipping and the planner's trace of the step are unchanged.
 """
@@ -32,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from fsdpkit.config import DpoConfig, RunConfig, with_changes
@@ -40,10 +51,13 @@ from fsdpkit.errors import UserError
 from fsdpkit.finetune.lora import lora_layers
 from fsdpkit.finetune.prepare import cast_frozen
 from fsdpkit.loss.contract import logits_of
-from fsdpkit.loss.dpo import REFERENCE_FREE, answer_logps, preference_loss
+from fsdpkit.loss.dpo import REFERENCE_FREE, answer_logps, preference_loss, whole_answers
+from fsdpkit.loss.sft import model_kwargs
 from fsdpkit.models.buffers import require_buffer_source
 from fsdpkit.sharding import shard
+from fsdpkit.sharding.context_batch import slice_batch
 from fsdpkit.sharding.materialize import is_meta
+from fsdpkit.sharding.mesh import cp_mesh
 from fsdpkit.trainable.build import Unsharded, build_unsharded, init_from
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")
@@ -134,12 +148,23 @@ def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
             layer._disable_adapters = was
 
 
+def _logits(model: nn.Module, batch: SFTBatch) -> torch.Tensor:
+    """The model's logits of ``batch`` (with its global positions under cp)."""
+    return logits_of(model(batch.inputs, **model_kwargs(model, batch)), tokens=batch.inputs)
+
+
 class DpoLoss:
     """``loss_fn(model, batch)`` of a DPO run: the mean preference loss of the batch's
     pairs; each call keeps its rewards for ``step_metrics``."""
 
-    def __init__(self, cfg: DpoConfig, *, reference: nn.Module | None, lora: bool) -> None:
+    def __init__(
+        self, cfg: DpoConfig, *, reference: nn.Module | None, lora: bool, mesh: DeviceMesh | None
+    ) -> None:
+        """``mesh``: the run's mesh; with a cp axis every batch is split over it and
+        each side's log-probs summed back ([Note: preference losses over a split
+        sequence] in fsdpkit.loss.dpo). None: the batch is whole on this rank."""
         self.cfg, self.reference, self.lora = cfg, reference, lora
+        self.cp = None if mesh is None else cp_mesh(mesh)
         self._stats: list[torch.Tensor] = []
 
     def describe(self) -> str:
@@ -155,19 +180,30 @@ class DpoLoss:
             text += "; reference: the base model with the LoRA adapters off (no second model)"
         else:
             text += "; no reference model"
-        return text + "; full logits of each side"
+        text += "; full logits of each side"
+        if self.cp is not None:
+            text += f", its log-probs summed over the {self.cp.size()} context-parallel slices"
+        return text
+
+    def local(self, batch: SFTBatch) -> SFTBatch:
+        """This rank's part of ``batch``: its cp slice of every row, with global
+        positions (fsdpkit.sharding.context_batch), or the whole batch without cp."""
+        if self.cp is None:
+            return batch
+        return slice_batch(batch, rank=self.cp.get_local_rank(), cp=self.cp.size())
 
     def reference_logps(self, model: nn.Module, batch: SFTBatch) -> torch.Tensor | None:
-        """Summed answer log-probs of the reference (None: reference-free loss)."""
+        """Summed answer log-probs of the reference over ``batch``'s tokens (None:
+        reference-free loss)."""
         if self.cfg.loss in REFERENCE_FREE:
             return None
         with torch.no_grad():
             if self.reference is not None:
-                logits = logits_of(self.reference(batch.inputs), tokens=batch.inputs)
+                logits = _logits(self.reference, batch)
                 reshard(self.reference)
             elif self.lora:
                 with adapters_off(model):
-                    logits = logits_of(model(batch.inputs), tokens=batch.inputs)
+                    logits = _logits(model, batch)
             else:
                 raise UserError("dpo: no reference model was built for this run")
             return answer_logps(logits, batch.targets)[0]
@@ -179,10 +215,11 @@ class DpoLoss:
                 f"{type(batch).__name__} {tuple(batch.shape)}; data.path must hold "
                 "prompt/chosen/rejected rows (fsdpkit.data.preference)."
             )
-        reference = self.reference_logps(model, batch)
-        logits = logits_of(model(batch.inputs), tokens=batch.inputs)
-        policy, counts = answer_logps(logits, batch.targets)
-        del logits
+        part = self.local(batch)
+        reference = self.reference_logps(model, part)
+        policy, counts = answer_logps(_logits(model, part), part.targets)
+        group = None if self.cp is None else self.cp.get_group()
+        policy, reference, counts = whole_answers(policy, reference, counts, group=group)
         out = preference_loss(
             policy,
             reference,
