@@ -71,6 +71,8 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "dp2xtp2-tied-chunked": ("llama-tied", ["parallel.tp=2"]),
     "tp2xcp2-chunked-packed-sft": ("llama", ["parallel.tp=2", "parallel.cp=2"]),
     "hf-qwen2-tp2-chunked": ("hf-qwen2", ["parallel.tp=2"]),
+    "hf-llama-tp2-ac-full-chunked": ("hf-llama", ["parallel.tp=2", "activations.mode=full"]),
+    "hf-qwen2-tp2-packed-sft": ("hf-qwen2", ["parallel.tp=2"]),
 }
 """Variants named "-chunked" train with the chunked loss (vocabulary-parallel under tp),
 the others with full logits (all-gathered over the vocabulary under tp)."""

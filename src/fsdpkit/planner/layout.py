@@ -75,7 +75,7 @@ class ModelLayout:
     applies (fsdpkit.loss.head)."""
     plain_embedding: bool = True
     """The input embedding is a plain ``nn.Embedding``: with ``plain_head``, what lets
-    tensor parallelism split both by vocabulary (fsdpkit.sharding.tensor.vocab_refusal)."""
+    tensor parallelism split both by vocabulary (fsdpkit.sharding.tensor_edges.vocab_refusal)."""
     embedding_rows: int = 0
     """The input embedding's rows (its vocabulary)."""
     edges: tuple[EdgeLayout, ...] = ()

@@ -16,7 +16,7 @@ S = shard x cp ([Note: parallel dimensions] in fsdpkit.config.dims):
   the SwiGLU tensors) holds heads / tp (f / tp) over seq / cp tokens: m = b x seq / cp
   tokens at the matmuls;
 - the residual stream and the norms hold n tokens: n = m / tp with sequence parallelism
-  (the built-in Llama), n = m without it (model.hf: the residual stays whole over tp).
+  (the built-in Llama and model.hf models with Llama-named blocks), n = m without it.
   So under full checkpointing the kept block inputs are b x seq x d x e / cp (/ tp
   with sequence parallelism), and the loss head works on the m gathered tokens;
 - exchange buffers (the ``exchange_buffers`` category): under sequence parallelism
@@ -63,7 +63,8 @@ from fsdpkit.errors import ConfigError
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.layout import ModelLayout, Shape
-from fsdpkit.sharding.tensor import LLAMA_BLOCK, TensorParallelError, check_heads, vocab_refusal
+from fsdpkit.sharding.tensor import LLAMA_BLOCK, TensorParallelError, check_heads
+from fsdpkit.sharding.tensor_edges import vocab_refusal
 
 
 def _split(name: str, shape: Shape, tp: int) -> Shape:
@@ -93,7 +94,7 @@ def _split(name: str, shape: Shape, tp: int) -> Shape:
 
 def vocab_parallel(layout: ModelLayout, *, vocab: int, tp: int) -> bool:
     """Whether tensor parallelism splits the embedding and head by vocabulary (the
-    trainer's rule, fsdpkit.sharding.tensor.vocab_refusal)."""
+    trainer's rule, fsdpkit.sharding.tensor_edges.vocab_refusal)."""
     return tp > 1 and (
         vocab_refusal(
             plain_embedding=layout.plain_embedding,

@@ -13,9 +13,11 @@ comes from:
   reduce-scattered back (the same bytes as the all-reduces they replace);
 - a transformers model: its config's ``base_model_tp_plan`` (colwise / rowwise
   entries of ``layers.*.NAME``), else fsdpkit's plan where its blocks have the
-  Llama / Mistral / Qwen2 module names. Its residual stream stays whole (no sequence
-  parallelism): the model body computes masks and positions from the embedding
-  output's shape, which sequence-sharding would change;
+  Llama / Mistral / Qwen2 module names. Where its blocks and final norm have those
+  names (``SEQUENCE_PARALLEL_MODULES``, ``model.norm``) it gets sequence parallelism
+  too: its body computes masks and positions from the embedding output's length, so
+  the sequence is split at the first block's input instead of the embedding's output
+  (fsdpkit.sharding.tensor_edges); other families keep the residual stream whole;
 - anything else is refused by name (``TensorParallelError``).
 
 The embedding and the output head are split by vocabulary rows over tp (loss
@@ -43,6 +45,7 @@ reduces over tp).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,19 +56,17 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
-    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from fsdpkit.config import RunConfig
-from fsdpkit.loss.head import output_head
-from fsdpkit.models.accessors import input_embeddings, output_embeddings
 from fsdpkit.models.errors import ModelError
 from fsdpkit.models.hf import read_hf_dir
 from fsdpkit.models.llama import Llama, preset
 from fsdpkit.sharding.context import check_cp_heads
+from fsdpkit.sharding.tensor_edges import edges
 
 LLAMA_BLOCK: dict[str, str] = {
     "self_attn.q_proj": "colwise",
@@ -211,97 +212,50 @@ def _linear_plan(
     return plan
 
 
-def _sequence_parallel_block(block: nn.Module) -> dict[str, ParallelStyle]:
-    """The norms and module inputs of a built-in Llama block under sequence parallelism."""
-    attn_args = (Shard(1), None, None, None)  # x, cos, sin, mask
+SEQUENCE_PARALLEL_MODULES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+"""A block's submodules sequence parallelism lays out (Llama / Mistral / Qwen2 names)."""
+
+
+def sequence_parallel_names(names: Iterable[str]) -> bool:
+    """Whether a block with these parameter names has the submodules sequence
+    parallelism lays out (the trainer's and the planner's rule)."""
+    names = list(names)
+    return all(any(n.startswith(f"{m}.") for n in names) for m in SEQUENCE_PARALLEL_MODULES)
+
+
+def sequence_parallel_applies(model: nn.Module, *, blocks: list[nn.Module]) -> bool:
+    """Whether fsdpkit splits the norms and residual stream by sequence: the built-in
+    Llama, and transformers models whose blocks and final norm have the Llama names."""
+    if isinstance(model, Llama):
+        return True
+    named = all(sequence_parallel_names(n for n, _ in b.named_parameters()) for b in blocks)
+    return named and isinstance(getattr(getattr(model, "model", None), "norm", None), nn.Module)
+
+
+def _sequence_parallel_block(*, builtin: bool) -> dict[str, ParallelStyle]:
+    """The norms and module inputs of a block under sequence parallelism: the norms on
+    the sequence shard, each attention / MLP input gathered whole (plain tensors, for
+    a replicated lora_A). The built-in attention takes (x, cos, sin, mask); a
+    transformers one ``hidden_states=`` (its other arguments are whole already)."""
+    gather = {"desired_input_layouts": (Replicate(),), "use_local_output": True}
+    if builtin:
+        attn = PrepareModuleInput(
+            input_layouts=(Shard(1), None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None),
+            use_local_output=True,
+        )
+    else:
+        attn = PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=True,
+        )
     return {
         "input_layernorm": SequenceParallel(),
-        "self_attn": PrepareModuleInput(
-            input_layouts=attn_args,
-            desired_input_layouts=(Replicate(), None, None, None),
-            use_local_output=True,  # plain tensors for a replicated lora_A
-        ),
+        "self_attn": attn,
         "post_attention_layernorm": SequenceParallel(),
-        "mlp": PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-        ),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), **gather),
     }
-
-
-def vocab_refusal(
-    *, plain_embedding: bool, plain_head: bool, vocab: int, embedding_rows: int, tp: int
-) -> str | None:
-    """Why the embedding and head stay whole over tp ([Note: tensor-parallel plans]);
-    None: both split by vocabulary rows. The trainer and the planner ask this."""
-    if not plain_embedding:
-        return "the input embedding is not a plain nn.Embedding"
-    if not plain_head:
-        return "the output head is not a plain nn.Linear (a LoRA-wrapped head?)"
-    if vocab % tp or embedding_rows != vocab:
-        return f"the vocabulary ({vocab} rows) does not split evenly over tp = {tp}"
-    return None
-
-
-def vocab_parallel_refusal(model: nn.Module, *, tp: int) -> str | None:
-    """``vocab_refusal`` for ``model``'s embedding and head."""
-    embedding, head = input_embeddings(model), output_head(model)
-    rows = getattr(getattr(embedding, "weight", None), "shape", (0,))[0]
-    return vocab_refusal(
-        plain_embedding=type(embedding) is nn.Embedding,
-        plain_head=head is not None,
-        vocab=head.weight.shape[0] if head is not None else 0,
-        embedding_rows=rows,
-        tp=tp,
-    )
-
-
-def _vocab_parallel_edges(model: nn.Module, *, mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """The embedding and head split by vocabulary rows: the embedding's partial rows
-    reduced (scattered over the sequence under sequence parallelism), the head's input
-    gathered whole and its logits gathered over the vocabulary, which the chunked loss
-    never asks for (it reads the local rows: fsdpkit.loss.chunked_ce). A tied pair is
-    one Shard(0) parameter, tied again after both are split."""
-    embedding, head = input_embeddings(model), output_embeddings(model)
-    tied = head.weight is embedding.weight
-    sequence = Shard(1) if sequence_parallel else Replicate()
-    parallelize_module(
-        embedding, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence)
-    )
-    parallelize_module(
-        head, mesh, ColwiseParallel(input_layouts=sequence, output_layouts=Replicate())
-    )
-    if tied:
-        head.weight = embedding.weight
-
-
-def _whole_edges(model: nn.Module, *, mesh: DeviceMesh) -> None:
-    """Under sequence parallelism, an embedding and head kept whole: the embedding's
-    output enters the blocks sequence-sharded; the head gets the whole sequence."""
-    parallelize_module(
-        input_embeddings(model),
-        mesh,
-        PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
-    )
-    parallelize_module(
-        output_embeddings(model),
-        mesh,
-        PrepareModuleInput(
-            input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
-        ),
-    )
-
-
-def _edges(model: nn.Module, *, mesh: DeviceMesh, sequence_parallel: bool) -> str | None:
-    """Parallelize the embedding, the final norm and the head; returns why the
-    vocabulary was not split (None: it was)."""
-    refusal = vocab_parallel_refusal(model, tp=mesh.size())
-    if refusal is None:
-        _vocab_parallel_edges(model, mesh=mesh, sequence_parallel=sequence_parallel)
-    elif sequence_parallel:
-        _whole_edges(model, mesh=mesh)
-    if sequence_parallel:  # the final norm runs on the sequence shard
-        parallelize_module(model.get_submodule("model.norm"), mesh, SequenceParallel())
-    return refusal
 
 
 def tensor_parallel(
@@ -312,15 +266,17 @@ def tensor_parallel(
     tp = mesh.size()
     plan, source = check_model(model, tp=tp, cp=cp)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
-    sp = isinstance(model, Llama)
+    builtin = isinstance(model, Llama)
+    sp = sequence_parallel_applies(model, blocks=blocks)
     linears = 0
     for block in blocks:
-        styles: dict[str, Any] = _sequence_parallel_block(block) if sp else {}
+        styles: dict[str, Any] = _sequence_parallel_block(builtin=builtin) if sp else {}
         for name, kind in plan.items():
             styles.update(_linear_plan(block, name, kind, sequence_parallel=sp))
             linears += 1
         parallelize_module(block, mesh, styles)
-    whole_vocab = _edges(model, mesh=mesh, sequence_parallel=sp)
+    first = blocks[0] if sp and not builtin else None
+    whole_vocab = edges(model, mesh=mesh, sequence_parallel=sp, first_block=first)
     for name, param in model.named_parameters():  # SequenceParallel makes new Parameters
         param.requires_grad_(name not in frozen)  # that forget they were frozen
     return TensorPlan(source=source, sequence_parallel=sp, linears=linears, whole_vocab=whole_vocab)

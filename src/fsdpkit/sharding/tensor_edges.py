@@ -1,0 +1,145 @@
+"""The embedding, the final norm and the output head under tensor parallelism: split
+by vocabulary (loss parallel) or kept whole, and where the sequence is split and
+gathered around the blocks under sequence parallelism ([Note: tensor-parallel plans]
+in fsdpkit.sharding.tensor).
+
+The sequence is split at the blocks' input and gathered at the head's: for the
+built-in Llama the embedding's output itself is split (its partial sums
+reduce-scattered over the sequence); a transformers model's body derives the
+attention mask and positions from the embedding output's length, so there the
+embedding's output stays whole (its partial sums all-reduced) and the first block's
+input is split instead (a local slice, by a pre-hook that a checkpointed block's
+recompute does not apply twice). The final norm runs on the sequence shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from fsdpkit.loss.head import output_head
+from fsdpkit.models.accessors import input_embeddings, output_embeddings
+
+
+def vocab_refusal(
+    *, plain_embedding: bool, plain_head: bool, vocab: int, embedding_rows: int, tp: int
+) -> str | None:
+    """Why the embedding and head stay whole over tp; None: both split by vocabulary
+    rows. The trainer and the planner ask this."""
+    if not plain_embedding:
+        return "the input embedding is not a plain nn.Embedding"
+    if not plain_head:
+        return "the output head is not a plain nn.Linear (a LoRA-wrapped head?)"
+    if vocab % tp or embedding_rows != vocab:
+        return f"the vocabulary ({vocab} rows) does not split evenly over tp = {tp}"
+    return None
+
+
+def vocab_parallel_refusal(model: nn.Module, *, tp: int) -> str | None:
+    """``vocab_refusal`` for ``model``'s embedding and head."""
+    embedding, head = input_embeddings(model), output_head(model)
+    rows = getattr(getattr(embedding, "weight", None), "shape", (0,))[0]
+    return vocab_refusal(
+        plain_embedding=type(embedding) is nn.Embedding,
+        plain_head=head is not None,
+        vocab=head.weight.shape[0] if head is not None else 0,
+        embedding_rows=rows,
+        tp=tp,
+    )
+
+
+def _vocab_parallel(
+    model: nn.Module, *, mesh: DeviceMesh, out: Shard | Replicate, into: Shard | Replicate
+) -> None:
+    """The embedding and head split by vocabulary rows: the embedding's partial rows
+    reduced to ``out``, the head's input (laid out ``into``) gathered whole and its
+    logits gathered over the vocabulary, which the chunked loss never asks for (it
+    reads the local rows: fsdpkit.loss.chunked_ce). A tied pair is one Shard(0)
+    parameter, tied again after both are split."""
+    embedding, head = input_embeddings(model), output_embeddings(model)
+    tied = head.weight is embedding.weight
+    parallelize_module(
+        embedding, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=out)
+    )
+    parallelize_module(head, mesh, ColwiseParallel(input_layouts=into, output_layouts=Replicate()))
+    if tied:
+        head.weight = embedding.weight
+
+
+def _whole(model: nn.Module, *, mesh: DeviceMesh, out: Shard | Replicate) -> None:
+    """Under sequence parallelism, an embedding and head kept whole: the embedding's
+    output laid out ``out``; the head gets the whole sequence."""
+    if out != Replicate():
+        parallelize_module(
+            input_embeddings(model),
+            mesh,
+            PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=out),
+        )
+    parallelize_module(
+        output_embeddings(model),
+        mesh,
+        PrepareModuleInput(
+            input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
+        ),
+    )
+
+
+_SPLIT = "_fsdpkit_sequence_shard"
+"""Marks a block input ``_split_sequence`` made."""
+
+
+def _split_sequence(mesh: DeviceMesh) -> Callable[[nn.Module, tuple[Any, ...]], Any]:
+    """A forward pre-hook giving a block this rank's sequence shard of its (whole)
+    input; its backward gathers the gradient. A fully checkpointed block runs its own
+    pre-hooks again on the inputs it saved, which are split already: those pass."""
+
+    def hook(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        x = args[0]
+        if getattr(x, _SPLIT, False):
+            return None
+        whole = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+        local = whole.redistribute(placements=(Shard(1),)).to_local()
+        setattr(local, _SPLIT, True)
+        return (local, *args[1:])
+
+    return hook
+
+
+def edges(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    sequence_parallel: bool,
+    first_block: nn.Module | None = None,
+) -> str | None:
+    """Parallelize the embedding, the final norm and the head; returns why the
+    vocabulary was not split (None: it was). ``first_block``: under sequence
+    parallelism, a transformers model's first block, whose input is split instead of
+    the embedding's output (see the module note)."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    out = Replicate() if first_block is not None else seq
+    refusal = vocab_parallel_refusal(model, tp=mesh.size())
+    if refusal is None:
+        _vocab_parallel(model, mesh=mesh, out=out, into=seq)
+    elif sequence_parallel:
+        _whole(model, mesh=mesh, out=out)
+    if not sequence_parallel:
+        return refusal
+    if first_block is not None:
+        first_block.register_forward_pre_hook(_split_sequence(mesh))
+    # the final norm on the sequence shard (a plain tensor out of a transformers body)
+    norm = SequenceParallel(use_local_output=first_block is not None)
+    parallelize_module(model.get_submodule("model.norm"), mesh, norm)
+    return refusal
