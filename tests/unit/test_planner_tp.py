@@ -179,11 +179,6 @@ def test_bad_layouts_are_refused_naming_the_field(
     assert "\n" not in text
 
 
-def test_trace_refuses_model_parallel_layouts() -> None:
-    with pytest.raises(PlanError, match=r"--trace with parallel\.tp = 2"):
-        plan(_cfg("model.preset=tiny", "parallel.tp=2"), world_size=2, trace=True)
-
-
 @pytest.mark.parametrize(
     "layout",
     [
