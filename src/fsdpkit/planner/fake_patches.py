@@ -34,7 +34,8 @@ def _wrapped(owner: Any, name: str, wrap: Callable[[Any], Any]) -> Iterator[None
         setattr(owner, name, original)
 
 
-def real_meshes() -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def real_meshes() -> Iterator[None]:
     """Mesh rank tensors stay real tensors: an int ``reshard_after_forward`` makes
     ``fully_shard`` build a sub-mesh from the mesh's rank tensor, and a DTensor
     parameter (tensor parallelism) makes it join the data and tp axes into one mesh
@@ -49,11 +50,11 @@ def real_meshes() -> contextlib.AbstractContextManager[None]:
 
         return real
 
-    stack = contextlib.ExitStack()
-    stack.enter_context(_wrapped(_fully_shard_module, "_get_post_forward_mesh_info", wrap))
-    stack.enter_context(_wrapped(DeviceMesh, "__init__", wrap))
-    stack.enter_context(_wrapped(DeviceMesh, "mesh", lambda prop: property(wrap(prop.fget))))
-    return stack
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_wrapped(_fully_shard_module, "_get_post_forward_mesh_info", wrap))
+        stack.enter_context(_wrapped(DeviceMesh, "__init__", wrap))
+        stack.enter_context(_wrapped(DeviceMesh, "mesh", lambda p: property(wrap(p.fget))))
+        yield
 
 
 def _unpacked_hf_batches() -> contextlib.AbstractContextManager[None]:
@@ -85,7 +86,8 @@ def _unpacked_hf_batches() -> contextlib.AbstractContextManager[None]:
     return _wrapped(masking_utils, "find_packed_sequence_indices", wrap)
 
 
-def _unpacked_positions() -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def _unpacked_positions() -> Iterator[None]:
     """[Note: built-in masks under fake tensors]
     The built-in Llama given ``position_ids`` (always under context parallelism:
     fsdpkit.sharding.context_batch gives every cp rank its global positions) asks
@@ -100,10 +102,10 @@ def _unpacked_positions() -> contextlib.AbstractContextManager[None]:
 
         return unmasked_when_fake
 
-    stack = contextlib.ExitStack()
-    for module in (llama, context):  # the model's forward and the cp root hook
-        stack.enter_context(_wrapped(module, "document_mask", wrap))
-    return stack
+    with contextlib.ExitStack() as stack:
+        for module in (llama, context):  # the model's forward and the cp root hook
+            stack.enter_context(_wrapped(module, "document_mask", wrap))
+        yield
 
 
 def _untracked_dtensor_metadata() -> contextlib.AbstractContextManager[None]:
@@ -127,15 +129,13 @@ def _untracked_dtensor_metadata() -> contextlib.AbstractContextManager[None]:
     return _wrapped(ShardingPropagator, "_propagate_tensor_meta_non_cached", wrap)
 
 
-def faithful_step() -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def faithful_step() -> Iterator[None]:
     """The traced step allocates and masks as the real one: unpacked batches for
     transformers' masks and the built-in Llama's alike, and DTensor's shape
     bookkeeping kept out of the count (the three notes above)."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(_unpacked_hf_batches())
-    stack.enter_context(_unpacked_positions())
-    stack.enter_context(_untracked_dtensor_metadata())
-    return stack
+    with _unpacked_hf_batches(), _unpacked_positions(), _untracked_dtensor_metadata():
+        yield
 
 
 def forget_meshes() -> None:

@@ -12,7 +12,13 @@ that world. Limits, all measured on torch 2.13:
 - The device is modeled as the CPU: a fake "cuda" device fails inside ``fully_shard``.
   CPU and GPU differ in a few op workspaces (attention backward, embedding backward),
   which the analytic planner adds for GPUs and this mode does not.
-- The mesh is built outside ``FakeTensorMode``. Gradient clipping runs tensor by
+- The mesh is the run's own N-D mesh ([Note: parallel dimensions]: replicate x
+  shard x cp x tp), built outside ``FakeTensorMode``; every data-parallel rank gets
+  its batch (cp ranks slice theirs). What tensor and context parallelism compute from
+  tensor values or outside any tracker (mesh rank tensors, the built-in Llama's
+  document mask, DTensor's global-shape metadata, DTensor's caches of meshes between
+  traces) is set to the real run's answer in fsdpkit.planner.fake_patches, one note
+  each. Gradient clipping runs tensor by
   tensor: fake tracing of ``clip_grad_norm_(foreach=True)`` on DTensor gradients
   counts a copy of every gradient (seen at world size 1), the real kernel does not.
   The optimizer is the trainer's foreach AdamW, which traces exactly.

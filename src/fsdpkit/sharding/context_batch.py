@@ -45,7 +45,7 @@ def slice_batch(batch: SFTBatch | torch.Tensor, *, rank: int, cp: int) -> SFTBat
     # plain token ids predict every token: their count is the shape's (b x s), read
     # without a host sync and traceable on fake tensors (the traced planner)
     plain = isinstance(batch, torch.Tensor)
-    if plain:
+    if isinstance(batch, torch.Tensor):
         batch = SFTBatch(inputs=batch[:, :-1], targets=batch[:, 1:])
     b, s = batch.inputs.shape
     if s % cp:
