@@ -89,12 +89,6 @@ class Case:
             model = ["model.preset=tiny", *MODELS[self.model]]
         return load(None, [*model, "precision.mode=fp32", *self.overrides])
 
-    @property
-    def traceable(self) -> bool:
-        """Whether the traced planner plans it: not under tensor / context parallelism."""
-        parallel = self.config().parallel
-        return parallel.tp == 1 and parallel.cp == 1
-
     def shape(self) -> LlamaConfig | None:
         """The built-in model's shape (None: a model.hf model, built by the trainer)."""
         return None if self.model in HF_MODELS else model_shape(self.config())

@@ -74,13 +74,6 @@ def plan_scenario(
     if trace is None and not analytic:  # [Note: planning any model]: trace the rest
         trace = True
         sc = sc.with_(notes=(*sc.notes, f"planned by tracing: {sc.analytic_why_not}"))
-    if trace and (sc.tp > 1 or sc.cp > 1):
-        raise PlanError(
-            f"--trace with parallel.tp = {sc.tp}, parallel.cp = {sc.cp}: the traced planner "
-            "runs FSDP2 on a fake process group without the tensor- and context-parallel "
-            "axes yet. Plan this layout without --trace (the analytic model covers it), or "
-            "trace it at parallel.tp = 1 and parallel.cp = 1."
-        )
     if trace:
         if cfg is None:
             raise PlanError("traced planning needs the RunConfig (pass cfg=...)")

@@ -136,7 +136,8 @@ def check_layout(model: LlamaConfig | None, *, tp: int, cp: int, why_not: str | 
         raise PlanError(
             f"parallel.tp = {tp}, parallel.cp = {cp}: the planner models tensor and context "
             f"parallelism for Llama-shaped decoder blocks, but this run has "
-            f"{why_not or 'other units'} (the traced planner does not model tp / cp yet). "
+            f"{why_not or 'other units'} (the traced planner traces tp / cp only for "
+            "models whose shape the formulas read: it starts from their per-rank layout). "
             "Plan it with parallel.tp = 1 and parallel.cp = 1."
         )
     try:  # the trainer's own rule (fsdpkit.sharding.tensor)

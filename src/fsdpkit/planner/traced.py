@@ -12,7 +12,13 @@ that world. Limits, all measured on torch 2.13:
 - The device is modeled as the CPU: a fake "cuda" device fails inside ``fully_shard``.
   CPU and GPU differ in a few op workspaces (attention backward, embedding backward),
   which the analytic planner adds for GPUs and this mode does not.
-- The mesh is built outside ``FakeTensorMode``. Gradient clipping runs tensor by
+- The mesh is the run's own N-D mesh ([Note: parallel dimensions]: replicate x
+  shard x cp x tp), built outside ``FakeTensorMode``; every data-parallel rank gets
+  its batch (cp ranks slice theirs). What tensor and context parallelism compute from
+  tensor values or outside any tracker (mesh rank tensors, the built-in Llama's
+  document mask, DTensor's global-shape metadata, DTensor's caches of meshes between
+  traces) is set to the real run's answer in fsdpkit.planner.fake_patches, one note
+  each. Gradient clipping runs tensor by
   tensor: fake tracing of ``clip_grad_norm_(foreach=True)`` on DTensor gradients
   counts a copy of every gradient (seen at world size 1), the real kernel does not.
   The optimizer is the trainer's foreach AdamW, which traces exactly.
@@ -25,7 +31,8 @@ that world. Limits, all measured on torch 2.13:
   tensor out of place; a real run adds a tied embedding's gradient in place into the
   chunked loss's head gradient. The trace's chunked loss therefore adds the head's
   gradient into ``.grad`` itself (``ChunkedLoss.grad_into_weight``), which holds what
-  the real run holds.
+  the real run holds (inside context parallelism's slicing wrapper too,
+  ``ContextParallelLoss``; a closure there once hid it: +2.4% on a tp2 x cp2 row).
 - torch's tracker instruments every FSDP module on its own, which breaks a unit of
   several blocks (``parallel.blocks_per_unit``): its forward hooks then reshard the
   unit after its first block and the trace read 6-8% low. ``_UnitTracker`` hooks a
@@ -34,23 +41,20 @@ that world. Limits, all measured on torch 2.13:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import (
     FSDPMemTracker,
     _FSDPRefType,
     _SavedFSDPMethods,
 )
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard import _fully_shard as _fully_shard_module
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultAllGather,
     DefaultReduceScatter,
@@ -60,12 +64,15 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdpkit.config import RunConfig, with_changes
 from fsdpkit.errors import UserError
+from fsdpkit.loss.contract import LossFn
 from fsdpkit.loss.head import ChunkedLoss
 from fsdpkit.planner.analytic import late_free_spread
 from fsdpkit.planner.errors import PlanError, TraceError
+from fsdpkit.planner.fake_patches import faithful_step, forget_meshes, real_meshes
 from fsdpkit.planner.result import CATEGORIES, MemoryPlan, PeakPoint
 from fsdpkit.planner.scenario import Scenario
 from fsdpkit.planner.states import model_states
+from fsdpkit.sharding.context_batch import ContextParallelLoss
 from fsdpkit.sharding.mesh import build_mesh
 from fsdpkit.trainable.build import build_unsharded, shard_trainable
 from fsdpkit.trainable.step import step_options, synthetic_batches, train_step
@@ -235,88 +242,34 @@ def _run_config(cfg: RunConfig, sc: Scenario) -> RunConfig:
     return with_changes(cfg, {**changes, "parallel.accum_sync": sc.accum_sync})
 
 
-@contextlib.contextmanager
-def _wrapped(owner: Any, name: str, wrap: Callable[[Any], Any]) -> Iterator[None]:
-    """``owner.name`` replaced by ``wrap(original)`` inside; restored on exit."""
-    original = getattr(owner, name)
-    setattr(owner, name, wrap(original))
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
-def _real_submeshes() -> contextlib.AbstractContextManager[None]:
-    """An int ``reshard_after_forward`` makes ``fully_shard`` build a sub-mesh from the
-    mesh's rank tensor, which must not become a fake tensor: run that one helper
-    with fake mode paused."""
-
-    def wrap(original: Any) -> Any:
-        def real(*args: Any, **kwargs: Any) -> Any:
-            with unset_fake_temporarily():
-                return original(*args, **kwargs)
-
-        return real
-
-    return _wrapped(_fully_shard_module, "_get_post_forward_mesh_info", wrap)
-
-
-def _unpacked_hf_batches() -> contextlib.AbstractContextManager[None]:
-    """[Note: HF masks under fake tensors]
-    transformers decides whether a batch is packed (``position_ids`` restarting) by
-    evaluating a tensor (``masking_utils.find_packed_sequence_indices``); on fake
-    tensors it cannot, assumes packed and builds an explicit attention mask. That
-    sends SDPA down the masked path: per layer a float mask and K/V repeated to every
-    head are saved for backward (+0.75 MiB on each HF row of bench/plan_accuracy.py
-    without checkpointing), where the real run, given the same plain token batches,
-    finds them unpacked and calls the causal GQA kernel without a mask. The traced
-    step only feeds plain batches (no ``position_ids``), so on fake tensors the answer
-    is "not packed", as in the real run."""
-    try:
-        from transformers import masking_utils
-    except ImportError:
-        return contextlib.nullcontext()
-    if not hasattr(masking_utils, "find_packed_sequence_indices"):
-        return contextlib.nullcontext()  # another transformers version: nothing to correct
-
-    def wrap(original: Any) -> Any:
-        def unpacked_when_fake(*args: Any, **kwargs: Any) -> Any:
-            if any(isinstance(a, FakeTensor) for a in (*args, *kwargs.values())):
-                return None
-            return original(*args, **kwargs)
-
-        return unpacked_when_fake
-
-    return _wrapped(masking_utils, "find_packed_sequence_indices", wrap)
-
-
 def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
     """One steady-state step of the run's own build ([Note: one builder]) under fake
     tensors, with the trainer's step function, recorded phase by phase."""
     mesh = build_mesh(
-        replicate=sc.replicate, shard=sc.shard, device_type="cpu", world_size=sc.world_size
+        replicate=sc.replicate,
+        shard=sc.shard // sc.cp,  # sc.shard has cp folded in; the mesh axis has not
+        cp=sc.cp,
+        tp=sc.tp,
+        device_type="cpu",
+        world_size=sc.world_size,
     )
     run_cfg = _run_config(cfg, sc)
     shape = None if cfg.model.hf or cfg.model.factory else sc.model
     unsharded = build_unsharded(run_cfg, vocab_size=sc.vocab_size, device_type="cpu", shape=shape)
     with FakeTensorMode() as fake:
-        with _real_submeshes():
+        with real_meshes():
             run = shard_trainable(unsharded, run_cfg, mesh=mesh, device=CPU, fake=fake)
         if sc.device.kind == "cpu" and sc.shard > 1:
             _model_gloo_buffers(run.model)
-        loss_fn = run.loss_fn
-        if isinstance(loss_fn, ChunkedLoss):  # a tied head's grad summed in place, as real
-            loss_fn = dataclasses.replace(loss_fn, grad_into_weight=True)
+        loss_fn = _grads_in_place(run.loss_fn)
         _steady_state(run.model, run.optimizer)
         # two micro-batches hold what any later one holds (the second shows what a
         # no-sync accumulation keeps); more would only make the trace slower
-        batches = synthetic_batches(
-            run_cfg, dp_world=sc.world_size, vocab_size=sc.vocab_size, at_most=2
-        )
+        batches = synthetic_batches(run_cfg, dp_world=sc.dp, vocab_size=sc.vocab_size, at_most=2)
         tracker = _UnitTracker(run.model, run.optimizer)
         tracker.track_inputs(tuple(batches))
         recorder = _PhaseRecorder(tracker)
-        with tracker, _unpacked_hf_batches():
+        with tracker, faithful_step():
             train_step(
                 run.model,
                 run.optimizer,
@@ -327,6 +280,16 @@ def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
                 mark=recorder,
             )
     return recorder
+
+
+def _grads_in_place(loss_fn: LossFn) -> LossFn:
+    """A chunked loss that sums a tied head's gradient in place, as the real run does
+    (see the module docstring), also inside context parallelism's slicing wrapper."""
+    if isinstance(loss_fn, ContextParallelLoss):
+        return dataclasses.replace(loss_fn, inner=_grads_in_place(loss_fn.inner))
+    if isinstance(loss_fn, ChunkedLoss):
+        return dataclasses.replace(loss_fn, grad_into_weight=True)
+    return loss_fn
 
 
 def _steady_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -349,6 +312,7 @@ def traced_memory(cfg: RunConfig, sc: Scenario) -> MemoryPlan:
             "traced planning starts its own fake process group, but one is already "
             "initialized in this process; run the plan outside the training job."
         )
+    forget_meshes()  # meshes of process groups this process had before
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=sc.world_size)
     try:
         recorder = _trace(cfg, sc)
@@ -364,6 +328,7 @@ def traced_memory(cfg: RunConfig, sc: Scenario) -> MemoryPlan:
         ) from exc
     finally:
         dist.destroy_process_group()
+        forget_meshes()
     return _memory_plan(sc, recorder)
 
 

@@ -25,6 +25,7 @@ holds before slicing, so no collective is needed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +42,9 @@ def slice_batch(batch: SFTBatch | torch.Tensor, *, rank: int, cp: int) -> SFTBat
     """Rank ``rank``'s slice of ``batch`` (token ids (b, s + 1) or an SFTBatch), with
     global position ids and the normalizer of [Note: context-parallel loss
     normalization]."""
+    # plain token ids predict every token: their count is the shape's (b x s), read
+    # without a host sync and traceable on fake tensors (the traced planner)
+    plain = isinstance(batch, torch.Tensor)
     if isinstance(batch, torch.Tensor):
         batch = SFTBatch(inputs=batch[:, :-1], targets=batch[:, 1:])
     b, s = batch.inputs.shape
@@ -53,7 +57,9 @@ def slice_batch(batch: SFTBatch | torch.Tensor, *, rank: int, cp: int) -> SFTBat
     positions = batch.positions
     if positions is None:
         positions = torch.arange(s, device=batch.device).expand(b, s)
-    normalizer = batch.normalizer if batch.normalizer is not None else batch.target_count()
+    normalizer = batch.normalizer
+    if normalizer is None:
+        normalizer = b * s if plain else batch.target_count()
     part = slice(rank * (s // cp), (rank + 1) * (s // cp))
     return SFTBatch(
         inputs=batch.inputs[:, part],
@@ -63,15 +69,24 @@ def slice_batch(batch: SFTBatch | torch.Tensor, *, rank: int, cp: int) -> SFTBat
     )
 
 
+@dataclass(frozen=True)
+class ContextParallelLoss:
+    """``inner`` on this cp rank's slice of every batch (``context_parallel_loss``). A
+    dataclass rather than a closure so that code holding it can see, and replace, the
+    loss it wraps (the traced planner adjusts a ChunkedLoss inside)."""
+
+    inner: LossFn
+    rank: int
+    cp: int
+
+    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        return self.inner(model, slice_batch(batch, rank=self.rank, cp=self.cp))
+
+
 def context_parallel_loss(loss_fn: LossFn, *, mesh: DeviceMesh) -> LossFn:
     """``loss_fn`` on this cp rank's slice of every batch (``slice_batch``; ``mesh``:
     the cp sub-mesh). ``loss_fn`` receives an SFTBatch with a normalizer, as
     ``sft_loss`` and ``ChunkedLoss`` take it; ``next_token_loss`` is replaced by
     ``sft_loss``, which computes the same loss from the same tokens."""
-    rank, cp = mesh.get_local_rank(), mesh.size()
     inner = sft_loss if loss_fn is next_token_loss else loss_fn
-
-    def loss(model: nn.Module, batch: Any) -> torch.Tensor:
-        return inner(model, slice_batch(batch, rank=rank, cp=cp))
-
-    return loss
+    return ContextParallelLoss(inner=inner, rank=mesh.get_local_rank(), cp=mesh.size())

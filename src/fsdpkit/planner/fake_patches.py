@@ -1,0 +1,152 @@
+"""What the traced planner changes in torch and the model code while it traces
+([Note: traced planning] in fsdpkit.planner.traced): each patch is a context manager
+that restores the original on exit, and each exists because a real run computes a
+value from a real tensor where a fake tensor has none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp._fully_shard import _fully_shard as _fully_shard_module
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.utils._python_dispatch import _disable_current_modes
+
+from fsdpkit.models import llama
+from fsdpkit.sharding import context
+
+
+@contextlib.contextmanager
+def _wrapped(owner: Any, name: str, wrap: Callable[[Any], Any]) -> Iterator[None]:
+    """``owner.name`` replaced by ``wrap(original)`` inside; restored on exit."""
+    original = getattr(owner, name)
+    setattr(owner, name, wrap(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def real_meshes() -> Iterator[None]:
+    """Mesh rank tensors stay real tensors: an int ``reshard_after_forward`` makes
+    ``fully_shard`` build a sub-mesh from the mesh's rank tensor, and a DTensor
+    parameter (tensor parallelism) makes it join the data and tp axes into one mesh
+    (``DeviceMesh._concatenate``), whose ranks are laid out and indexed from the root
+    mesh's real rank map. Both must run with fake mode paused, or the fake mode meets
+    a real int tensor (``aten.as_strided``) and refuses it."""
+
+    def wrap(original: Any) -> Any:
+        def real(*args: Any, **kwargs: Any) -> Any:
+            with unset_fake_temporarily():
+                return original(*args, **kwargs)
+
+        return real
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_wrapped(_fully_shard_module, "_get_post_forward_mesh_info", wrap))
+        stack.enter_context(_wrapped(DeviceMesh, "__init__", wrap))
+        stack.enter_context(_wrapped(DeviceMesh, "mesh", lambda p: property(wrap(p.fget))))
+        yield
+
+
+def _unpacked_hf_batches() -> contextlib.AbstractContextManager[None]:
+    """[Note: HF masks under fake tensors]
+    transformers decides whether a batch is packed (``position_ids`` restarting) by
+    evaluating a tensor (``masking_utils.find_packed_sequence_indices``); on fake
+    tensors it cannot, assumes packed and builds an explicit attention mask. That
+    sends SDPA down the masked path: per layer a float mask and K/V repeated to every
+    head are saved for backward (+0.75 MiB on each HF row of bench/plan_accuracy.py
+    without checkpointing), where the real run, given the same plain token batches,
+    finds them unpacked and calls the causal GQA kernel without a mask. The traced
+    step only feeds plain batches (no ``position_ids``), so on fake tensors the answer
+    is "not packed", as in the real run."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        return contextlib.nullcontext()  # another transformers version: nothing to correct
+
+    def wrap(original: Any) -> Any:
+        def unpacked_when_fake(*args: Any, **kwargs: Any) -> Any:
+            if any(isinstance(a, FakeTensor) for a in (*args, *kwargs.values())):
+                return None
+            return original(*args, **kwargs)
+
+        return unpacked_when_fake
+
+    return _wrapped(masking_utils, "find_packed_sequence_indices", wrap)
+
+
+@contextlib.contextmanager
+def _unpacked_positions() -> Iterator[None]:
+    """[Note: built-in masks under fake tensors]
+    The built-in Llama given ``position_ids`` (always under context parallelism:
+    fsdpkit.sharding.context_batch gives every cp rank its global positions) asks
+    ``document_mask`` whether a row holds several examples, by evaluating the
+    positions; fake tensors have no values to evaluate. The traced step feeds plain
+    token batches, whose positions are ``arange(seq)`` (whole or sliced, one example
+    per row), so the real run's answer is "no mask": give it on fake positions."""
+
+    def wrap(original: Any) -> Any:
+        def unmasked_when_fake(position_ids: torch.Tensor) -> torch.Tensor | None:
+            return None if isinstance(position_ids, FakeTensor) else original(position_ids)
+
+        return unmasked_when_fake
+
+    with contextlib.ExitStack() as stack:
+        for module in (llama, context):  # the model's forward and the cp root hook
+            stack.enter_context(_wrapped(module, "document_mask", wrap))
+        yield
+
+
+def _untracked_dtensor_metadata() -> contextlib.AbstractContextManager[None]:
+    """[Note: DTensor metadata under the tracker]
+    Under tensor parallelism every op on a DTensor activation first derives its
+    output's global shape by running the op on fake tensors of the *global* shapes
+    (``ShardingPropagator._propagate_tensor_meta_non_cached``) and caches the answer.
+    A real run does that in a fake mode of its own, allocating nothing; in the trace
+    it ran inside the tracker, which counted those global-size tensors wherever an op
+    was first seen (the backward of the last block with activation checkpointing:
+    +2.4% on bench/plan_accuracy.py's "MP A dp2 x tp2 +AC", +4.4% on "tp4 MHA +AC").
+    Run it with every mode suspended, as in the real run: it then makes its own."""
+
+    def wrap(original: Any) -> Any:
+        def untracked(*args: Any, **kwargs: Any) -> Any:
+            with _disable_current_modes():
+                return original(*args, **kwargs)
+
+        return untracked
+
+    return _wrapped(ShardingPropagator, "_propagate_tensor_meta_non_cached", wrap)
+
+
+@contextlib.contextmanager
+def faithful_step() -> Iterator[None]:
+    """The traced step allocates and masks as the real one: unpacked batches for
+    transformers' masks and the built-in Llama's alike, and DTensor's shape
+    bookkeeping kept out of the count (the three notes above)."""
+    with _unpacked_hf_batches(), _unpacked_positions(), _untracked_dtensor_metadata():
+        yield
+
+
+def forget_meshes() -> None:
+    """Drop DTensor's caches of sharding decisions, which hold meshes.
+
+    DTensor caches an op's output placements (in Python and in C++) by its inputs'
+    specs, and meshes compare equal by shape and ranks alone. Each trace starts and
+    destroys its own fake process group, so a later trace in the same process (the
+    bench plans many configurations) whose tp axis equals an earlier one's was handed
+    the earlier mesh and its destroyed groups ("Could not resolve the process group
+    registered under the name 3"). Called around every trace."""
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    clear_redistribute_planner_cache()
