@@ -16,10 +16,10 @@ Parts (``--only train,attention``):
   llama3-1b, seq 8192, bf16 (fp32 reduce), global batch N sequences, micro-batch cap
   1, every setting identical but the layout: FSDP only; tp2 (+ sequence parallel);
   cp2 (Ulysses); tp2 x cp2 (N >= 4); tp2 compiled (``train.compile=true``); tp2
-  compiled with async TP: ``torch._inductor.config._micro_pipeline_tp = True`` and
-  ``torch.distributed._symmetric_memory.enable_symm_mem_for_group`` on the tp group
-  before the first (compiling) step, so inductor fuses each all-gather -> matmul and
-  matmul -> reduce-scatter pair of the sequence-parallel plan into a pipelined one.
+  compiled with async TP (``parallel.async_tp=true``: fsdpkit sets inductor's
+  ``_micro_pipeline_tp`` before compiling the blocks), so inductor fuses each
+  all-gather -> matmul and matmul -> reduce-scatter pair of the sequence-parallel plan
+  into a pipelined one.
   Rounds run the rows in order (A B C ..., A B C ...); tokens/s is the loop's (compile
   excluded) over steps 4..N; memory: ``torch.cuda.memory_allocated`` after the build
   and ``max_memory_allocated`` at the end, the largest rank's.
@@ -73,7 +73,8 @@ def train_rows(gpus: int) -> dict[str, tuple[str, list[str], bool]]:
     if gpus >= 4:
         rows["tpcp"] = ("tp2 x cp2", ["parallel.tp=2", "parallel.cp=2"], False)
     rows["tp-compiled"] = ("tp2, compiled", COMPILED, False)
-    rows["tp-async"] = ("tp2, compiled, async TP (micro-pipelined)", COMPILED, True)
+    async_tp = [*COMPILED, "parallel.async_tp=true"]  # fsdpkit's own switch
+    rows["tp-async"] = ("tp2, compiled, async TP (micro-pipelined)", async_tp, True)
     return rows
 
 
@@ -89,12 +90,9 @@ ATTENTION = {
 
 def _train_worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    import torch._inductor.config as inductor_config
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     from fsdpkit.run.resolve import resolve
     from fsdpkit.runtime.distenv import joined_env
-    from fsdpkit.sharding.mesh import tp_mesh
     from fsdpkit.train.loop import run
     from fsdpkit.train.session import build_session
 
@@ -104,13 +102,7 @@ def _train_worker(args: argparse.Namespace) -> dict[str, Any]:
     cfg = resolve(
         None, overrides, world_size=env.world_size, local_world_size=env.local_world_size
     ).config
-    if args.async_tp:
-        inductor_config._micro_pipeline_tp = True
-    session = build_session(cfg, env)
-    if args.async_tp:
-        tp = tp_mesh(session.mesh)
-        assert tp is not None, "async TP needs parallel.tp > 1"
-        enable_symm_mem_for_group(tp.get_group().group_name)
+    session = build_session(cfg, env)  # parallel.async_tp in the overrides turns it on
     built = torch.cuda.memory_allocated() / 2**20
     run(session)
     return {
@@ -214,7 +206,7 @@ def _train_row(
     run_dir = tmp / f"{key}-{rnd}"
     overrides = [*TRAIN, *layout, f"train.global_batch_size={gpus}", f"logging.run_dir={run_dir}"]
     args = ["--worker", "train", "--overrides", json.dumps(overrides)]
-    ranks, error = _launch(gpus, [*args, *(["--async-tp"] if async_tp else [])], tmp=tmp)
+    ranks, error = _launch(gpus, args, tmp=tmp)
     if error:
         return {"key": key, "label": label, "error": error}
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -306,7 +298,6 @@ def _parser() -> argparse.ArgumentParser:
     # the worker side (the parent passes these to itself under torchrun)
     parser.add_argument("--worker", choices=PARTS, help=argparse.SUPPRESS)
     parser.add_argument("--overrides", help=argparse.SUPPRESS)
-    parser.add_argument("--async-tp", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--impl", choices=list(ATTENTION), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     return parser

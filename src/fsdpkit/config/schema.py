@@ -203,6 +203,11 @@ class ParallelConfig:
     heads for sequence with an all-to-all (Ulysses), so each rank holds seq_len / cp
     tokens of every activation. Must divide data.seq_len and the heads (and key/value
     heads) per tensor-parallel rank. FSDP shards over the data x cp ranks."""
+    async_tp: bool = False
+    """Async tensor parallelism (CUDA, with train.compile and parallel.tp > 1): inductor
+    micro-pipelines each tensor-parallel all-gather / reduce-scatter with the matmul
+    next to it (torch's ``_micro_pipeline_tp``, as torchtitan's async TP). Not run on a
+    GPU in fsdpkit's tests yet."""
     reshard_after_forward: bool | int | None = None
     """Override the strategy's resharding: true, false, or an int to reshard to a smaller
     group (must divide the shard group size)."""

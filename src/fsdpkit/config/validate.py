@@ -67,6 +67,19 @@ def validate(cfg: RunConfig) -> None:
     _validate_finetune(cfg)
     _validate_dpo(cfg)
     _validate_logging(cfg)
+    _validate_async_tp(cfg)
+
+
+def _validate_async_tp(cfg: RunConfig) -> None:
+    """parallel.async_tp rewrites the compiled blocks' tensor-parallel collectives, so it
+    needs both (the device is checked where the mesh is: fsdpkit.sharding.compile)."""
+    if cfg.parallel.async_tp and (cfg.parallel.tp < 2 or not cfg.train.compile):
+        raise ConfigError(
+            f"parallel.async_tp = true overlaps tensor-parallel collectives with the matmuls "
+            f"next to them inside compiled blocks, so it needs parallel.tp > 1 (got "
+            f"{cfg.parallel.tp}) and train.compile = true (got {cfg.train.compile}). Set "
+            "both, or parallel.async_tp = false."
+        )
 
 
 def _validate_logging(cfg: RunConfig) -> None:

@@ -39,7 +39,7 @@ from fsdpkit.models.accessors import is_norm
 from fsdpkit.models.hf_init import own_initializer
 from fsdpkit.sharding.activations import checkpoint_forward
 from fsdpkit.sharding.blocks import choose_blocks
-from fsdpkit.sharding.compile import compile_blocks
+from fsdpkit.sharding.compile import compile_blocks, enable_async_tp
 from fsdpkit.sharding.context import apply_context_parallel
 from fsdpkit.sharding.edges import edge_modules
 from fsdpkit.sharding.materialize import is_meta, materialize
@@ -164,6 +164,8 @@ def shard(
     )
     checkpointed = _checkpoint(blocks, specs, cfg)
     if cfg.train.compile:
+        if cfg.parallel.async_tp:
+            enable_async_tp(device_type=device_type)
         compile_blocks(blocks)
     offload = offload_policy(enabled=cfg.offload.params, device_type=device_type)
     if fp32_norms:

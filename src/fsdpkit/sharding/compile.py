@@ -41,6 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdpkit.errors import ConfigError
+
 _TIMERS = ("_compile.compile_inner", "backward._backward_impl")
 """dynamo's timers: tracing + AOT + inductor of a frame; the lazy backward compile."""
 
@@ -69,6 +71,22 @@ def _compile_forward(block: nn.Module, *, backend: str) -> None:
         return inner(*args, **kwargs)
 
     block.forward = torch.compile(forward, backend=backend)  # type: ignore[method-assign]
+
+
+def enable_async_tp(*, device_type: str) -> None:
+    """``parallel.async_tp``: inductor's micro-pipelined tensor parallelism, which splits
+    each all-gather / reduce-scatter around a matmul into chunks overlapped with it
+    through symmetric memory (CUDA only; torch 2.13 needs no per-group setup). A
+    process-wide inductor setting: every block compiled after this call uses it."""
+    if device_type != "cuda":
+        raise ConfigError(
+            f"parallel.async_tp = true needs CUDA GPUs (NCCL and symmetric memory); this "
+            f"run's devices are {device_type!r}. Set parallel.async_tp = false: the "
+            "tensor-parallel collectives then run between the matmuls."
+        )
+    import torch._inductor.config as inductor_config
+
+    inductor_config._micro_pipeline_tp = True
 
 
 def compile_seconds() -> float:
