@@ -30,7 +30,7 @@ demo: $(STAMP)
 	$(VENV)/bin/fsdpkit train
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --durations=25
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -m "not slow"
