@@ -100,11 +100,11 @@ class TensorPlan:
     def describe(self, tp: int) -> str:
         sp = ", sequence parallel" if self.sequence_parallel else ""
         vocab = (
-            "embedding and head split by vocabulary (loss parallel)"
+            "embedding and head split by vocabulary, loss parallel"
             if self.whole_vocab is None
             else f"embedding and head whole: {self.whole_vocab}"
-        )
-        return f"tensor parallel {tp} ({self.source}{sp}: {self.linears} linears split; {vocab})"
+        )  # no "; ": the run's first line joins its parts with it
+        return f"tensor parallel {tp} ({self.source}{sp}: {self.linears} linears split, {vocab})"
 
 
 def block_plan(model: nn.Module, *, tp: int) -> tuple[dict[str, str], str]:
