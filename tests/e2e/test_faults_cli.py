@@ -101,10 +101,11 @@ def test_1_4_5_killed_launcher_takes_its_workers_along_and_nobody_else_gets_in(
 
 
 def _stop(
-    run_dir: Path, proc: subprocess.Popen[str], *signals: int, after: int = 3
+    run_dir: Path, proc: subprocess.Popen[str], *signals: int, after: int = 3, lead: float = 0.0
 ) -> tuple[str, str]:
-    """Send ``signals`` once the run logged step ``after``; its output."""
+    """Send ``signals`` ``lead`` seconds after the run logged step ``after``; its output."""
     wait_for_step(run_dir, after, proc)
+    time.sleep(lead)
     for i, sig in enumerate(signals):
         time.sleep(0.5 if i else 0)  # two quick signals would merge into one
         proc.send_signal(sig)
@@ -132,9 +133,12 @@ def test_2_ctrl_c_and_hangup_save_the_current_step_and_a_second_ctrl_c_stops_at_
     hup = _newest_checkpoint(run_dir)
     assert hup > saved and f"SIGHUP (terminal closed): checkpointed step {hup}" in err
 
-    slow = {"FSDPKIT_TEST_FORWARD_DELAY": "1.0"}  # the 2nd Ctrl-C lands mid-step
+    # Both Ctrl-Cs land inside the next step's 3 s forward: the first 1 s after a step
+    # was logged (not at the step boundary, where the first alone would save and exit
+    # before the second: seen once in CI under load), the second 0.5 s later.
+    slow = {"FSDPKIT_TEST_FORWARD_DELAY": "3.0"}
     launched.append(proc := start(*args, cwd=tmp_path, env=slow))
-    out, err = _stop(run_dir, proc, signal.SIGINT, signal.SIGINT, after=hup + 1)
+    out, err = _stop(run_dir, proc, signal.SIGINT, signal.SIGINT, after=hup + 1, lead=1.0)
     assert proc.returncode == 130, err[-2000:]
     assert "a second SIGINT: stopped at once without saving" in err, err[-2000:]
     assert f"newest complete checkpoint is step {hup}" in err
