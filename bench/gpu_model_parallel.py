@@ -15,9 +15,10 @@ Parts (``--only train,attention``):
   -> the training loop, what ``fsdpkit train`` runs) under ``torchrun`` at N GPUs on
   llama3-1b, seq 8192, bf16 (fp32 reduce), global batch N sequences, micro-batch cap
   1, every setting identical but the layout: FSDP only; tp2 (+ sequence parallel);
-  cp2 (Ulysses); tp2 x cp2 (N >= 4); tp2 compiled (``train.compile=true``); tp2
-  compiled with async TP (``parallel.async_tp=true``: fsdpkit sets inductor's
-  ``_micro_pipeline_tp`` before compiling the blocks), so inductor fuses each
+  cp2 (Ulysses); cp2 (``parallel.cp_attention=ring``); tp2 x cp2 (N >= 4); tp2
+  compiled (``train.compile=true``); tp2 compiled with async TP
+  (``parallel.async_tp=true``: fsdpkit sets inductor's ``_micro_pipeline_tp`` before
+  compiling the blocks), so inductor fuses each
   all-gather -> matmul and matmul -> reduce-scatter pair of the sequence-parallel plan
   into a pipelined one.
   Rounds run the rows in order (A B C ..., A B C ...); tokens/s is the loop's (compile
@@ -26,7 +27,9 @@ Parts (``--only train,attention``):
 - attention: one attention layer (q/k/v projections from a (1, S, 4096) input, 32
   heads of 128, causal SDPA, forward + backward) over cp = N ranks, S = --attn-seq
   tokens in all: fsdpkit's Ulysses exchange (``fsdpkit.sharding.context
-  .UlyssesAttention``: each rank a contiguous S / N slice) against torch's ring
+  .UlyssesAttention``: each rank a contiguous S / N slice), fsdpkit's ring
+  (``fsdpkit.sharding.ring.RingAttention`` on head-tail chunks, what
+  ``parallel.cp_attention=ring`` trains with) and torch's ring
   attention (``torch.distributed.tensor.experimental.context_parallel`` sharding the
   input with its causal load balancing, ``set_rotate_method("allgather")`` and
   ``("alltoall")``). Median ms per iteration over 10 after 3 warm-up, and peak memory.
@@ -60,6 +63,8 @@ TRAIN = [
 ]  # fmt: skip
 """About 1.2B parameters, bf16 compute with fp32 reduce, 8192 tokens per sequence."""
 COMPILED = ["parallel.tp=2", "parallel.cp=1", "train.compile=true"]
+RING = "parallel.cp_attention=ring"
+"""fsdpkit's switch to torch's ring attention (fsdpkit.sharding.ring)."""
 PARTS = ("train", "attention")
 
 
@@ -69,6 +74,7 @@ def train_rows(gpus: int) -> dict[str, tuple[str, list[str], bool]]:
         "fsdp": (f"FSDP only (shard {gpus})", ["parallel.tp=1", "parallel.cp=1"], False),
         "tp": ("tp2 (+ sequence parallel)", ["parallel.tp=2", "parallel.cp=1"], False),
         "cp": ("cp2 (Ulysses)", ["parallel.tp=1", "parallel.cp=2"], False),
+        "cp-ring": ("cp2 (ring attention)", ["parallel.tp=1", "parallel.cp=2", RING], False),
     }
     if gpus >= 4:
         rows["tpcp"] = ("tp2 x cp2", ["parallel.tp=2", "parallel.cp=2"], False)
@@ -80,6 +86,7 @@ def train_rows(gpus: int) -> dict[str, tuple[str, list[str], bool]]:
 
 ATTENTION = {
     "ulysses": "fsdpkit Ulysses all-to-all (contiguous slices)",
+    "fsdpkit-ring": "fsdpkit RingAttention (torch's ring SDPA on head-tail chunks)",
     "ring-allgather": "torch ring attention, set_rotate_method('allgather')",
     "ring-alltoall": "torch ring attention, set_rotate_method('alltoall')",
 }
@@ -120,6 +127,7 @@ def _attention_step(impl: str, *, seq: int, mesh: Any) -> tuple[float, float]:
     from torch.distributed.tensor.experimental._attention import set_rotate_method
 
     from fsdpkit.sharding.context import UlyssesAttention
+    from fsdpkit.sharding.ring import RingAttention, enable_ring, head_tail_index
 
     heads, head_dim = 32, 128
     dim, cp, rank = heads * head_dim, mesh.size(), mesh.get_local_rank()
@@ -136,6 +144,11 @@ def _attention_step(impl: str, *, seq: int, mesh: Any) -> tuple[float, float]:
         if impl == "ulysses":
             q, k, v = qkv(full.chunk(cp, dim=1)[rank].contiguous())
             ulysses(q, k, v, mask=None).float().sum().backward()
+            return
+        if impl == "fsdpkit-ring":
+            enable_ring(device_type="cuda")
+            q, k, v = qkv(full[:, head_tail_index(seq=seq, cp=cp, rank=rank, device=full.device)])
+            RingAttention(mesh)(q, k, v, mask=None).float().sum().backward()
             return
         set_rotate_method(impl.removeprefix("ring-"))
         x = full.clone()  # sharded in place, not restored (no all-gather timed)

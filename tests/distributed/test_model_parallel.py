@@ -46,6 +46,7 @@ parallelism adds roundings FSDP alone does not have: o / down's partial sums are
 reduced over tp in bf16."""
 VOCAB = 128
 WORLD = 4
+RING = "parallel.cp_attention=ring"
 SHAPES = {"llama": untied(), "llama-tied": TINY, "llama-kv4": replace(untied(), n_kv_heads=4)}
 
 # name -> (model kind, config overrides)
@@ -73,9 +74,19 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "hf-qwen2-tp2-chunked": ("hf-qwen2", ["parallel.tp=2"]),
     "hf-llama-tp2-ac-full-chunked": ("hf-llama", ["parallel.tp=2", "activations.mode=full"]),
     "hf-qwen2-tp2-packed-sft": ("hf-qwen2", ["parallel.tp=2"]),
+    "dp2xcp2-ring": ("llama", ["parallel.cp=2", RING]),
+    "cp4-ring-sft": ("llama-kv4", ["parallel.cp=4", RING, "activations.mode=full"]),
+    "tp2xcp2-ring-ac-selective": (
+        "llama",
+        ["parallel.tp=2", "parallel.cp=2", RING, "activations.mode=selective"],
+    ),
+    "hf-qwen2-cp2-ring-chunked": ("hf-qwen2", ["parallel.cp=2", RING]),
 }
 """Variants named "-chunked" train with the chunked loss (vocabulary-parallel under tp),
-the others with full logits (all-gathered over the vocabulary under tp)."""
+the others with full logits (all-gathered over the vocabulary under tp). "-ring" ones
+split attention by torch's ring attention (head-tail chunks; on this CPU through
+fsdpkit's adapter to torch's CPU flash kernel), the other cp ones by Ulysses;
+"-sft" ones (not packed) train unpacked SFT rows, prompts masked."""
 
 
 BF16: dict[str, tuple[str, list[str]]] = {
@@ -135,15 +146,27 @@ def packed(tokens: torch.Tensor) -> SFTBatch:
     return SFTBatch(inputs=tokens[:, :-1], targets=targets, positions=positions)
 
 
+def unpacked(tokens: torch.Tensor) -> SFTBatch:
+    """SFT rows of one example each (no position ids), the first 5 tokens masked as the
+    prompt."""
+    targets = tokens[:, 1:].clone()
+    targets[:, :5] = IGNORE_INDEX
+    return SFTBatch(inputs=tokens[:, :-1], targets=targets)
+
+
 def _loss(name: str, cp: Any = None) -> Any:
-    """The variant's loss: next-token or packed SFT, from full logits or chunked, sliced
-    over cp when there is one."""
-    sft = name.endswith("packed-sft")
+    """The variant's loss: next-token or (packed) SFT, from full logits or chunked,
+    sliced over cp when there is one (in ring attention's chunks for "-ring")."""
+    rows = packed if name.endswith("packed-sft") else unpacked if name.endswith("-sft") else None
     base = (
-        ChunkedLoss(chunk_tokens=12) if "-chunked" in name else sft_loss if sft else next_token_loss
+        ChunkedLoss(chunk_tokens=12)
+        if "-chunked" in name
+        else sft_loss
+        if rows
+        else next_token_loss
     )
-    loss = base if cp is None else context_parallel_loss(base, mesh=cp)
-    return (lambda model, tokens: loss(model, packed(tokens))) if sft else loss
+    loss = base if cp is None else context_parallel_loss(base, mesh=cp, ring="-ring" in name)
+    return (lambda model, tokens: loss(model, rows(tokens))) if rows else loss
 
 
 def _run_variant(rank: int, name: str, dirs: dict[str, str]) -> dict[str, Any]:

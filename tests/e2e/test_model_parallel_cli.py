@@ -1,5 +1,5 @@
 """``fsdpkit train`` with tensor and context parallelism, as a user runs it: a
-checkpoint saved at dp2 x tp2 resumes at dp4, tp4 and dp2 x cp2 with the same next
+checkpoint saved at dp2 x tp2 resumes at dp4, tp4 and dp2 x cp2 (ring attention) with the same next
 losses, at its own layout bit for bit; HF exports of a tp run and of an FSDP-only run
 hold the same tensors; a layout the model or the world cannot take is one paragraph
 naming the field, before any worker starts."""
@@ -34,7 +34,13 @@ COMMON = [
     "logging.report=false",
     "checkpoint.every=3",
 ]
-RESUMED = {"dp4": "parallel.tp=1", "tp4": "parallel.tp=4", "dp2xcp2": "parallel.cp=2"}
+RESUMED = {
+    "dp4": "parallel.tp=1",
+    "tp4": "parallel.tp=4",
+    "dp2xcp2-ring": "parallel.cp=2 parallel.cp_attention=ring",
+}
+"""Layouts the dp2 x tp2 checkpoint resumes at (cp through torch's ring attention; the
+Ulysses exchange's parity is tests/distributed/test_model_parallel.py's)."""
 
 
 def _train(tmp: Path, name: str, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -50,7 +56,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert "tensor parallel 2" in first.stdout
     ckpt = tmp / "tp2" / "checkpoints" / "step-00000003"
     for name, layout in [*RESUMED.items(), ("same", "parallel.tp=2")]:
-        _train(tmp, name, layout, f"checkpoint.resume={ckpt}")
+        run = _train(tmp, name, *layout.split(), f"checkpoint.resume={ckpt}")
+        assert ("ring attention" in run.stdout) == name.endswith("-ring"), run.stdout[:3000]
     return tmp
 
 
@@ -92,6 +99,7 @@ def test_hf_export_of_a_tp_run_equals_the_fsdp_only_one(runs: Path) -> None:
         ),
         ("parallel.cp=2 data.seq_len=33", "must divide data.seq_len = 33"),
         ("parallel.cp=4 model.n_heads=2 model.n_kv_heads=2", "parallel.cp = 4"),
+        ("parallel.cp=2 parallel.cp_attention=ring data.seq_len=34", "multiple of 2 x parallel.cp"),
     ],
 )
 def test_bad_layout_is_one_paragraph_before_any_worker(

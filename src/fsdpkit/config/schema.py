@@ -203,6 +203,13 @@ class ParallelConfig:
     heads for sequence with an all-to-all (Ulysses), so each rank holds seq_len / cp
     tokens of every activation. Must divide data.seq_len and the heads (and key/value
     heads) per tensor-parallel rank. FSDP shards over the data x cp ranks."""
+    cp_attention: Literal["ulysses", "ring"] = "ulysses"
+    """How attention is split over the cp ranks. ulysses: all-to-alls trade sequence for
+    heads (any mask, packed rows included; heads per tp rank must divide by cp). ring:
+    torch's ring attention, keys and values passed around the cp ranks, load-balanced
+    causal chunks (data.seq_len a multiple of 2 x cp; causal rows only, so SFT needs
+    data.pack = false; heads need not divide by cp). CUDA uses torch's kernels, CPU an
+    fsdpkit adapter to torch's CPU kernel. See docs/parallelism.md."""
     async_tp: bool = False
     """Async tensor parallelism (CUDA, with train.compile and parallel.tp > 1): inductor
     micro-pipelines each tensor-parallel all-gather / reduce-scatter with the matmul

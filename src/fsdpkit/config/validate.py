@@ -10,7 +10,7 @@ from typing import Any
 
 from fsdpkit.config.batch import batch_split
 from fsdpkit.config.dims import parallel_dims
-from fsdpkit.config.schema import ModelConfig, RunConfig
+from fsdpkit.config.schema import DataConfig, ModelConfig, RunConfig
 from fsdpkit.errors import ConfigError
 from fsdpkit.precision import PRESETS
 from fsdpkit.strategies import strategy
@@ -68,6 +68,7 @@ def validate(cfg: RunConfig) -> None:
     _validate_dpo(cfg)
     _validate_logging(cfg)
     _validate_async_tp(cfg)
+    _validate_cp_attention(cfg)
 
 
 def _validate_async_tp(cfg: RunConfig) -> None:
@@ -79,6 +80,34 @@ def _validate_async_tp(cfg: RunConfig) -> None:
             f"next to them inside compiled blocks, so it needs parallel.tp > 1 (got "
             f"{cfg.parallel.tp}) and train.compile = true (got {cfg.train.compile}). Set "
             "both, or parallel.async_tp = false."
+        )
+
+
+def _validate_cp_attention(cfg: RunConfig) -> None:
+    """parallel.cp_attention = "ring" splits attention over cp ranks, causally over whole
+    rows, in 2 x cp chunks (fsdpkit.sharding.ring)."""
+    par = cfg.parallel
+    if par.cp_attention != "ring":
+        return
+    if par.cp < 2:
+        raise ConfigError(
+            f'parallel.cp_attention = "ring" splits attention over the context-parallel '
+            f"ranks, but parallel.cp = {par.cp}. Set parallel.cp > 1, or leave "
+            'parallel.cp_attention = "ulysses".'
+        )
+    if cfg.data.seq_len % (2 * par.cp):
+        raise ConfigError(
+            f"data.seq_len = {cfg.data.seq_len} must be a multiple of 2 x parallel.cp = "
+            f'{2 * par.cp} with parallel.cp_attention = "ring": each rank holds two equal '
+            "chunks of every sequence (one early, one late) so causal attention's work is "
+            "balanced."
+        )
+    if forced_sft(cfg.data) and cfg.data.pack and cfg.train.objective == "lm":
+        raise ConfigError(
+            'parallel.cp_attention = "ring" attends causally over each whole row, so it '
+            "cannot keep packed SFT examples apart (data.format = sft, data.pack = true). "
+            'Set data.pack = false, or parallel.cp_attention = "ulysses" (which applies '
+            "the document mask)."
         )
 
 
@@ -159,6 +188,11 @@ def _validate_dpo(cfg: RunConfig) -> None:
         )
 
 
+def forced_sft(d: DataConfig) -> bool:
+    """Whether the config itself says the data is SFT rows (auto may still find them)."""
+    return d.format == "sft" or d.schema not in ("auto", "text")
+
+
 def _validate_data(cfg: RunConfig) -> None:
     d = cfg.data
     if d.max_bytes is not None and d.max_bytes <= 0:
@@ -170,8 +204,7 @@ def _validate_data(cfg: RunConfig) -> None:
             "data.path and data.mix both name the data; keep one (data.mix = "
             '["PATH@WEIGHT", ...] for several sources).'
         )
-    sft = d.format == "sft" or d.schema not in ("auto", "text")
-    if sft and not (d.path or d.mix):
+    if forced_sft(d) and not (d.path or d.mix):
         raise ConfigError(
             f"data.format = {d.format!r} / data.schema = {d.schema!r} needs data.path: SFT "
             "rows such as prompt/completion or messages (the built-in corpus is plain text)."

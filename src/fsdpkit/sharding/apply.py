@@ -40,7 +40,7 @@ from fsdpkit.models.hf_init import own_initializer
 from fsdpkit.sharding.activations import checkpoint_forward
 from fsdpkit.sharding.blocks import choose_blocks
 from fsdpkit.sharding.compile import compile_blocks, enable_async_tp
-from fsdpkit.sharding.context import apply_context_parallel
+from fsdpkit.sharding.context import CP_ATTENTION, apply_context_parallel, heads_cp
 from fsdpkit.sharding.edges import edge_modules
 from fsdpkit.sharding.materialize import is_meta, materialize
 from fsdpkit.sharding.mesh import cp_mesh, fsdp_mesh, tp_mesh
@@ -153,7 +153,7 @@ def shard(
     precision = resolve_precision(cfg.precision, device_type=device_type)
     choice = choose_blocks(model, class_names=cfg.parallel.block_classes or None)
     blocks = list(choice.blocks)  # the class name is taken before FSDP renames it
-    model_parallel = _model_parallel(model, mesh=mesh, blocks=blocks, cp=cfg.parallel.cp)
+    model_parallel = _model_parallel(model, mesh=mesh, blocks=blocks, cfg=cfg.parallel)
     mesh = fsdp_mesh(mesh)  # FSDP2 shards over the data axes only
     edges = edge_modules(model, blocks=blocks, enabled=cfg.parallel.edge_units)
     fp32_norms = cfg.precision.norms_fp32 and precision.low_precision
@@ -200,19 +200,19 @@ def shard(
 
 
 def _model_parallel(
-    model: nn.Module, *, mesh: DeviceMesh, blocks: list[nn.Module], cp: int
+    model: nn.Module, *, mesh: DeviceMesh, blocks: list[nn.Module], cfg: ParallelConfig
 ) -> str | None:
     """Tensor parallelism over the mesh's tp axis, then context parallelism over its cp
     axis, before anything wraps the blocks; what was applied, for the first lines."""
     done = []
     tp, cp_axis = tp_mesh(mesh), cp_mesh(mesh)
+    heads = heads_cp(cp=cfg.cp, attention=cfg.cp_attention)
     if tp is not None:
-        done.append(tensor_parallel(model, mesh=tp, blocks=blocks, cp=cp).describe(tp.size()))
+        done.append(tensor_parallel(model, mesh=tp, blocks=blocks, cp=heads).describe(tp.size()))
     if cp_axis is not None:
-        layers = apply_context_parallel(model, mesh=cp_axis)
-        done.append(
-            f"context parallel {cp_axis.size()} (Ulysses all-to-all in {layers} attention layers)"
-        )
+        layers = apply_context_parallel(model, mesh=cp_axis, attention=cfg.cp_attention)
+        how = CP_ATTENTION[cfg.cp_attention]
+        done.append(f"context parallel {cp_axis.size()} ({how} in {layers} attention layers)")
     return "; ".join(done) or None
 
 

@@ -21,12 +21,13 @@ them divide) before the exchange. The exchange is ``all_to_all_single_autograd``
 (torch.distributed._functional_collectives), which runs on gloo with autograd: its
 backward is the reverse all-to-all.
 
-Why Ulysses and not ring attention: it runs on CPU/gloo (torch's ``context_parallel``
-needs CUDA SDPA kernels), the attention kernel is unchanged (any mask), and the work is
-balanced by heads: every rank attends over the full sequence for heads / cp heads, so
-causal attention needs no load-balanced chunk reordering (that is ring attention's
-problem, where a rank holding early tokens would idle). Traffic per layer: 4
-all-to-alls of seq x dim / cp elements per rank.
+Why Ulysses is the default and not ring attention (``parallel.cp_attention = "ring"``,
+fsdpkit.sharding.ring): the attention kernel is unchanged (any mask, so packed rows
+keep their document mask), and the work is balanced by heads: every rank attends over
+the full sequence for heads / cp heads, so causal attention needs no load-balanced
+chunk reordering. Traffic per layer: 4 all-to-alls of seq x dim / cp elements per
+rank. Ring attention needs no head divisibility and holds one rank's share of the
+heads' scores at a time, but only runs causal rows without a mask.
 
 The loss side is ``context_parallel_loss`` (fsdpkit.sharding.context_batch).
 """
@@ -48,12 +49,27 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdpkit.errors import ConfigError
 from fsdpkit.models.hf_init import is_hf_model
 from fsdpkit.models.llama import Attention, Llama, causal_attention, document_mask
+from fsdpkit.sharding.ring import RingAttention, enable_ring
 
 HF_ATTENTION = "fsdpkit_context_parallel"
 """The name fsdpkit registers with transformers' ``AttentionInterface``."""
 
 _EXCHANGE_ATTR = "_fsdpkit_context_parallel"
-"""Attribute of a transformers attention module holding its ``UlyssesAttention``."""
+"""Attribute of a transformers attention module holding its ``UlyssesAttention`` or
+``RingAttention``."""
+
+
+CP_ATTENTION = {
+    "ulysses": "Ulysses all-to-all",
+    "ring": "ring attention, head-tail chunks",
+}
+"""How each ``parallel.cp_attention`` splits attention, for the run's first lines."""
+
+
+def heads_cp(*, cp: int, attention: str) -> int:
+    """The cp degree every tp rank's heads must divide by: cp under Ulysses, which
+    splits heads over the cp ranks; 1 under ring attention, which keeps them whole."""
+    return 1 if attention == "ring" else cp
 
 
 def check_cp_heads(*, n_heads: int, cp: int, tp: int = 1) -> None:
@@ -107,6 +123,10 @@ class UlyssesAttention:
     cp: int
     positions: _GlobalPositions | None = field(default=None, compare=False)
     """The built-in Llama's gathered position ids (set by its root pre-forward hook)."""
+
+    def whole_mask(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """The whole sequence's document mask from this rank's (b, s) position ids."""
+        return document_mask(gather_positions(positions, group=self.group))
 
     def __call__(
         self,
@@ -176,24 +196,35 @@ class _GlobalPositions:
         self.mask = document_mask(full)
 
 
-def apply_context_parallel(model: nn.Module, *, mesh: DeviceMesh) -> int:
-    """Switch every attention layer of ``model`` to the exchange over ``mesh`` (the cp
-    sub-mesh, fsdpkit.sharding.mesh.cp_mesh): the built-in Llama's ``Attention.core``,
-    or transformers' attention implementation. Call after tensor parallelism and
-    before activation checkpointing, compile and ``fully_shard``. Returns the number
-    of attention layers switched; ConfigError naming parallel.cp for other models."""
+def apply_context_parallel(
+    model: nn.Module, *, mesh: DeviceMesh, attention: str = "ulysses"
+) -> int:
+    """Switch every attention layer of ``model`` to the split over ``mesh`` (the cp
+    sub-mesh, fsdpkit.sharding.mesh.cp_mesh): ``attention`` "ulysses" (the exchange
+    above) or "ring" (fsdpkit.sharding.ring, enabled for the mesh's device type), in the
+    built-in Llama's ``Attention.core`` or transformers' attention implementation. Call
+    after tensor parallelism and before activation checkpointing, compile and
+    ``fully_shard``. Returns the number of attention layers switched; ConfigError naming
+    parallel.cp for other models."""
     group, cp = mesh.get_group(), mesh.size()
+    core: UlyssesAttention | RingAttention
+    if attention == "ring":
+        enable_ring(device_type=mesh.device_type)
+        core = RingAttention(mesh)
+    else:
+        core = UlyssesAttention(group=group, cp=cp)
     if isinstance(model, Llama):
-        check_cp_heads(n_heads=model.config.n_heads, cp=cp)
-        positions = _GlobalPositions(group=group, max_seq_len=model.config.max_seq_len)
-        model.register_forward_pre_hook(positions.hook, with_kwargs=True)
-        core = UlyssesAttention(group=group, cp=cp, positions=positions)
+        if isinstance(core, UlyssesAttention):
+            check_cp_heads(n_heads=model.config.n_heads, cp=cp)
+            positions = _GlobalPositions(group=group, max_seq_len=model.config.max_seq_len)
+            model.register_forward_pre_hook(positions.hook, with_kwargs=True)
+            core = UlyssesAttention(group=group, cp=cp, positions=positions)
         layers = [m for m in model.modules() if isinstance(m, Attention)]
         for attn in layers:
             attn.core = core
         return len(layers)
     if is_hf_model(model):
-        return _apply_hf(model, group=group, cp=cp)
+        return _apply_hf(model, core=core)
     raise ConfigError(
         f"parallel.cp > 1: fsdpkit cannot split the attention of {type(model).__name__}; "
         "context parallelism supports the built-in Llama and transformers models whose "
@@ -231,13 +262,13 @@ def local_attention(model: nn.Module) -> Iterator[None]:
                 state.enabled = True
 
 
-def _apply_hf(model: nn.Module, *, group: ProcessGroup, cp: int) -> int:
+def _apply_hf(model: nn.Module, *, core: UlyssesAttention | RingAttention) -> int:
     from transformers import AttentionInterface
 
     config: Any = model.config.get_text_config()  # type: ignore[union-attr,operator]
-    check_cp_heads(n_heads=int(config.num_attention_heads), cp=cp)
+    if isinstance(core, UlyssesAttention):
+        check_cp_heads(n_heads=int(config.num_attention_heads), cp=core.cp)
     AttentionInterface.register(HF_ATTENTION, hf_context_parallel_attention)
-    exchange = UlyssesAttention(group=group, cp=cp)
     layers = [m for m in model.modules() if hasattr(m, "num_key_value_groups")]
     if not layers or not model._can_set_attn_implementation():  # type: ignore[operator]
         raise ConfigError(
@@ -246,7 +277,7 @@ def _apply_hf(model: nn.Module, *, group: ProcessGroup, cp: int) -> int:
             "sequence. Set parallel.cp = 1 for this model."
         )
     for attn in layers:
-        setattr(attn, _EXCHANGE_ATTR, exchange)
+        setattr(attn, _EXCHANGE_ATTR, core)
     model.set_attn_implementation(HF_ATTENTION)  # type: ignore[operator]
     return len(layers)
 
@@ -264,8 +295,9 @@ def hf_context_parallel_attention(
     """transformers' attention-function signature (integrations/sdpa_attention.py):
     q/k/v (b, h, s, d) of this rank's tokens -> ((b, s, h, d), None). The model's own
     mask is None (transformers builds none for an implementation it has no mask
-    function for); the mask comes from the whole sequence's ``position_ids``."""
-    exchange: UlyssesAttention | None = getattr(module, _EXCHANGE_ATTR, None)
+    function for); the mask comes from the whole sequence's ``position_ids`` (none under
+    ring attention, which is causal over whole rows)."""
+    exchange: UlyssesAttention | RingAttention | None = getattr(module, _EXCHANGE_ATTR, None)
     positions = kwargs.get("position_ids")
     unsupported = [k for k in ("sliding_window", "softcap") if kwargs.get(k) is not None]
     if not getattr(module, "is_causal", True):
@@ -282,7 +314,6 @@ def hf_context_parallel_attention(
             f"parallel.cp > 1: context-parallel attention cannot run here: {why}. "
             "Set parallel.cp = 1 for this model."
         )
-    positions = positions.expand(query.shape[0], -1)
-    mask = document_mask(gather_positions(positions, group=exchange.group))
+    mask = exchange.whole_mask(positions.expand(query.shape[0], -1))
     out = exchange(query, key, value, mask=mask, scale=scaling, dropout=dropout)
     return out.transpose(1, 2).contiguous(), None

@@ -36,12 +36,16 @@ from fsdpkit.data.batch import SFTBatch
 from fsdpkit.errors import ConfigError
 from fsdpkit.loss.contract import LossFn, next_token_loss
 from fsdpkit.loss.sft import sft_loss
+from fsdpkit.sharding.ring import head_tail_index
 
 
-def slice_batch(batch: SFTBatch | torch.Tensor, *, rank: int, cp: int) -> SFTBatch:
+def slice_batch(
+    batch: SFTBatch | torch.Tensor, *, rank: int, cp: int, ring: bool = False
+) -> SFTBatch:
     """Rank ``rank``'s slice of ``batch`` (token ids (b, s + 1) or an SFTBatch), with
     global position ids and the normalizer of [Note: context-parallel loss
-    normalization]."""
+    normalization]. ``ring``: the head-tail chunks of [Note: ring attention]
+    (fsdpkit.sharding.ring) instead of one contiguous slice; packed rows refused."""
     # plain token ids predict every token: their count is the shape's (b x s), read
     # without a host sync and traceable on fake tensors (the traced planner)
     plain = isinstance(batch, torch.Tensor)
@@ -60,13 +64,29 @@ def slice_batch(batch: SFTBatch | torch.Tensor, *, rank: int, cp: int) -> SFTBat
     normalizer = batch.normalizer
     if normalizer is None:
         normalizer = b * s if plain else batch.target_count()
-    part = slice(rank * (s // cp), (rank + 1) * (s // cp))
+    part: slice | torch.Tensor = slice(rank * (s // cp), (rank + 1) * (s // cp))
+    if ring:
+        _refuse_packed(positions)
+        part = head_tail_index(seq=s, cp=cp, rank=rank, device=positions.device)
     return SFTBatch(
         inputs=batch.inputs[:, part],
         targets=batch.targets[:, part],
         positions=positions[:, part],
         normalizer=normalizer / cp,
     )
+
+
+def _refuse_packed(positions: torch.Tensor) -> None:
+    """Ring attention is causal over the whole row ([Note: ring attention]): a row
+    holding several examples (positions restarting, ``document_mask``'s rule) would let
+    each example attend to the ones before it."""
+    if bool((torch.diff(positions, dim=-1) != 1).any()):
+        raise ConfigError(
+            'parallel.cp_attention = "ring" attends causally over each whole row, so it '
+            "cannot keep packed examples apart: this batch's rows hold several examples "
+            "(position ids restart inside a row). Set data.pack = false, or "
+            'parallel.cp_attention = "ulysses" (which applies the document mask).'
+        )
 
 
 @dataclass(frozen=True)
@@ -78,15 +98,16 @@ class ContextParallelLoss:
     inner: LossFn
     rank: int
     cp: int
+    ring: bool = False
 
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        return self.inner(model, slice_batch(batch, rank=self.rank, cp=self.cp))
+        return self.inner(model, slice_batch(batch, rank=self.rank, cp=self.cp, ring=self.ring))
 
 
-def context_parallel_loss(loss_fn: LossFn, *, mesh: DeviceMesh) -> LossFn:
+def context_parallel_loss(loss_fn: LossFn, *, mesh: DeviceMesh, ring: bool = False) -> LossFn:
     """``loss_fn`` on this cp rank's slice of every batch (``slice_batch``; ``mesh``:
     the cp sub-mesh). ``loss_fn`` receives an SFTBatch with a normalizer, as
     ``sft_loss`` and ``ChunkedLoss`` take it; ``next_token_loss`` is replaced by
     ``sft_loss``, which computes the same loss from the same tokens."""
     inner = sft_loss if loss_fn is next_token_loss else loss_fn
-    return ContextParallelLoss(inner=inner, rank=mesh.get_local_rank(), cp=mesh.size())
+    return ContextParallelLoss(inner=inner, rank=mesh.get_local_rank(), cp=mesh.size(), ring=ring)

@@ -65,7 +65,7 @@ from fsdpkit.config import RunConfig
 from fsdpkit.models.errors import ModelError
 from fsdpkit.models.hf import read_hf_dir
 from fsdpkit.models.llama import Llama, preset
-from fsdpkit.sharding.context import check_cp_heads
+from fsdpkit.sharding.context import check_cp_heads, heads_cp
 from fsdpkit.sharding.tensor_edges import edges
 
 LLAMA_BLOCK: dict[str, str] = {
@@ -146,7 +146,9 @@ def check_layout(cfg: RunConfig) -> None:
     else:
         shape = preset(m.preset)
         heads, kv = m.n_heads or shape.n_heads, m.n_kv_heads or shape.n_kv_heads
-    check_heads(n_heads=heads, n_kv_heads=kv, tp=p.tp, cp=p.cp)
+    check_heads(
+        n_heads=heads, n_kv_heads=kv, tp=p.tp, cp=heads_cp(cp=p.cp, attention=p.cp_attention)
+    )
 
 
 def check_heads(*, n_heads: int, n_kv_heads: int, tp: int, cp: int = 1) -> None:
@@ -262,7 +264,8 @@ def tensor_parallel(
     model: nn.Module, *, mesh: DeviceMesh, blocks: list[nn.Module], cp: int = 1
 ) -> TensorPlan:
     """Split ``model``'s blocks over the tp ``mesh`` ([Note: tensor-parallel plans]),
-    in place; call before activation checkpointing and FSDP2."""
+    in place; call before activation checkpointing and FSDP2. ``cp``: the degree the
+    heads per tp rank must divide by (fsdpkit.sharding.context.heads_cp)."""
     tp = mesh.size()
     plan, source = check_model(model, tp=tp, cp=cp)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}

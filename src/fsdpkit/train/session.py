@@ -163,7 +163,13 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     run = shard_trainable(unsharded, cfg, mesh=mesh, device=device)
     if cfg.train.objective == "dpo":
         ref = shard_reference(reference, cfg, mesh=mesh, device=device) if reference else None
-        run.loss_fn = DpoLoss(cfg.dpo, reference=ref, lora=bool(cfg.lora.rank), mesh=mesh)
+        run.loss_fn = DpoLoss(
+            cfg.dpo,
+            reference=ref,
+            lora=bool(cfg.lora.rank),
+            mesh=mesh,
+            ring=cfg.parallel.cp_attention == "ring",
+        )
         run.loss_note = run.loss_fn.describe()  # its own loss: the chunked-loss note is moot
     scaler = make_grad_scaler(run.precision, device_type=env.device_type)
     run_dir = Path(cfg.logging.run_dir)

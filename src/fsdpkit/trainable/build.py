@@ -40,6 +40,7 @@ from fsdpkit.models.factory import BuiltModel, build_model
 from fsdpkit.models.llama import Llama, LlamaConfig
 from fsdpkit.precision import Precision
 from fsdpkit.sharding import ShardPlan, detect_blocks, resolve_precision, shard
+from fsdpkit.sharding.context import heads_cp
 from fsdpkit.sharding.context_batch import context_parallel_loss
 from fsdpkit.sharding.materialize import is_meta
 from fsdpkit.sharding.mesh import cp_mesh
@@ -97,7 +98,11 @@ def build_unsharded(
     )
     detect_blocks(built.module, class_names=cfg.parallel.block_classes or None)
     if cfg.parallel.tp > 1 or cfg.parallel.cp > 1:
-        check_model(built.module, tp=cfg.parallel.tp, cp=cfg.parallel.cp)
+        check_model(
+            built.module,
+            tp=cfg.parallel.tp,
+            cp=heads_cp(cp=cfg.parallel.cp, attention=cfg.parallel.cp_attention),
+        )
     return Unsharded(built, finetune, precision, loss.loss_fn, loss.note)
 
 
@@ -133,7 +138,12 @@ def shard_trainable(
         init_from(model, Path(cfg.model.init_from))
     optimizer = build_optimizer(model, cfg.train, grad_scaler=unsharded.precision.scaler)
     cp = cp_mesh(mesh)
-    loss_fn = unsharded.loss_fn if cp is None else context_parallel_loss(unsharded.loss_fn, mesh=cp)
+    ring = cfg.parallel.cp_attention == "ring"
+    loss_fn = (
+        unsharded.loss_fn
+        if cp is None
+        else context_parallel_loss(unsharded.loss_fn, mesh=cp, ring=ring)
+    )
     return Trainable(
         model=model,
         loss_fn=loss_fn,

@@ -158,12 +158,19 @@ class DpoLoss:
     pairs; each call keeps its rewards for ``step_metrics``."""
 
     def __init__(
-        self, cfg: DpoConfig, *, reference: nn.Module | None, lora: bool, mesh: DeviceMesh | None
+        self,
+        cfg: DpoConfig,
+        *,
+        reference: nn.Module | None,
+        lora: bool,
+        mesh: DeviceMesh | None,
+        ring: bool = False,
     ) -> None:
         """``mesh``: the run's mesh; with a cp axis every batch is split over it and
         each side's log-probs summed back ([Note: preference losses over a split
-        sequence] in fsdpkit.loss.dpo). None: the batch is whole on this rank."""
-        self.cfg, self.reference, self.lora = cfg, reference, lora
+        sequence] in fsdpkit.loss.dpo). None: the batch is whole on this rank.
+        ``ring``: split in ring attention's head-tail chunks (fsdpkit.sharding.ring)."""
+        self.cfg, self.reference, self.lora, self.ring = cfg, reference, lora, ring
         self.cp = None if mesh is None else cp_mesh(mesh)
         self._stats: list[torch.Tensor] = []
 
@@ -190,7 +197,7 @@ class DpoLoss:
         positions (fsdpkit.sharding.context_batch), or the whole batch without cp."""
         if self.cp is None:
             return batch
-        return slice_batch(batch, rank=self.cp.get_local_rank(), cp=self.cp.size())
+        return slice_batch(batch, rank=self.cp.get_local_rank(), cp=self.cp.size(), ring=self.ring)
 
     def reference_logps(self, model: nn.Module, batch: SFTBatch) -> torch.Tensor | None:
         """Summed answer log-probs of the reference over ``batch``'s tokens (None:
