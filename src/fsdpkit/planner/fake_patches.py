@@ -20,7 +20,7 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import _disable_current_modes
 
 from fsdpkit.models import llama
-from fsdpkit.sharding import context
+from fsdpkit.sharding import context, context_batch
 
 
 @contextlib.contextmanager
@@ -94,7 +94,10 @@ def _unpacked_positions() -> Iterator[None]:
     ``document_mask`` whether a row holds several examples, by evaluating the
     positions; fake tensors have no values to evaluate. The traced step feeds plain
     token batches, whose positions are ``arange(seq)`` (whole or sliced, one example
-    per row), so the real run's answer is "no mask": give it on fake positions."""
+    per row), so the real run's answer is "no mask": give it on fake positions.
+    Ring attention asks the same question of the positions to refuse packed rows
+    (``context_batch._refuse_packed``, [Note: ring attention]); the answer, "not
+    packed", is the same, so on fake positions it passes."""
 
     def wrap(original: Any) -> Any:
         def unmasked_when_fake(position_ids: torch.Tensor) -> torch.Tensor | None:
@@ -105,6 +108,7 @@ def _unpacked_positions() -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for module in (llama, context):  # the model's forward and the cp root hook
             stack.enter_context(_wrapped(module, "document_mask", wrap))
+        stack.enter_context(_wrapped(context_batch, "_refuse_packed", wrap))
         yield
 
 

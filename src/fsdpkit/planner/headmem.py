@@ -112,7 +112,7 @@ def final_norm_backward(s: Sizes) -> list[Event]:
 
 
 def embedding_backward(
-    s: Sizes, *, tied: bool, workspace: int = 0, in_place: bool = False
+    s: Sizes, *, tied: bool, workspace: int = 0, in_place: bool = False, split: int = 1
 ) -> list[Event]:
     """Dense embedding grad (V*d*e); a tied weight adds it to the head's grad out of
     place (autograd's AccumulateGrad sums into a new buffer when the existing grad is
@@ -120,12 +120,46 @@ def embedding_backward(
     grad, the embedding's and their sum coexist (measured on the V2 rows of
     bench/plan_accuracy.py). ``in_place``: the head's grad is the chunked loss's own
     contiguous tensor, which autograd's input buffer adds into in place (measured: the
-    sum is never a third buffer). Frees the incoming grad of the embedding output."""
+    sum is never a third buffer). ``split``: the vocabulary is split over this many tp
+    ranks and ``s.vocab`` is this rank's rows ([Note: vocabulary-split embedding
+    backward]). Frees the incoming grad of the embedding output."""
+    if split > 1:
+        return _split_embedding_backward(s, tied=tied, workspace=workspace, split=split)
     w = s.vocab * s.d * s.e
     ev: list[Event] = [(TEMP, workspace), (GRAD, w), (TEMP, -workspace)]
     if tied:
         ev += [(GRAD, -w)] if in_place else [(GRAD, w), (GRAD, -w), (GRAD, -w)]
     return [*ev, (TEMP, -s.nde)]
+
+
+def _split_embedding_backward(s: Sizes, *, tied: bool, workspace: int, split: int) -> list[Event]:
+    """[Note: vocabulary-split embedding backward]
+    Split by vocabulary over tp (fsdpkit.sharding.tensor_edges), the embedding's weight
+    is a Shard(0) DTensor, and DTensor has no row-sharded rule for the embedding's
+    backward (``embedding_dense_backward``: replicated, column-sharded, batch-sharded
+    to a partial sum, partial): with the output's grad gathered whole and the ids
+    replicated it runs replicated and makes the grad of the whole vocabulary, ``split``
+    x this rank's V / tp x d rows in the compute dtype; the gathered incoming grad dies
+    with the op. Redistributed to the weight's Shard(0), the rank's rows are copied
+    out of it (a clone, not a view). Tied, that copy is made by the out-of-place sum
+    with the head's grad (both grads are DTensors): the head's grad, the whole
+    vocabulary's, the copy and the sum coexist, then all but the sum die. Untied, FSDP2's
+    post-backward makes the copy (``_get_grad_inner_tensor``) and drops the whole one
+    (``grad = None``) before the reduce-scatter's copy-in, with nothing allocated in
+    between: booked here. Measured on 4 gloo ranks (bench/plan_accuracy.py "MP T bf16
+    tp2 x cp2 +AC", whose step peaks at the tied sum: tp + 3 buffers of V / tp x d
+    where the plan had three): -4.4% without this, 0.0% with it and RoPE's tensors
+    freed in the first block's backward (fsdpkit.planner.replay); its fp32 and untied
+    variants -6.4% / -1.1% before, 0.0% / -0.7% after. (The traced plan of the untied
+    one reads +4.1%: torch's FSDPMemTracker keeps the last parameter's unsharded grad,
+    here the whole vocabulary's, through its wrapper of FSDP2's post-backward.)"""
+    w = s.vocab * s.d * s.e
+    whole = split * w
+    ev: list[Event] = [(TEMP, workspace), (GRAD, whole), (TEMP, -workspace), (TEMP, -s.nde)]
+    ev += [(GRAD, w)]  # this rank's rows, copied out of the whole vocabulary's grad
+    if tied:  # summed with the head's grad into a new buffer; the copy and the head's die
+        ev += [(GRAD, w), (GRAD, -w), (GRAD, -w)]
+    return [*ev, (GRAD, -whole)]
 
 
 def loss_buffer_peak(s: Sizes, *, chunk: int | None) -> int:

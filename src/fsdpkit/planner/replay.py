@@ -253,7 +253,8 @@ class Step:
         self.head_and_loss_forward()
 
     def rope(self) -> int:
-        """RoPE's cos / sin, held from the embedding's forward to its backward."""
+        """RoPE's cos / sin, from the embedding's forward to the backward of the first
+        block that trains (the last to read them; traced: freed before the embedding's)."""
         s, sc = self.s, self.sc
         return rope_bytes(seq_len=sc.seq_len, head_dim=s.head_dim, tokens=s.m, e=s.e, cp=sc.cp)
 
@@ -352,14 +353,17 @@ class Step:
             in_place = self.sc.loss_chunk is not None and not self.sc.vocab_parallel
             tied = self.m.tie_embeddings
             grad = embedding_grad_gather(s, self.hs)
-            led.apply(grad + embedding_backward(self.hs, tied=tied, in_place=in_place))
+            split = s.vocab // self.hs.vocab  # tp when the head's rows are split
+            led.apply(grad + embedding_backward(self.hs, tied=tied, in_place=in_place, split=split))
             if embedding is not None:
                 self.post_backward(embedding, sync=sync)
         self.post_backward(self.root, sync=sync)
         for flat in self.prefetched.values():  # prefetched for a unit backward skipped:
             led.add(COLL, -flat)  # freed when FSDP2's final callback reshards everything
         self.prefetched.clear()
-        led.apply([("buffers_inputs", -self.rope()), (COLL, -self.rs_state)])
+        if self.dead == len(self.units):  # no block backward freed RoPE's tensors
+            led.add("buffers_inputs", -self.rope())
+        led.add(COLL, -self.rs_state)
         self.rs_state = 0
 
     def unit_backward(self, j: int, *, sync: bool) -> None:
@@ -379,6 +383,8 @@ class Step:
             led.apply_summary(summary)
         if not full:
             led.add(GRAD, u.grads_numel * s.e)
+        if j == self.dead:  # the last block backward that reads RoPE's cos / sin
+            led.add("buffers_inputs", -self.rope())
         self.post_backward(u, sync=sync)
 
     def optimizer(self) -> None:

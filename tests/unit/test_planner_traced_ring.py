@@ -1,0 +1,23 @@
+"""The traced planner runs ring attention's own path (parallel.cp_attention = "ring"):
+torch's ring functions through fsdpkit's CPU handlers on fake tensors of a fake
+process group ([Note: built-in masks under fake tensors] in fsdpkit.planner.fake_patches)."""
+
+from __future__ import annotations
+
+from fsdpkit.config import load
+from fsdpkit.planner import plan
+
+TINY = [
+    "model.preset=tiny", "model.dim=128", "model.n_layers=2", "model.n_heads=4",
+    "model.n_kv_heads=2", "model.ffn_dim=344", "model.vocab_size=1024", "data.seq_len=64",
+    "train.micro_batch_size=2", "precision.mode=fp32", "parallel.cp=2",
+]  # fmt: skip
+
+
+def test_ring_layout_traces_and_holds_more_than_ulysses() -> None:
+    # ring keeps every head and all-gathers the key / value (cp x 2 x local kv) and
+    # accumulates q / k / v grads in fp32: a dp2 x cp2 step holds more than Ulysses'
+    ring = plan(load(None, [*TINY, "parallel.cp_attention=ring"]), world_size=4, trace=True)
+    ulysses = plan(load(None, TINY), world_size=4, trace=True)
+    assert ring.memory.mode == ulysses.memory.mode == "traced"
+    assert ring.memory.peak.bytes > ulysses.memory.peak.bytes
