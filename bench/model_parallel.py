@@ -12,6 +12,8 @@ sequences per step with a per-rank micro-batch cap of 2, the built-in corpus):
 - FSDP only: ``parallel.tp=1 parallel.cp=1`` (4 data ranks, 1 sequence each);
 - dp2 x tp2: ``parallel.tp=2`` (Megatron pairs + sequence parallelism);
 - dp2 x cp2: ``parallel.cp=2`` (Ulysses all-to-all; each rank half of every sequence);
+- dp2 x cp2 ring: ``parallel.cp=2 parallel.cp_attention=ring`` (torch's ring attention
+  over the CPU flash kernel; each rank two head-tail quarters of every sequence);
 - tp2 x cp2: ``parallel.tp=2 parallel.cp=2`` (1 data rank: 2 micro-batches of 2);
 - FSDP only again: the A/A control.
 
@@ -21,7 +23,7 @@ Each run goes through the library's own build path (``fsdpkit.run.resolve`` ->
 build (model, optimizer, data mapped; before the first step) beside the run's peak
 (``ru_maxrss``, the figure metrics.jsonl reports): "step part" = peak - after build,
 what a training step adds (activations, gradients, optimizer state, gloo buffers).
-Rounds run the rows in order (A B C D A', A B C D A', ...); tokens/s is the loop's own
+Rounds run the rows in order (A B C D E A', A B C D E A', ...); tokens/s is the loop's own
 (global batch x seq / step time) over steps 3..N; ratios are median over median vs
 FSDP only, with the min-max of per-round ratios. The loss column is the largest
 |loss - FSDP only's| over every step: the layouts train the same math. The corpus is
@@ -58,6 +60,10 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "fsdp": ("FSDP only (shard 4)", ["parallel.tp=1", "parallel.cp=1"]),
     "tp": ("dp2 x tp2 (+ sequence parallel)", ["parallel.tp=2", "parallel.cp=1"]),
     "cp": ("dp2 x cp2 (Ulysses)", ["parallel.tp=1", "parallel.cp=2"]),
+    "cp-ring": (
+        "dp2 x cp2 (ring)",
+        ["parallel.tp=1", "parallel.cp=2", "parallel.cp_attention=ring"],
+    ),
     "tpcp": ("tp2 x cp2", ["parallel.tp=2", "parallel.cp=2"]),
     "fsdp-B": ("FSDP only again (A/A control)", ["parallel.tp=1", "parallel.cp=1"]),
 }
@@ -117,7 +123,7 @@ def _one(key: str, *, steps: int, seq: int, cache: Path, tmp: Path, tag: str) ->
 
 
 def measure(args: argparse.Namespace) -> tuple[dict[str, list[dict[str, Any]]], list[float]]:
-    """{row: [one dict per round]} in A B C D A' order, and the 1-minute load after
+    """{row: [one dict per round]} in A B C D E A' order, and the 1-minute load after
     each round."""
     out: dict[str, list[dict[str, Any]]] = {k: [] for k in ROWS}
     loads = []
@@ -222,7 +228,7 @@ def _settings(results: dict[str, Any]) -> str:
         f"Built-in Llama, dim 256, 4 blocks, 8 query / 4 key-value heads, seq {s['seq']}, "
         f"fp32, chunked loss; global batch 4 sequences per step on every row; {s['world']} "
         f"gloo ranks; {s['steps']} steps per run (tokens/s over steps {s['skip'] + 1}-"
-        f"{s['steps']}), {s['rounds']} rounds in A B C D A' order, "
+        f"{s['steps']}), {s['rounds']} rounds in A B C D E A' order, "
         f"{results['minutes']:.1f} min in all; 1-minute load after each round "
         f"{min(loads):.1f}-{max(loads):.1f} on a shared 2-core machine."
     )
@@ -270,7 +276,8 @@ def _speed(results: dict[str, Any]) -> str:
         "time-share 2 cores and gloo runs every collective on the compute thread, so "
         "nothing overlaps, and each collective a layout adds (tensor parallelism: an "
         "all-gather and a reduce-scatter around every attention and MLP; Ulysses: 4 "
-        "all-to-alls per layer) is paid in full. bench/gpu_model_parallel.py measures the "
+        "all-to-alls per layer; ring: the key / value exchange and, in backward, the "
+        "gradients' rotation per layer) is paid in full. bench/gpu_model_parallel.py measures the "
         "layouts with NCCL, async TP and torch's ring attention on a machine with 2 or "
         "more GPUs."
     )
@@ -279,6 +286,7 @@ def _speed(results: dict[str, Any]) -> str:
 def _memory(results: dict[str, Any]) -> str:
     """What the memory columns show, with the figures of this results file."""
     fsdp, tp, cp, both = (_row(results, k) for k in ("fsdp", "tp", "cp", "tpcp"))
+    ring = _row(results, "cp-ring")
     return (
         "Memory is the meaningful column: the machine's load does not change it, and the "
         "ranks of a run agree within about 10 MiB. After the build every layout holds the "
@@ -292,7 +300,11 @@ def _memory(results: dict[str, Any]) -> str:
         "stream; "
         f"x{cp['step_ratio']:.2f} under dp2 x cp2, whose ranks hold half of 2 sequences "
         "(as many tokens as FSDP only's) plus, per layer, the exchanged whole-sequence q / "
-        f"k / v of their heads and the gathered mask; x{both['step_ratio']:.2f} under tp2 "
+        f"k / v of their heads and the gathered mask; x{ring['step_ratio']:.2f} with ring "
+        "attention at the same layout, whose ranks keep their half of each sequence with "
+        "all heads and gather the other rank's keys and values, with fp32 merge and "
+        "gradient accumulators around each attention; "
+        f"x{both['step_ratio']:.2f} under tp2 "
         "x cp2 (2 micro-batches of 2 sequences: each rank half of each, as many tokens as "
         "FSDP only's, and half the heads and hidden units). That is where the design puts "
         "each share, not a measured breakdown; the loss column shows every layout trains "

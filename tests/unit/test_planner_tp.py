@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from fsdpkit.config import ConfigError, load
+from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.planner import PlanError, parse_device, plan, recommend
 from fsdpkit.planner.blockmem import (
     GRAD,
@@ -134,16 +135,35 @@ def test_exchange_traffic_formulas() -> None:
 def test_layout_search_order() -> None:
     model = scenario(_cfg("model.preset=llama3-70b"), world_size=8).model
     groups = layout_groups(model, world=8, per_node=8, seq_len=32768)
-    assert [sorted(g) for g in groups] == [
+    assert [sorted((tp, cp) for tp, cp, _ in g) for g in groups] == [
         [(1, 1)],
         [(1, 2), (2, 1)],
         [(1, 4), (2, 2), (4, 1)],
         [(1, 8), (2, 4), (4, 2), (8, 1)],
     ]
+    assert {a for g in groups for _, _, a in g} == {"ulysses"}  # 64 heads: Ulysses splits all
     # tp inside a node and dividing the 8 kv heads; cp dividing the sequence and heads
     wide = layout_groups(model, world=64, per_node=16, seq_len=96)
-    assert max(tp for g in wide for tp, _ in g) == 8
-    assert {cp for g in wide for _, cp in g} == {1, 2, 4, 8, 16, 32}
+    assert max(tp for g in wide for tp, _, _ in g) == 8
+    assert {cp for g in wide for _, cp, _ in g} == {1, 2, 4, 8, 16, 32}
+
+
+def test_layout_search_falls_back_to_ring_where_ulysses_cannot_split_the_heads() -> None:
+    # Qwen2.5-7B's 28 heads / 4 kv heads: at tp 4 each rank has 7 heads, which Ulysses
+    # cannot split over cp 2; ring attention keeps all heads on every cp rank
+    model = LlamaConfig(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn_dim=18944)
+    layouts = [lay for g in layout_groups(model, world=8, per_node=8, seq_len=32768) for lay in g]
+    assert (
+        (4, 2, "ring") in layouts and (2, 2, "ulysses") in layouts and (1, 4, "ulysses") in layouts
+    )
+    assert (1, 8, "ring") in layouts  # 28 heads do not divide by 8 either
+    # the config's own scheme is kept wherever it admits the layout
+    rings = layout_groups(model, world=8, per_node=8, seq_len=32768, attention="ring")
+    assert {a for g in rings for tp, cp, a in g if cp > 1} == {"ring"}
+    # neither admits it: 7 heads do not split over 2, nor 6 tokens into 2 x 2 chunks
+    seven = LlamaConfig(dim=448, n_heads=7, n_kv_heads=7)
+    assert layout_groups(seven, world=2, per_node=2, seq_len=6) == [[(1, 1, "ulysses")]]
+    assert layout_groups(seven, world=2, per_node=2, seq_len=8)[1] == [(1, 2, "ring")]
 
 
 def test_issue_plans_fit_with_the_recommended_layout() -> None:

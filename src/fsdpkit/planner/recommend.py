@@ -42,7 +42,7 @@ from fsdpkit.planner.api import DEFAULT_MARGIN, plan_scenario
 from fsdpkit.planner.blockmem import block_matmuls
 from fsdpkit.planner.comm import comm_volume
 from fsdpkit.planner.errors import PlanError
-from fsdpkit.planner.layouts import LayoutTry, choose, layout_groups
+from fsdpkit.planner.layouts import Layout, LayoutTry, choose, layout_groups
 from fsdpkit.planner.result import Plan
 from fsdpkit.planner.scenario import Scenario, run_vocab_size, scenario
 from fsdpkit.planner.states import model_states
@@ -323,17 +323,21 @@ def recommend(
     current = _planned(given, search) if given is not None else None
     shape = _shape(cfg, given, search)
     groups = layout_groups(
-        shape, world=world_size, per_node=min(ranks_per_node, world_size), seq_len=cfg.data.seq_len
+        shape,
+        world=world_size,
+        per_node=min(ranks_per_node, world_size),
+        seq_len=cfg.data.seq_len,
+        attention=cfg.parallel.cp_attention,
     )
     tries: list[LayoutTry] = []
     found: dict[tuple[int, int], list[Candidate]] = {}
     searched = 0
     for group in groups:
-        for tp, cp in group:
-            options = _layout_options(cfg, tp=tp, cp=cp, search=search)
+        for tp, cp, attention in group:
+            options = _layout_options(cfg, layout=(tp, cp, attention), search=search)
             searched += len(options)
             found[(tp, cp)] = _planned_options(options, search, top=top)
-            tries.append(_try(tp, cp, found[(tp, cp)]))
+            tries.append(_try((tp, cp, attention), found[(tp, cp)]))
         if any(t.fits for t in tries):
             break
     chosen = choose(tries)
@@ -363,32 +367,35 @@ def _shape(cfg: RunConfig, given: _Option | None, search: _Search) -> LlamaConfi
     """The Llama shape the layouts are searched for (None: not a Llama-shaped model the
     analytic planner knows, planned at tp = cp = 1 only)."""
     if given is None:  # the config as given is invalid here: resolve it as FSDP only
-        given = _option(cfg, {"parallel.tp": 1, "parallel.cp": 1}, search)
+        fsdp_only = {"parallel.tp": 1, "parallel.cp": 1, "parallel.cp_attention": "ulysses"}
+        given = _option(cfg, fsdp_only, search)
     if given is None or given.scenario.analytic_why_not is not None:
         return None
     return given.scenario.model
 
 
-def _layout_options(cfg: RunConfig, *, tp: int, cp: int, search: _Search) -> list[_Option]:
+def _layout_options(cfg: RunConfig, *, layout: Layout, search: _Search) -> list[_Option]:
     """The valid configurations of the grid at one tp x cp layout (the data-parallel
     search runs over world / (tp x cp) ranks)."""
-    layout: dict[str, object] = {"parallel.tp": tp, "parallel.cp": cp}
+    tp, cp, attention = layout
+    fixed = {"parallel.tp": tp, "parallel.cp": cp, "parallel.cp_attention": attention}
     dp = search.world // (tp * cp)
     per_node = max(min(search.per_node, search.world) // (tp * cp), 1)
     grid = _grid(cfg, world=dp, per_node=per_node, gpu=search.device.kind == "gpu")
-    options = (_option(cfg, layout | changes, search) for changes in grid)
+    options = (_option(cfg, fixed | changes, search) for changes in grid)
     return [o for o in options if o is not None]
 
 
-def _try(tp: int, cp: int, candidates: list[Candidate]) -> LayoutTry:
+def _try(layout: Layout, candidates: list[Candidate]) -> LayoutTry:
+    tp, cp, attention = layout
     fitting = sorted((c for c in candidates if c.fits), key=_rank_key)
     resident = [c for c in fitting if not c.config.offload.params]
     lowest = sorted(candidates, key=lambda c: c.plan.memory.peak.bytes)
     if not (resident or fitting or lowest):
-        return LayoutTry(tp, cp, None, None)
+        return LayoutTry(tp, cp, None, None, attention=attention)
     closest = (resident or fitting or lowest)[0]
     p = closest.plan
     return LayoutTry(
         tp, cp, p.memory.peak.bytes, p.usable_bytes, dict(closest.changes),
-        fits=bool(resident), fits_offloaded=bool(fitting),
+        fits=bool(resident), fits_offloaded=bool(fitting), attention=attention,
     )  # fmt: skip
