@@ -48,7 +48,7 @@ def fingerprint(model: nn.Module) -> torch.Tensor:
     """float64 [elements, sum, sum of squares] over the frozen parameters (collective on
     a sharded model: every rank must call it). Each layout (tensor parallelism mixes
     split and replicated parameters) is summed over the mesh axes it is sharded on."""
-    frozen = [p for p in model.parameters() if not p.requires_grad]
+    frozen: list[torch.Tensor] = [p for p in model.parameters() if not p.requires_grad]
     total = torch.zeros(3, dtype=torch.float64)
     for group in _by_layout(frozen):
         local = torch.zeros(3, dtype=torch.float64)

@@ -223,7 +223,9 @@ class PreferenceData:
 def load_pairs(cfg: DataConfig, tokenizer: Tokenizer) -> PreferenceData:
     """Read, check and tokenize every pair; the last ``data.val_fraction`` are held out."""
     rows = read_pairs(cfg)
-    formatter = Formatter(tokenizer=tokenizer, tokenizer_path=cfg.tokenizer, data_path=cfg.path)
+    formatter = Formatter(
+        tokenizer=tokenizer, tokenizer_path=cfg.tokenizer, data_path=cfg.path or ""
+    )
     formats: Counter[str] = Counter()
     examples: list[Example] = []
     truncated = 0

@@ -105,7 +105,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, *, foreach: bool = True) 
     miscounts mixed placements (``_by_mesh``). ``foreach=False`` computes per-tensor
     norms: the same memory on real tensors, but fake-tensor tracing (the planner)
     counts a copy of every gradient for the foreach kernels on DTensors."""
-    params = [p for p in model.parameters() if p.grad is not None]
+    params: list[torch.Tensor] = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return torch.zeros(())
     limit = max_norm if max_norm > 0 else float("inf")
@@ -116,7 +116,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, *, foreach: bool = True) 
     _quiet_redistribute()
     norms = []
     for group in groups:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=foreach)
+        norm = torch.nn.utils.get_total_norm(
+            [p.grad for p in group if p.grad is not None], foreach=foreach
+        )
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = torch.linalg.vector_norm(torch.stack(norms))
     for group in groups:

@@ -140,7 +140,7 @@ def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
     layers = list(lora_layers(model).values())
     before = [layer._disable_adapters for layer in layers]
     for layer in layers:
-        layer._disable_adapters = True
+        layer._disable_adapters = True  # type: ignore[assignment]  # nn.Module's typing
     try:
         yield model
     finally:
