@@ -13,7 +13,13 @@ from torch import nn
 
 from fsdpkit.planner.layout import layout_of
 from fsdpkit.sharding import choose_blocks
-from fsdpkit.sharding.tensor import LLAMA_BLOCK, REPLICATED, TensorParallelError, block_plan
+from fsdpkit.sharding.tensor import (
+    LLAMA_BLOCK,
+    REPLICATED,
+    TensorParallelError,
+    block_plan,
+    check_model,
+)
 from fsdpkit.sharding.tensor_sequence import (
     EXCLUDED,
     sequence_parallel_applies,
@@ -53,20 +59,17 @@ def _sequence_parallel(model: nn.Module) -> bool:
         ("Gemma2Config", (), {"head_dim": 8}),
         ("Gemma3TextConfig", ("self_attn.k_norm", "self_attn.q_norm"), {"head_dim": 8}),
         ("Exaone4Config", ("self_attn.k_norm", "self_attn.q_norm"), {}),
-        ("ApertusConfig", ("self_attn.k_norm", "self_attn.q_norm"), {}),
     ],
 )
 def test_families_with_a_plan_are_split_with_sequence_parallelism(
     config_class: str, norms: tuple[str, ...], extra: dict[str, Any]
 ) -> None:
     model = _meta(config_class, **extra)
-    plan, source = block_plan(model, tp=2)
+    plan, source = check_model(model, tp=2, blocks=list(choose_blocks(model).blocks))
     assert "base_model_tp_plan" in source
     assert sorted(n for n, kind in plan.items() if kind == REPLICATED) == list(norms)
     linears = {n: k for n, k in plan.items() if k != REPLICATED}
-    gated = hasattr(model.get_submodule("model.layers.0.mlp"), "gate_proj")
-    expected = {n: k for n, k in LLAMA_BLOCK.items() if gated or n != "mlp.gate_proj"}
-    assert linears == expected  # Apertus' xIELU MLP has up and down only
+    assert linears == LLAMA_BLOCK
     assert _sequence_parallel(model)
     assert layout_of(model).sequence_parallel  # the planner asks the same rule
 
@@ -89,6 +92,19 @@ def test_plans_with_other_entries_are_refused_naming_family_field_and_entry(
     text = str(err.value)
     assert f"({family})" in text and "base_model_tp_plan" in text and "parallel.tp = 2" in text
     assert entry in text, text
+
+
+def test_a_plan_that_leaves_parameters_of_its_blocks_unplanned_is_refused() -> None:
+    """Apertus' plan splits up / down around its xIELU activation, whose two scalar
+    parameters it does not name: their gradients would differ between the tp ranks.
+    The config alone passes (the launcher's check); the built model does not."""
+    model = _meta("ApertusConfig")
+    plan, _ = block_plan(model, tp=2)
+    assert plan["self_attn.q_norm"] == REPLICATED
+    assert sequence_parallel_block(choose_blocks(model).blocks[0])
+    with pytest.raises(TensorParallelError, match=r"unplanned \(mlp\.act_fn\.alpha_p"):
+        check_model(model, tp=2, blocks=list(choose_blocks(model).blocks))
+    check_model(model, tp=1, cp=2, blocks=list(choose_blocks(model).blocks))  # cp alone: fine
 
 
 def test_a_config_without_a_plan_is_refused_whatever_its_module_names() -> None:

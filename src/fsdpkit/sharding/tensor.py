@@ -14,7 +14,7 @@ comes from:
 - a transformers model: its config's ``base_model_tp_plan``, whose ``layers.*.NAME``
   entries must all be ``PLAN_KINDS``: colwise / rowwise linears and
   ``replicated_with_grad_allreduce`` modules (the per-head q / k norms of Qwen3,
-  Gemma3, Exaone4, Apertus: between a column- and a row-parallel linear each tp rank
+  Gemma3, Exaone4: between a column- and a row-parallel linear each tp rank
   normalizes its own heads with the same weight, so that weight is a replicated
   DTensor over tp whose input is declared split: DTensor makes its gradient a
   partial sum, reduced over tp before FSDP2 reduce-scatters it over the data ranks).
@@ -22,12 +22,14 @@ comes from:
   with other entries: ``colwise_gather_output`` / ``rowwise_split_input`` (OLMo2 /
   OLMo3, whose q / k norms normalize the whole hidden q / k; Phi3 and GLM, whose
   fused qkv / gate_up projections those entries gather), packed or expert entries
-  (mixture-of-experts). Where its blocks hold only ``self_attn``, ``mlp`` and norms
-  and it ends in ``model.norm`` (the rule of fsdpkit.sharding.tensor_sequence) it
-  gets sequence parallelism too: its body computes masks and positions from the
-  embedding output's length, so the sequence is split at the first block's input
-  instead of the embedding's output (fsdpkit.sharding.tensor_edges); other families
-  keep the residual stream whole;
+  (mixture-of-experts), and plans that leave a parameter of a block's split layers
+  unplanned (``check_covered``: Apertus' xIELU activation between up and down, whose
+  gradient would differ between the tp ranks). Where its blocks hold only
+  ``self_attn``, ``mlp`` and norms and it ends in ``model.norm`` (the rule of
+  fsdpkit.sharding.tensor_sequence) it gets sequence parallelism too: its body
+  computes masks and positions from the embedding output's length, so the sequence
+  is split at the first block's input instead of the embedding's output
+  (fsdpkit.sharding.tensor_edges); other families keep the residual stream whole;
 - anything else is refused by name (``TensorParallelError``).
 
 The embedding and the output head are split by vocabulary rows over tp (loss
@@ -70,6 +72,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from fsdpkit.config import RunConfig
+from fsdpkit.models.accessors import is_norm_class
 from fsdpkit.models.errors import ModelError
 from fsdpkit.models.hf import read_hf_dir
 from fsdpkit.models.llama import Llama, preset
@@ -209,10 +212,15 @@ def model_heads(model: nn.Module) -> tuple[int, int]:
     return heads, getattr(config, "num_key_value_heads", None) or heads
 
 
-def check_model(model: nn.Module, *, tp: int, cp: int = 1) -> tuple[dict[str, str], str]:
-    """The model's block plan (at tp > 1) after checking its heads split over tp and cp;
+def check_model(
+    model: nn.Module, *, tp: int, cp: int = 1, blocks: list[nn.Module] | None = None
+) -> tuple[dict[str, str], str]:
+    """The model's block plan (at tp > 1) after checking its heads split over tp and cp
+    and that it covers every parameter of ``blocks`` but their norms (``check_covered``);
     ``build_unsharded`` calls it before any process group starts."""
     plan, source = block_plan(model, tp=tp) if tp > 1 else ({}, "")
+    for block in blocks if tp > 1 and blocks else []:
+        check_covered(block, plan, tp=tp)
     n_heads, n_kv = model_heads(model)
     check_heads(n_heads=n_heads, n_kv_heads=n_kv, tp=tp, cp=cp)
     return plan, source
@@ -254,6 +262,23 @@ def replicated_grad_reduced() -> ParallelStyle:
     return SequenceParallel(sequence_dim=0, use_local_output=True)
 
 
+def check_covered(block: nn.Module, plan: dict[str, str], *, tp: int) -> None:
+    """Refuse a block whose plan leaves parameters inside it unplanned (Apertus' xIELU
+    activation, between up and down; an attention the plan does not split): with heads
+    and hidden units split around them, their gradients would be partial sums no one
+    reduces over tp. Only the block's own norms (whole hidden states) may be unplanned."""
+    covered = tuple(f"{name}." for name in plan)
+    norms = tuple(f"{n}." for n, m in block.named_children() if is_norm_class(m))
+    stray = [n for n, _ in block.named_parameters() if not n.startswith(covered + norms)]
+    if stray:
+        raise TensorParallelError(
+            f"parallel.tp = {tp}: the tensor-parallel plan of {type(block).__name__} leaves "
+            f"{len(stray)} parameter(s) inside its split layers unplanned "
+            f"({', '.join(stray[:3])}); their gradients would differ between the tp ranks. "
+            "Use parallel.tp = 1 for this model (FSDP over all ranks)."
+        )
+
+
 def tensor_parallel(
     model: nn.Module, *, mesh: DeviceMesh, blocks: list[nn.Module], cp: int = 1
 ) -> TensorPlan:
@@ -261,7 +286,7 @@ def tensor_parallel(
     in place; call before activation checkpointing and FSDP2. ``cp``: the degree the
     heads per tp rank must divide by (fsdpkit.sharding.context.heads_cp)."""
     tp = mesh.size()
-    plan, source = check_model(model, tp=tp, cp=cp)
+    plan, source = check_model(model, tp=tp, cp=cp, blocks=blocks)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     sp = sequence_parallel_applies(model, blocks=blocks)
     linears = [n for n, kind in plan.items() if kind != REPLICATED]

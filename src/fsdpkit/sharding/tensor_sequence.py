@@ -6,7 +6,7 @@ A block takes sequence parallelism when its direct children are its attention
 (``self_attn``), its MLP (``mlp``) and norms only (fsdpkit.models.accessors.
 is_norm_class), whatever the norms are called or where they sit: Llama's two pre-norms,
 Gemma2 / Gemma3's four (pre- and post-attention, pre- and post-feedforward),
-Exaone4's post-norms, Apertus' ``attention_layernorm`` / ``feedforward_layernorm``.
+Exaone4's post-norms.
 Between those children a block only adds, scales and normalizes per token, so the
 residual stream can hold seq / tp tokens per rank; every norm runs on its shard, and
 the attention's and the MLP's inputs are gathered whole (the row-parallel o / down
@@ -15,7 +15,7 @@ in a final norm ``model.norm`` (run on the shard too). A block with any other ch
 (a dropout, AltUp, a per-layer embedding) keeps the residual stream whole.
 
 Read in transformers 5.24 for each family the rule admits (the Llama-named ones, and
-Gemma, Gemma2, Gemma3, Qwen3, Exaone4, Apertus, Cohere, Granite, OLMo,
+Gemma, Gemma2, Gemma3, Qwen3, Exaone4, Cohere, Granite, OLMo,
 VaultGemma, ...): every block calls ``self_attn(hidden_states=...)`` and
 ``mlp(hidden_states)``; the gather takes the first positional argument or
 ``hidden_states=`` either way. ``EXCLUDED`` names the families whose model body
