@@ -1,7 +1,7 @@
 """Tensor (and sequence) parallelism and context parallelism with FSDP2 on a 4-rank
 gloo mesh match the unsharded model trained in one process.
 
-One spawn runs every variant (process start-up dominates). Each variant builds its
+One spawn runs every selected variant (process start-up dominates). Each variant builds its
 model on meta, applies ``fsdpkit.shard`` with ``parallel.tp`` / ``parallel.cp`` (the
 built-in Llama with sequence parallelism; transformers' Llama, Qwen2, Qwen3 and Gemma3
 with their own ``base_model_tp_plan`` and sequence parallelism (Qwen3's and Gemma3's
@@ -233,8 +233,9 @@ def _all(rank: int, world: int, dirs: dict[str, str], names: list[str]) -> dict[
 
 
 def _selected(request: pytest.FixtureRequest, among: dict[str, Any]) -> list[str]:
-    """The variants of ``among`` the session's selected tests compare (the bf16 ones
-    with their reference, FSDP alone at bf16), in ``SPECS`` order."""
+    """The variants of ``among`` the session's selected tests compare, in ``among``'s
+    order (the bf16 ones with their reference, FSDP alone at bf16; the export test with
+    the variant it exports), so ``-k NAME`` trains NAME alone, not the whole table."""
     callspecs = [getattr(item, "callspec", None) for item in request.session.items]
     names = {c.params.get("name") for c in callspecs if c is not None}
     if names & BF16.keys():
