@@ -1,27 +1,30 @@
 """Tensor (and sequence) parallelism and context parallelism with FSDP2 on a 4-rank
 gloo mesh match the unsharded model trained in one process.
 
-One spawn runs every variant (process start-up dominates). Each variant builds its
+One spawn runs every selected variant (process start-up dominates). Each variant builds its
 model on meta, applies ``fsdpkit.shard`` with ``parallel.tp`` / ``parallel.cp`` (the
-built-in Llama with sequence parallelism; transformers' Llama and Qwen2 with their
-own ``base_model_tp_plan``; LoRA adapters on the split linears; the Ulysses exchange
-with plain and packed SFT rows, the loss through ``context_parallel_loss`` as
-``fsdpkit train`` wraps it), and takes 10 AdamW steps with clipping; the parent
-compares losses, grad norms and the final parameters with the same model, batches
-and loss in one process (fp32: 1e-5).
+built-in Llama with sequence parallelism; transformers' Llama, Qwen2, Qwen3 and Gemma3
+with their own ``base_model_tp_plan`` and sequence parallelism (Qwen3's and Gemma3's
+per-head q / k norms replicated over tp, their gradients reduced; Gemma3's four norms
+per block); LoRA adapters on the split linears; the Ulysses exchange with plain and
+packed SFT rows, the loss through ``context_parallel_loss`` as ``fsdpkit train``
+wraps it), and takes 10 AdamW steps with clipping; the parent compares losses, grad
+norms and the final parameters with the same model, batches and loss in one process
+(fp32: 1e-5). The spawn trains only the variants the session selected (``-k``).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from fsdpkit import build_mesh, shard
-from fsdpkit.config import RunConfig, load, parallel_dims
+from fsdpkit.config import CheckpointConfig, RunConfig, load, parallel_dims
 from fsdpkit.data.batch import IGNORE_INDEX, SFTBatch
 from fsdpkit.finetune import prepare
 from fsdpkit.loss.contract import next_token_loss
@@ -79,6 +82,8 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
         ["parallel.tp=2", "parallel.cp=2", RING, "activations.mode=selective"],
     ),
     "hf-qwen2-cp2-ring-chunked": ("hf-qwen2", ["parallel.cp=2", RING]),
+    "hf-qwen3-tp2": ("hf-qwen3", ["parallel.tp=2"]),
+    "hf-gemma3-tp2": ("hf-gemma3", ["parallel.tp=2"]),
 }
 """Variants named "-chunked" train with the chunked loss (vocabulary-parallel under tp),
 the others with full logits (all-gathered over the vocabulary under tp). "-ring" ones
@@ -100,11 +105,24 @@ BF16: dict[str, tuple[str, list[str]]] = {
 layout against FSDP alone at the same precision (a one-process run has no FSDP2
 mixed-precision policy to compare with)."""
 
+SLOW: dict[str, tuple[str, list[str]]] = {
+    "hf-gemma2-tp2": ("hf-gemma2", ["parallel.tp=2"]),
+    "hf-exaone4-tp2": ("hf-exaone4", ["parallel.tp=2"]),
+    "hf-qwen3-lora-tp2": ("hf-qwen3", ["parallel.tp=2", "lora.rank=4", "lora.alpha=8"]),
+}
+"""More transformers families at tp2 (slow-marked, one spawn of their own): Gemma2's
+four norms per block without per-head norms; Exaone4's post-norms (its attention and
+MLP read the residual stream itself); LoRA over Qwen3 (the per-head norms frozen)."""
+EXPORTED = "hf-exaone4-tp2"
+"""Saved as a DCP checkpoint after its steps, exported to HF safetensors by the test
+(per-head norms and sequence-parallel norms: replicated DTensors over tp)."""
+
 COMPILED = "tp2xcp2-compile"
 """Run apart (a compiler, and ~1 min of inductor on 4 ranks): not in ``VARIANTS``."""
 SPECS = {
     **VARIANTS,
     **BF16,
+    **SLOW,
     COMPILED: ("llama", ["parallel.tp=2", "parallel.cp=2", "train.compile=true"]),
 }
 
@@ -129,8 +147,22 @@ def _model(kind: str, cfg: RunConfig, *, sharded: bool) -> tuple[torch.nn.Module
         init = prepare(model, cfg, precision=PRESETS["fp32"], init=init).init
     if not sharded:
         cpu = torch.device("cpu")
-        materialize(model, seed=0, param_device=cpu, buffer_device=cpu, init=init)
+        materialize(model, seed=0, param_device=cpu, buffer_device=cpu, init=_tied(init))
     return model, init
+
+
+def _tied(init: Any) -> Any:
+    """``init`` after tying a transformers model's head to its embedding again (Gemma's
+    are tied): ``to_empty`` of a plain module unties them."""
+    if init is None:
+        return None
+
+    def tied(model: torch.nn.Module) -> None:
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()  # type: ignore[operator]
+        init(model)
+
+    return tied
 
 
 def packed(tokens: torch.Tensor) -> SFTBatch:
@@ -186,11 +218,31 @@ def _run_variant(rank: int, name: str, dirs: dict[str, str]) -> dict[str, Any]:
     )
     out["params"] = full_state(model)
     out["plan"] = plan.describe()
+    if name == EXPORTED:
+        from fsdpkit.checkpoint import Checkpointer, ModelOptimizerState
+
+        run = Path(dirs["runs"]) / name
+        meta = {"config": cfg.to_dict()}
+        saver = Checkpointer(run_dir=run, cfg=CheckpointConfig(every=1), run_meta=meta)
+        saver.save(STEPS, {"app": ModelOptimizerState(model, None)})
     return out
 
 
-def _all(rank: int, world: int, dirs: dict[str, str]) -> dict[str, Any]:
-    return {name: _run_variant(rank, name, dirs) for name in [*VARIANTS, *BF16]}
+def _all(rank: int, world: int, dirs: dict[str, str], names: list[str]) -> dict[str, Any]:
+    return {name: _run_variant(rank, name, dirs) for name in names}
+
+
+def _selected(request: pytest.FixtureRequest, among: dict[str, Any]) -> list[str]:
+    """The variants of ``among`` the session's selected tests compare, in ``among``'s
+    order (the bf16 ones with their reference, FSDP alone at bf16; the export test with
+    the variant it exports), so ``-k NAME`` trains NAME alone, not the whole table."""
+    callspecs = [getattr(item, "callspec", None) for item in request.session.items]
+    names = {c.params.get("name") for c in callspecs if c is not None}
+    if names & BF16.keys():
+        names.add("dp4-bf16")
+    if any(item.name == _EXPORT_TEST for item in request.session.items):
+        names.add(EXPORTED)
+    return [n for n in among if n in names]
 
 
 @pytest.fixture(scope="module")
@@ -203,13 +255,23 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         f"hf-{arch}": str(
             write_tiny_model(tmp / arch, arch=arch, vocab_size=VOCAB, dim=32, tokenizer=False)
         )
-        for arch in ("llama", "qwen2")
-    }
+        for arch in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "exaone4")
+    } | {"runs": str(tmp / "runs")}
+
+
+def _spawn(request: pytest.FixtureRequest, among: dict[str, Any], dirs: dict[str, str]) -> Any:
+    names = _selected(request, among)
+    return run_ranks(_all, world_size=WORLD, args=(dirs, names), timeout_s=900)[0]
 
 
 @pytest.fixture(scope="module")
-def results(hf_dirs: dict[str, str]) -> dict[str, Any]:
-    return run_ranks(_all, world_size=WORLD, args=(hf_dirs,), timeout_s=900)[0]
+def results(request: pytest.FixtureRequest, hf_dirs: dict[str, str]) -> dict[str, Any]:
+    return _spawn(request, {**VARIANTS, **BF16}, hf_dirs)
+
+
+@pytest.fixture(scope="module")
+def slow_results(request: pytest.FixtureRequest, hf_dirs: dict[str, str]) -> dict[str, Any]:
+    return _spawn(request, SLOW, hf_dirs)
 
 
 def _reference(name: str, dirs: dict[str, str]) -> dict[str, Any]:
@@ -228,15 +290,61 @@ def _rel(a: float, b: float) -> float:
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_matches_unsharded_reference(
-    results: dict[str, Any], hf_dirs: dict[str, str], name: str
+    results: dict[str, Any], hf_dirs: dict[str, str], name: str, record_property: Any
 ) -> None:
-    got, ref = results[name], _reference(name, hf_dirs)
+    _check(results[name], _reference(name, hf_dirs), name, record_property)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SLOW))
+def test_more_families_match_unsharded_reference(
+    slow_results: dict[str, Any], hf_dirs: dict[str, str], name: str, record_property: Any
+) -> None:
+    _check(slow_results[name], _reference(name, hf_dirs), name, record_property)
+
+
+_EXPORT_TEST = "test_hf_export_of_a_tp_checkpoint_holds_the_reference_weights"
+
+
+@pytest.mark.slow
+def test_hf_export_of_a_tp_checkpoint_holds_the_reference_weights(
+    slow_results: dict[str, Any], hf_dirs: dict[str, str]
+) -> None:
+    """The DCP checkpoint of the tp2 run, exported to HF safetensors offline, holds the
+    weights the one-process model trained (the per-head q / k norms once each)."""
+    from safetensors.torch import load_file
+
+    from fsdpkit.export import export
+
+    ckpt = Path(hf_dirs["runs"]) / EXPORTED / "checkpoints" / f"step-{STEPS:08d}"
+    out = export(ckpt, Path(hf_dirs["runs"]) / "export", fmt="hf")
+    tensors = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    ref = _reference(EXPORTED, hf_dirs)["params"]
+    assert tensors.keys() == ref.keys()
+    assert "model.layers.1.self_attn.q_norm.weight" in tensors
+    for key, value in ref.items():
+        torch.testing.assert_close(tensors[key], value, rtol=1e-5, atol=1e-5, msg=key)
+
+
+def _check(got: dict[str, Any], ref: dict[str, Any], name: str, record_property: Any) -> None:
+    """Losses, grad norms and parameters within 1e-5; the largest differences go to
+    the JUnit report (``--junitxml``)."""
+    kind, overrides = SPECS[name]
     for degree, words in (
         ("parallel.tp=", "tensor parallel"),
         ("parallel.cp=", "context parallel"),
     ):
-        if any(o.startswith(degree) for o in SPECS[name][1]):
+        if any(o.startswith(degree) for o in overrides):
             assert words in got["plan"], got["plan"]
+    if kind.startswith("hf-") and "parallel.tp=2" in overrides:  # every family here takes SP
+        assert "sequence parallel" in got["plan"], got["plan"]
+    if kind in ("hf-qwen3", "hf-gemma3", "hf-exaone4"):
+        assert "per-head norms replicated" in got["plan"], got["plan"]
+    record_property("max_loss_rel", max(map(_rel, got["loss"], ref["loss"])))
+    record_property(
+        "max_param_abs",
+        max(float((got["params"][k] - v).abs().max()) for k, v in ref["params"].items()),
+    )
     for step, (a, b) in enumerate(zip(got["loss"], ref["loss"], strict=True)):
         assert _rel(a, b) <= 1e-5, f"{name}: step {step} loss {a} vs reference {b}"
     for step, (a, b) in enumerate(zip(got["norm"], ref["norm"], strict=True)):

@@ -33,11 +33,18 @@ def output_embeddings(model: nn.Module) -> nn.Module | None:
     return head
 
 
+def is_norm_class(module: nn.Module) -> bool:
+    """A norm layer, with or without parameters: an ``nn.LayerNorm`` (subclasses such as
+    Nemotron's ``LayerNorm1P`` too) or a class named ``*Norm`` (``RMSNorm``,
+    ``LlamaRMSNorm``, OLMo's parameter-free ``OlmoLayerNorm``): a per-token op over the
+    last dim (what sequence parallelism may run on a sequence shard)."""
+    return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("Norm")
+
+
 def is_norm(module: nn.Module) -> bool:
     """A norm layer with its own parameters (LayerNorm, *Norm): own fp32 units under
     precision.norms_fp32; kept fp32 beside a bf16 frozen base (fsdpkit.finetune)."""
-    is_norm_class = isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("Norm")
-    return is_norm_class and any(True for _ in module.parameters(recurse=False))
+    return is_norm_class(module) and any(True for _ in module.parameters(recurse=False))
 
 
 def input_vocab(model: nn.Module, *, default: int) -> int:

@@ -28,6 +28,7 @@ from fsdpkit.models.accessors import input_embeddings, input_vocab, is_norm, out
 from fsdpkit.models.llama import DecoderLayer, Llama, LlamaConfig
 from fsdpkit.sharding import choose_blocks, unit_specs
 from fsdpkit.sharding.edges import edge_modules
+from fsdpkit.sharding.tensor_sequence import sequence_parallel_applies
 from fsdpkit.sharding.units import block_specs
 
 Shape = tuple[int, int]
@@ -83,6 +84,9 @@ class ModelLayout:
     block_names: tuple[str, ...] = ()
     """The first block's parameter names, in the order of its shapes (tensor parallelism
     splits them by name: fsdpkit.planner.mparallel)."""
+    sequence_parallel: bool = False
+    """Tensor parallelism would split its norms and residual stream by sequence (the
+    trainer's rule, fsdpkit.sharding.tensor_sequence.sequence_parallel_applies)."""
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,7 @@ def layout_of(model: nn.Module, *, class_names: Sequence[str] | None = None) -> 
         block_names=tuple(n for n, _ in choice.blocks[0].named_parameters())
         if choice.blocks
         else (),
+        sequence_parallel=sequence_parallel_applies(model, blocks=list(choice.blocks)),
         root=tuple(_shape(p) for p in root.values()),
         decoder_blocks=bool(choice.blocks)
         and all(isinstance(b, DecoderLayer) for b in choice.blocks),

@@ -27,7 +27,6 @@ from fsdpkit.planner.reference import reference_terms
 from fsdpkit.planner.user_models import BuiltPlanModel, planned_model
 from fsdpkit.sharding.grads import SyncMode, sync_mode
 from fsdpkit.sharding.policy import reshard_after_forward
-from fsdpkit.sharding.tensor import sequence_parallel_names
 from fsdpkit.trainable.optim import resolve_impl
 
 _VOCAB_NOTE = (
@@ -318,8 +317,7 @@ def scenario(
         backward_prefetch=cfg.parallel.backward_prefetch,
         tp=dims.tp,
         cp=dims.cp,
-        sequence_parallel=dims.tp > 1
-        and (builtin or sequence_parallel_names(model.layout.block_names)),
+        sequence_parallel=dims.tp > 1 and (builtin or model.layout.sequence_parallel),
         vocab_parallel=split_vocab,
         reference_bytes=dpo.resident,
         reference_forward=dpo.forward,

@@ -11,12 +11,24 @@ comes from:
   residual stream between blocks hold seq / tp tokens per rank; each attention and
   MLP input is all-gathered over the sequence and each o / down output
   reduce-scattered back (the same bytes as the all-reduces they replace);
-- a transformers model: its config's ``base_model_tp_plan`` (colwise / rowwise
-  entries of ``layers.*.NAME``), else fsdpkit's plan where its blocks have the
-  Llama / Mistral / Qwen2 module names. Where its blocks and final norm have those
-  names (``SEQUENCE_PARALLEL_MODULES``, ``model.norm``) it gets sequence parallelism
-  too: its body computes masks and positions from the embedding output's length, so
-  the sequence is split at the first block's input instead of the embedding's output
+- a transformers model: its config's ``base_model_tp_plan``, whose ``layers.*.NAME``
+  entries must all be ``PLAN_KINDS``: colwise / rowwise linears and
+  ``replicated_with_grad_allreduce`` modules (the per-head q / k norms of Qwen3,
+  Gemma3, Exaone4: between a column- and a row-parallel linear each tp rank
+  normalizes its own heads with the same weight, so that weight is a replicated
+  DTensor over tp whose input is declared split: DTensor makes its gradient a
+  partial sum, reduced over tp before FSDP2 reduce-scatters it over the data ranks).
+  A config without such a plan is refused, whatever its module names; so are plans
+  with other entries: ``colwise_gather_output`` / ``rowwise_split_input`` (OLMo2 /
+  OLMo3, whose q / k norms normalize the whole hidden q / k; Phi3 and GLM, whose
+  fused qkv / gate_up projections those entries gather), packed or expert entries
+  (mixture-of-experts), and plans that leave a parameter of a block's split layers
+  unplanned (``check_covered``: Apertus' xIELU activation between up and down, whose
+  gradient would differ between the tp ranks). Where its blocks hold only
+  ``self_attn``, ``mlp`` and norms and it ends in ``model.norm`` (the rule of
+  fsdpkit.sharding.tensor_sequence) it gets sequence parallelism too: its body
+  computes masks and positions from the embedding output's length, so the sequence
+  is split at the first block's input instead of the embedding's output
   (fsdpkit.sharding.tensor_edges); other families keep the residual stream whole;
 - anything else is refused by name (``TensorParallelError``).
 
@@ -45,7 +57,6 @@ reduces over tp).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,18 +66,19 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from fsdpkit.config import RunConfig
+from fsdpkit.models.accessors import is_norm_class
 from fsdpkit.models.errors import ModelError
 from fsdpkit.models.hf import read_hf_dir
 from fsdpkit.models.llama import Llama, preset
 from fsdpkit.sharding.context import check_cp_heads, heads_cp
 from fsdpkit.sharding.tensor_edges import edges
+from fsdpkit.sharding.tensor_sequence import sequence_parallel_applies, sequence_parallel_styles
 
 LLAMA_BLOCK: dict[str, str] = {
     "self_attn.q_proj": "colwise",
@@ -79,6 +91,10 @@ LLAMA_BLOCK: dict[str, str] = {
 }
 """fsdpkit's block plan: module names of the built-in Llama and of transformers'
 Llama, Mistral and Qwen2 decoder layers."""
+
+REPLICATED = "replicated_with_grad_allreduce"
+PLAN_KINDS = ("colwise", "rowwise", REPLICATED)
+"""The ``base_model_tp_plan`` entries fsdpkit applies (the others are refused)."""
 
 
 class TensorParallelError(ModelError):
@@ -94,6 +110,8 @@ class TensorPlan:
     sequence_parallel: bool
     linears: int
     """Linear layers split (per model, all blocks)."""
+    replicated: int = 0
+    """Modules replicated over tp with their gradients reduced (per-head q / k norms)."""
     whole_vocab: str | None = None
     """Why the embedding and head were not split by vocabulary (None: they were)."""
 
@@ -104,7 +122,11 @@ class TensorPlan:
             if self.whole_vocab is None
             else f"embedding and head whole: {self.whole_vocab}"
         )  # no "; ": the run's first line joins its parts with it
-        return f"tensor parallel {tp} ({self.source}{sp}: {self.linears} linears split, {vocab})"
+        norms = f", {self.replicated} per-head norms replicated" if self.replicated else ""
+        return (
+            f"tensor parallel {tp} ({self.source}{sp}: {self.linears} linears split{norms}, "
+            f"{vocab})"
+        )
 
 
 def block_plan(model: nn.Module, *, tp: int) -> tuple[dict[str, str], str]:
@@ -115,18 +137,28 @@ def block_plan(model: nn.Module, *, tp: int) -> tuple[dict[str, str], str]:
 
 
 def _hf_block_plan(config: Any, *, name: str, tp: int) -> tuple[dict[str, str], str]:
-    """A transformers config's ``base_model_tp_plan`` as a block plan, or the refusal."""
+    """A transformers config's ``base_model_tp_plan`` as a block plan, or the refusal
+    naming the family, the field and the entries fsdpkit does not apply."""
     hf_plan = getattr(config, "base_model_tp_plan", None) or {}
     translated = {k.split("layers.*.", 1)[1]: v for k, v in hf_plan.items() if "layers.*." in k}
-    if translated and all(v in ("colwise", "rowwise") for v in translated.values()):
+    others = [f"{k}: {v}" for k, v in hf_plan.items() if "layers.*." in k and v not in PLAN_KINDS]
+    splits = any(v != REPLICATED for v in translated.values())
+    if splits and not others:
         return translated, f"transformers' base_model_tp_plan of {name}"
-    has = "none" if not hf_plan else f"entries it does not apply: {sorted(set(hf_plan.values()))}"
+    family = getattr(config, "model_type", None) or name
+    has = (
+        "has no entries for its layers"
+        if not translated
+        else f"has entries fsdpkit does not apply ({', '.join(others[:4])})"
+    )
     raise TensorParallelError(
-        f"parallel.tp = {tp}: fsdpkit has no tensor-parallel plan for {name}. It splits the "
-        "built-in Llama and transformers models whose config has a colwise/rowwise "
-        f"base_model_tp_plan (Llama, Mistral, Qwen2, ...); this one has {has}. Use "
-        "parallel.tp = 1 (FSDP over all ranks; parallel.cp splits long sequences instead), "
-        "or a model family with a plan."
+        f"parallel.tp = {tp}: fsdpkit has no tensor-parallel plan for {name} ({family}): its "
+        f"config's base_model_tp_plan {has}. fsdpkit applies colwise / rowwise linears and "
+        "replicated_with_grad_allreduce per-head norms (Llama, Mistral, Qwen2, Qwen3, Gemma2, "
+        "Gemma3, ...), not the gathered outputs of OLMo2 / OLMo3 (q / k norms over the "
+        "whole hidden q / k) or of the fused projections of Phi3 and GLM, nor "
+        "mixture-of-experts layers. Use parallel.tp = 1 (FSDP over all ranks; parallel.cp "
+        "splits long sequences instead), or a model family with such a plan."
     )
 
 
@@ -180,10 +212,15 @@ def model_heads(model: nn.Module) -> tuple[int, int]:
     return heads, getattr(config, "num_key_value_heads", None) or heads
 
 
-def check_model(model: nn.Module, *, tp: int, cp: int = 1) -> tuple[dict[str, str], str]:
-    """The model's block plan (at tp > 1) after checking its heads split over tp and cp;
+def check_model(
+    model: nn.Module, *, tp: int, cp: int = 1, blocks: list[nn.Module] | None = None
+) -> tuple[dict[str, str], str]:
+    """The model's block plan (at tp > 1) after checking its heads split over tp and cp
+    and that it covers every parameter of ``blocks`` but their norms (``check_covered``);
     ``build_unsharded`` calls it before any process group starts."""
     plan, source = block_plan(model, tp=tp) if tp > 1 else ({}, "")
+    for block in blocks if tp > 1 and blocks else []:
+        check_covered(block, plan, tp=tp)
     n_heads, n_kv = model_heads(model)
     check_heads(n_heads=n_heads, n_kv_heads=n_kv, tp=tp, cp=cp)
     return plan, source
@@ -214,50 +251,32 @@ def _linear_plan(
     return plan
 
 
-SEQUENCE_PARALLEL_MODULES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-"""A block's submodules sequence parallelism lays out (Llama / Mistral / Qwen2 names)."""
+def replicated_grad_reduced() -> ParallelStyle:
+    """A ``replicated_with_grad_allreduce`` module (a per-head q / k norm between a
+    column- and a row-parallel linear): its parameters replicated DTensors over tp and
+    its input, this rank's heads, declared split over dim 0 (any dim but the
+    normalized last one says the same: the ranks hold different rows). The weight's
+    gradient, a sum over those rows, is then a partial sum that is reduced over tp (FSDP2
+    redistributes it to the parameter's Replicate before its reduce-scatter); the
+    output is the local tensor again."""
+    return SequenceParallel(sequence_dim=0, use_local_output=True)
 
 
-def sequence_parallel_names(names: Iterable[str]) -> bool:
-    """Whether a block with these parameter names has the submodules sequence
-    parallelism lays out (the trainer's and the planner's rule)."""
-    names = list(names)
-    return all(any(n.startswith(f"{m}.") for n in names) for m in SEQUENCE_PARALLEL_MODULES)
-
-
-def sequence_parallel_applies(model: nn.Module, *, blocks: list[nn.Module]) -> bool:
-    """Whether fsdpkit splits the norms and residual stream by sequence: the built-in
-    Llama, and transformers models whose blocks and final norm have the Llama names."""
-    if isinstance(model, Llama):
-        return True
-    named = all(sequence_parallel_names(n for n, _ in b.named_parameters()) for b in blocks)
-    return named and isinstance(getattr(getattr(model, "model", None), "norm", None), nn.Module)
-
-
-def _sequence_parallel_block(*, builtin: bool) -> dict[str, ParallelStyle]:
-    """The norms and module inputs of a block under sequence parallelism: the norms on
-    the sequence shard, each attention / MLP input gathered whole (plain tensors, for
-    a replicated lora_A). The built-in attention takes (x, cos, sin, mask); a
-    transformers one ``hidden_states=`` (its other arguments are whole already)."""
-    gather = {"desired_input_layouts": (Replicate(),), "use_local_output": True}
-    if builtin:
-        attn = PrepareModuleInput(
-            input_layouts=(Shard(1), None, None, None),
-            desired_input_layouts=(Replicate(), None, None, None),
-            use_local_output=True,
+def check_covered(block: nn.Module, plan: dict[str, str], *, tp: int) -> None:
+    """Refuse a block whose plan leaves parameters inside it unplanned (Apertus' xIELU
+    activation, between up and down; an attention the plan does not split): with heads
+    and hidden units split around them, their gradients would be partial sums no one
+    reduces over tp. Only the block's own norms (whole hidden states) may be unplanned."""
+    covered = tuple(f"{name}." for name in plan)
+    norms = tuple(f"{n}." for n, m in block.named_children() if is_norm_class(m))
+    stray = [n for n, _ in block.named_parameters() if not n.startswith(covered + norms)]
+    if stray:
+        raise TensorParallelError(
+            f"parallel.tp = {tp}: the tensor-parallel plan of {type(block).__name__} leaves "
+            f"{len(stray)} parameter(s) inside its split layers unplanned "
+            f"({', '.join(stray[:3])}); their gradients would differ between the tp ranks. "
+            "Use parallel.tp = 1 for this model (FSDP over all ranks)."
         )
-    else:
-        attn = PrepareModuleInput(
-            input_kwarg_layouts={"hidden_states": Shard(1)},
-            desired_input_kwarg_layouts={"hidden_states": Replicate()},
-            use_local_output=True,
-        )
-    return {
-        "input_layernorm": SequenceParallel(),
-        "self_attn": attn,
-        "post_attention_layernorm": SequenceParallel(),
-        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), **gather),
-    }
 
 
 def tensor_parallel(
@@ -267,19 +286,26 @@ def tensor_parallel(
     in place; call before activation checkpointing and FSDP2. ``cp``: the degree the
     heads per tp rank must divide by (fsdpkit.sharding.context.heads_cp)."""
     tp = mesh.size()
-    plan, source = check_model(model, tp=tp, cp=cp)
+    plan, source = check_model(model, tp=tp, cp=cp, blocks=blocks)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
-    builtin = isinstance(model, Llama)
     sp = sequence_parallel_applies(model, blocks=blocks)
-    linears = 0
+    linears = [n for n, kind in plan.items() if kind != REPLICATED]
     for block in blocks:
-        styles: dict[str, Any] = _sequence_parallel_block(builtin=builtin) if sp else {}
-        for name, kind in plan.items():
-            styles.update(_linear_plan(block, name, kind, sequence_parallel=sp))
-            linears += 1
+        styles: dict[str, Any] = sequence_parallel_styles(block) if sp else {}
+        for name in linears:
+            styles.update(_linear_plan(block, name, plan[name], sequence_parallel=sp))
+        for name in plan.keys() - set(linears):
+            block.get_submodule(name)  # a planned module the block lacks is an error
+            styles[name] = replicated_grad_reduced()
         parallelize_module(block, mesh, styles)
-    first = blocks[0] if sp and not builtin else None
+    first = blocks[0] if sp and not isinstance(model, Llama) else None
     whole_vocab = edges(model, mesh=mesh, sequence_parallel=sp, first_block=first)
     for name, param in model.named_parameters():  # SequenceParallel makes new Parameters
         param.requires_grad_(name not in frozen)  # that forget they were frozen
-    return TensorPlan(source=source, sequence_parallel=sp, linears=linears, whole_vocab=whole_vocab)
+    return TensorPlan(
+        source=source,
+        sequence_parallel=sp,
+        linears=len(linears) * len(blocks),
+        replicated=(len(plan) - len(linears)) * len(blocks),
+        whole_vocab=whole_vocab,
+    )

@@ -61,6 +61,18 @@ def vocab_parallel_refusal(model: nn.Module, *, tp: int) -> str | None:
     )
 
 
+def _edge_pair(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The input embedding and the output head, which every model split over tp has
+    (the tied-head and chunked-loss checks found them before)."""
+    embedding, head = input_embeddings(model), output_embeddings(model)
+    if embedding is None or head is None:
+        raise ValueError(
+            f"{type(model).__name__} has no input embedding or no output head "
+            "(get_input_embeddings / get_output_embeddings) for tensor parallelism to lay out."
+        )
+    return embedding, head
+
+
 def _vocab_parallel(
     model: nn.Module, *, mesh: DeviceMesh, out: Shard | Replicate, into: Shard | Replicate
 ) -> None:
@@ -69,7 +81,7 @@ def _vocab_parallel(
     logits gathered over the vocabulary, which the chunked loss never asks for (it
     reads the local rows: fsdpkit.loss.chunked_ce). A tied pair is one Shard(0)
     parameter, tied again after both are split."""
-    embedding, head = input_embeddings(model), output_embeddings(model)
+    embedding, head = _edge_pair(model)
     tied = head.weight is embedding.weight
     parallelize_module(
         embedding, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=out)
@@ -95,14 +107,15 @@ def _waited(_module: nn.Module, _args: Any, output: Any) -> Any:
 def _whole(model: nn.Module, *, mesh: DeviceMesh, out: Shard | Replicate) -> None:
     """Under sequence parallelism, an embedding and head kept whole: the embedding's
     output laid out ``out``; the head gets the whole sequence."""
+    embedding, head = _edge_pair(model)
     if out != Replicate():
         parallelize_module(
-            input_embeddings(model),
+            embedding,
             mesh,
             PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=out),
         )
     parallelize_module(
-        output_embeddings(model),
+        head,
         mesh,
         PrepareModuleInput(
             input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
@@ -114,19 +127,26 @@ _SPLIT = "_fsdpkit_sequence_shard"
 """Marks a block input ``_split_sequence`` made."""
 
 
-def _split_sequence(mesh: DeviceMesh) -> Callable[[nn.Module, tuple[Any, ...]], Any]:
+def _split_sequence(mesh: DeviceMesh) -> Callable[..., Any]:
     """A forward pre-hook giving a block this rank's sequence shard of its (whole)
-    input; its backward gathers the gradient. A fully checkpointed block runs its own
-    pre-hooks again on the inputs it saved, which are split already: those pass."""
+    input, the first positional argument or ``hidden_states=``; its backward gathers
+    the gradient. A fully checkpointed block runs its own pre-hooks again on the
+    inputs it saved, which are split already: those pass."""
 
-    def hook(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        x = args[0]
+    def split(x: Any) -> Any:
         if getattr(x, _SPLIT, False):
-            return None
+            return x
         whole = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
         local = whole.redistribute(placements=(Shard(1),)).to_local()
         setattr(local, _SPLIT, True)
-        return (local, *args[1:])
+        return local
+
+    def hook(
+        _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if args:
+            return (split(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": split(kwargs["hidden_states"])}
 
     return hook
 
@@ -152,7 +172,7 @@ def edges(
     if not sequence_parallel:
         return refusal
     if first_block is not None:
-        first_block.register_forward_pre_hook(_split_sequence(mesh))
+        first_block.register_forward_pre_hook(_split_sequence(mesh), with_kwargs=True)
     # the final norm on the sequence shard (a plain tensor out of a transformers body)
     norm = SequenceParallel(use_local_output=first_block is not None)
     parallelize_module(model.get_submodule("model.norm"), mesh, norm)

@@ -17,7 +17,7 @@ import torch
 
 from fsdpkit.data.corpus import stdlib_files
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gpt2")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "exaone4", "gpt2")
 """Architectures ``tiny_config`` knows (all decoder LMs in transformers)."""
 
 EOS = "<|endoftext|>"
@@ -44,7 +44,9 @@ def tiny_config(
     max_positions: int = 512,
 ) -> Any:
     """A small ``PretrainedConfig`` of ``arch`` (GPT-2: tied embeddings and Conv1D;
-    Gemma: tied, zero-centred norms, scaled embeddings)."""
+    Gemma: tied, zero-centred norms, scaled embeddings; Gemma2 / Gemma3: four norms per
+    block; Qwen3, Gemma3, Exaone4: per-head q / k norms; Exaone4: post-norms only;
+    Gemma3: ``Gemma3TextConfig``, the text model)."""
     import transformers as T
 
     special: dict[str, Any] = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": None}
@@ -77,6 +79,8 @@ def tiny_config(
         "mistral": T.MistralConfig,
         "gemma": T.GemmaConfig,
         "gemma2": T.Gemma2Config,
+        "gemma3": T.Gemma3TextConfig,
+        "exaone4": T.Exaone4Config,
     }
     if arch not in classes:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")

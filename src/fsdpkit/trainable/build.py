@@ -96,12 +96,13 @@ def build_unsharded(
         custom_loss=built.loss_fn is not None,
         compiled=cfg.train.compile and precision.low_precision,  # where it helps
     )
-    detect_blocks(built.module, class_names=cfg.parallel.block_classes or None)
+    blocks = detect_blocks(built.module, class_names=cfg.parallel.block_classes or None)
     if cfg.parallel.tp > 1 or cfg.parallel.cp > 1:
         check_model(
             built.module,
             tp=cfg.parallel.tp,
             cp=heads_cp(cp=cfg.parallel.cp, attention=cfg.parallel.cp_attention),
+            blocks=blocks,
         )
     return Unsharded(built, finetune, precision, loss.loss_fn, loss.note)
 
