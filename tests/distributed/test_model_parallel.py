@@ -51,11 +51,11 @@ variant's parameters are within 1.3e-6, and the weight update (up to 2e-3 over t
 10 steps) still dwarfs the 1e-5 tolerance: leaving Qwen3's q / k norm gradients
 unreduced over tp fails at step 1."""
 BF16_LOSS, BF16_PARAM = 2e-3, 5e-2
-"""bf16 against FSDP alone in bf16, 10 steps (measured at lr 2e-3, before ``LR``: losses within 4.3e-4, every
-parameter's difference within 2.0e-2 of its norm, the embedding the farthest; the
-control, ``parallel.strategy = replicate`` in bf16, 4e-5 and 4e-3). Tensor
-parallelism adds roundings FSDP alone does not have: o / down's partial sums are
-reduced over tp in bf16."""
+"""bf16 against FSDP alone in bf16, 10 steps (measured at lr 2e-3, before ``LR``:
+losses within 4.3e-4, every parameter's difference within 2.0e-2 of its norm, the
+embedding the farthest; the control, ``parallel.strategy = replicate`` in bf16,
+4e-5 and 4e-3). Tensor parallelism adds roundings FSDP alone does not have: o /
+down's partial sums are reduced over tp in bf16."""
 VOCAB = 128
 WORLD = 4
 RING = "parallel.cp_attention=ring"
