@@ -39,6 +39,8 @@ class Sizes:
     ring: bool = False
     """Ring attention over the cp ranks (``parallel.cp_attention = "ring"``): k / v travel
     instead of heads ([Note: ring attention memory] in fsdpkit.planner.ringmem)."""
+    gloo: bool = False
+    """CPU ranks: gloo all-gathers through a temporary of the output's size."""
 
     @property
     def m(self) -> int:

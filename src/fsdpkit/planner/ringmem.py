@@ -26,6 +26,14 @@ default ``_cp_options``: ``rotate_method`` all-gather, ``convert_to_f32``):
   (2 Qf) and the received buffer (2 Qf), which becomes the next accumulator; the
   last received buffer is the k / v grad returned (one tensor: both grads die
   together). Modeled for rank 0, whose step after the first holds the most.
+- the kernel's own workspace in backward (``sdpa_workspace``, fsdpkit.planner.replay:
+  the fp32 dq accumulator and a row sum; measured 1.5 Q on the CPU kernel at full q,
+  1 Q at half), and on CPU ranks gloo's all-gather temporary (cp x 2Q, transient).
+
+Measured (bench/plan_accuracy.py, "MP A dp2 x cp2 ring" rows, fp32 on 4 gloo ranks):
+the plan sits 1.5% under the real peak without checkpointing and 3.7% under with full
+checkpointing; the rest is not located yet (the traced planner, which runs torch's ring
+on fake tensors, is within 2%).
 
 Traffic (fsdpkit.planner.mparallel.exchange_traffic): the gather moves (cp - 1) x 2Q
 per rank in each forward and backward; the permutes move cp x 2 Qf per backward.
@@ -39,6 +47,12 @@ from fsdpkit.planner.blocksizes import ACT, TEMP, XCHG, Event, Sizes
 def _f32(s: Sizes, size: int) -> int:
     """``size`` bytes of compute dtype, in fp32 (torch's merge and accumulators)."""
     return size * 4 // s.e
+
+
+def _gather(s: Sizes, size: int) -> list[Event]:
+    """The k / v all-gather's output; on CPU ranks gloo gathers into a temporary of its
+    size first (as FSDP's all-gathers, fsdpkit.planner.replay)."""
+    return [(XCHG, size), *([(TEMP, size), (TEMP, -size)] if s.gloo else [])]
 
 
 def _merge(s: Sizes) -> list[Event]:
@@ -59,7 +73,7 @@ def ring_forward(s: Sizes) -> list[Event]:
     freed ([Note: ring attention memory])."""
     q, lse, cp = s.nqe, s.nh4, s.cp
     kv, gathered = 2 * q, cp * 2 * q
-    ev: list[Event] = [(TEMP, kv), (XCHG, gathered), (TEMP, q + lse)]  # step 0's block
+    ev: list[Event] = [(TEMP, kv), *_gather(s, gathered), (TEMP, q + lse)]  # step 0's block
     ev += [(TEMP, _f32(s, q) + lse)] if s.cast else []  # the fp32 state (else: the block)
     for i in range(1, cp):
         ev += [(TEMP, -kv)] if i == 1 else []  # the first wait frees the concatenation
@@ -79,7 +93,7 @@ def ring_backward(s: Sizes, *, sdpa_workspace: int) -> list[Event]:
     the output's grad freed ([Note: ring attention memory])."""
     q, cp, ws = s.nqe, s.cp, sdpa_workspace
     qf, kv, gathered = _f32(s, s.nqe), 2 * s.nqe, cp * 2 * s.nqe
-    ev: list[Event] = [(TEMP, 3 * qf), (TEMP, kv), (XCHG, gathered)]  # accumulators, gather
+    ev: list[Event] = [(TEMP, 3 * qf), (TEMP, kv), *_gather(s, gathered)]  # accumulators
     ev += [(TEMP, 3 * q + ws), (TEMP, -ws)]  # step 0's grads, summed in place
     ev += [(TEMP, 2 * qf), (XCHG, 2 * qf)]  # k / v grads sent (permute) and received
     prev = 3 * q
@@ -87,7 +101,7 @@ def ring_backward(s: Sizes, *, sdpa_workspace: int) -> list[Event]:
         ev += [(TEMP, -kv)] if i == 1 else []
         ev += [(TEMP, kv), (TEMP, -kv)] if i < cp - 1 else []
         new = q // 2 + 2 * q  # rank 0: the second half of q against whole k, v
-        ev += [(TEMP, new + ws), (TEMP, -ws), (TEMP, -prev), (TEMP, -2 * qf)]
+        ev += [(TEMP, new + ws // 2), (TEMP, -(ws // 2)), (TEMP, -prev), (TEMP, -2 * qf)]
         prev = new
         # the k / v accumulators become the received buffer (summed into in place)
         ev += [(TEMP, -2 * qf)] if i == 1 else [(XCHG, -2 * qf)]

@@ -30,6 +30,7 @@ def sizes(sc: Scenario) -> Sizes:
         tp=sc.tp,
         cp=sc.cp,
         ring=sc.cp_attention == "ring",
+        gloo=sc.device.kind != "gpu",
     )
 
 
