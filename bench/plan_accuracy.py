@@ -250,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only the tests' subset")
     parser.add_argument("--only", default="", help="rows whose name starts with this")
+    parser.add_argument("--exact", action="store_true", help="--only names one row exactly")
     parser.add_argument("--merge", action="store_true", help="merge the rows into the file")
     parser.add_argument("--steps", type=int, default=6, help="measured steps per row")
     parser.add_argument("--render-docs", action="store_true", help="only re-render the docs")
@@ -258,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         render_docs()
         return 0
     start = time.perf_counter()
-    cases = [c for c in (QUICK if args.quick else CASES) if c.name.startswith(args.only)]
+    picked = (lambda n: n == args.only) if args.exact else (lambda n: n.startswith(args.only))
+    cases = [c for c in (QUICK if args.quick else CASES) if picked(c.name)]
     records = [record(r) for r in rows(cases, steps=args.steps)]
     seconds = time.perf_counter() - start
     w = worst_errors(records)

@@ -119,6 +119,7 @@ MP_LAYOUTS = (  # model A's 2 kv heads split over tp 2; tp 4 needs 4 (MHA)
     ("tp4 MHA", ("parallel.tp=4", "model.n_kv_heads=4")),
     ("dp2 x cp2", ("parallel.cp=2",)),
     ("tp2 x cp2", ("parallel.tp=2", "parallel.cp=2")),
+    ("dp2 x cp2 ring", ("parallel.cp=2", "parallel.cp_attention=ring")),
 )
 
 CASES = [

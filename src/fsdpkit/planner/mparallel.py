@@ -25,7 +25,9 @@ S = shard x cp ([Note: parallel dimensions] in fsdpkit.config.dims):
   checkpointed), and in backward the residual grad all-gathered the same way;
   under context parallelism each all-to-all's output coexists with its input for the
   exchange: q, k, v (m x (heads + 2 kv) x hd / tp), attention's output (m x heads x
-  hd / tp), the same in backward (fsdpkit.planner.blockmem);
+  hd / tp), the same in backward (fsdpkit.planner.blockmem); under ring attention
+  (``parallel.cp_attention = "ring"``) the gathered k / v and the rotated k / v grads
+  instead ([Note: ring attention memory] in fsdpkit.planner.ringmem);
 - the final norm runs on the n-token shard (SequenceParallel) and only its output is
   all-gathered for the head: the norm's saved input and normalized copy are n x d
   each, not m x d (planned on m tokens before, the analytic peak of a dp2 x tp2 / tp4
@@ -48,7 +50,9 @@ Traffic per block and micro-batch, B = m x d x e bytes (ring: each rank moves
   (tp - 1) / tp per micro-batch;
 - context parallel: forward 4 all-to-alls (q, k, v, output) of Q + 2K + Q bytes, Q = m
   x heads x hd x e / tp, K = m x kv x hd x e / tp, each moving (cp - 1) / cp; the same
-  in backward and in the recompute.
+  in backward and in the recompute. Ring attention instead all-gathers the repeated k
+  and v once per pass, (cp - 1) x 2Q, and a backward sends its fp32 k / v grads on at
+  each of its cp steps, cp x 2Q x 4 / e (``_ring_attention``).
 
 These exchanges sit on the critical path (a block cannot start its matmul before its
 input arrives), so the recommender counts their time on top of the overlapped FSDP
@@ -63,6 +67,7 @@ from fsdpkit.errors import ConfigError
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.layout import ModelLayout, Shape
+from fsdpkit.sharding.context import heads_cp
 from fsdpkit.sharding.tensor import LLAMA_BLOCK, TensorParallelError, check_heads
 from fsdpkit.sharding.tensor_edges import vocab_refusal
 
@@ -126,10 +131,18 @@ def tp_layout(layout: ModelLayout, *, tp: int, vocab: int | None = None) -> Mode
     return replace(layout, blocks=blocks, root=rows(layout.root), edges=edges)
 
 
-def check_layout(model: LlamaConfig | None, *, tp: int, cp: int, why_not: str | None) -> None:
+def check_layout(
+    model: LlamaConfig | None,
+    *,
+    tp: int,
+    cp: int,
+    why_not: str | None,
+    attention: str = "ulysses",
+) -> None:
     """Refuse a tp / cp layout the planner (and the trainer) cannot run: a PlanError of
-    one paragraph naming the field. (The world size, the node and data.seq_len are
-    checked with the config: fsdpkit.config.dims.)"""
+    one paragraph naming the field. Heads divide by cp under Ulysses only (the
+    trainer's ``heads_cp``). (The world size, the node and data.seq_len are checked
+    with the config: fsdpkit.config.dims.)"""
     if tp == 1 and cp == 1:
         return
     if model is None or why_not is not None:
@@ -141,7 +154,12 @@ def check_layout(model: LlamaConfig | None, *, tp: int, cp: int, why_not: str | 
             "Plan it with parallel.tp = 1 and parallel.cp = 1."
         )
     try:  # the trainer's own rule (fsdpkit.sharding.tensor)
-        check_heads(n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, tp=tp, cp=cp)
+        check_heads(
+            n_heads=model.n_heads,
+            n_kv_heads=model.n_kv_heads,
+            tp=tp,
+            cp=heads_cp(cp=cp, attention=attention),
+        )
     except (TensorParallelError, ConfigError) as exc:
         raise PlanError(str(exc)) from None
 
@@ -160,20 +178,39 @@ def exchange_traffic(
     e: int,
     passes: int,
     vocab: bool = False,
+    ring_backwards: int | None = None,
 ) -> tuple[int, int, int]:
     """(tensor-parallel bytes, context-parallel bytes, collective calls) per rank for
     ``passes`` block passes (forward, backward and recompute each count one) of one
     micro-batch of ``tokens`` tokens per rank — the formulas of [Note: model-parallel
-    block memory]; ``sp`` and ``vocab`` add the edges' exchanges (``_edge_traffic``)."""
+    block memory]; ``sp`` and ``vocab`` add the edges' exchanges (``_edge_traffic``).
+    ``ring_backwards``: ring attention, of whose ``passes`` that many are backwards
+    (``_ring_attention``)."""
     m = tokens // cp
     b = m * model.dim * e
     edge_bytes, edge_calls = _edge_traffic(b, tp=tp, sp=sp, vocab=vocab)
     tp_bytes = passes * 4 * _ring(b, tp) + edge_bytes
     q = m * model.n_heads * model.head_dim * e // tp
     k = m * model.n_kv_heads * model.head_dim * e // tp
-    cp_bytes = passes * _ring(2 * q + 2 * k, cp)
-    calls = passes * 4 * ((tp > 1) + (cp > 1)) + edge_calls
-    return tp_bytes, cp_bytes, calls
+    if ring_backwards is None:
+        cp_bytes, cp_calls = passes * _ring(2 * q + 2 * k, cp), passes * 4 * (cp > 1)
+    else:
+        cp_bytes, cp_calls = _ring_attention(
+            q, cp=cp, e=e, forwards=passes - ring_backwards, backwards=ring_backwards
+        )
+    return tp_bytes, cp_bytes, passes * 4 * (tp > 1) + cp_calls + edge_calls
+
+
+def _ring_attention(q: int, *, cp: int, e: int, forwards: int, backwards: int) -> tuple[int, int]:
+    """(bytes, calls) of ring attention over ``cp`` ranks, Q = ``q`` ([Note: ring
+    attention memory] in fsdpkit.planner.ringmem): every pass all-gathers the repeated
+    k and v once ((cp - 1) x 2Q out of cp x 2Q); a backward also sends its fp32 k / v
+    grad accumulators on, whole, at each of its cp steps (cp x 2Q x 4 / e)."""
+    if cp == 1:
+        return 0, 0
+    gather = _ring(cp * 2 * q, cp)
+    permutes = cp * 2 * q * 4 // e
+    return (forwards + backwards) * gather + backwards * permutes, forwards + backwards * (1 + cp)
 
 
 def _edge_traffic(b: int, *, tp: int, sp: bool, vocab: bool) -> tuple[int, int]:

@@ -92,9 +92,11 @@ class Step:
         self.fwd_flat = 0  # forward all-gather output kept until the next copy-out
         self.rs_state = 0  # reduce-scatter input kept until the next post-backward
         # Flash-attention backward on CUDA accumulates dq in fp32 and keeps a softmax
-        # row sum (FA2 in PyTorch); the CPU kernel needs neither.
+        # row sum (FA2 in PyTorch); so does the CPU kernel (measured: 1.5 Q in fp32),
+        # counted where it sets the peak: inside ring attention's steps.
         gpu = sc.device.kind == "gpu"
-        self.sdpa_workspace = self.s.nqe * 4 // self.s.e + self.s.nh4 if gpu else 0
+        ws = self.s.nqe * 4 // self.s.e + self.s.nh4
+        self.sdpa_workspace = ws if gpu or (self.s.ring and sc.cp > 1) else 0
         # gloo (CPU ranks) all-gathers into a temporary of the output's size and
         # reduce-scatters a clone of the input; NCCL needs neither.
         self.gloo = not gpu and sc.shard > 1

@@ -38,7 +38,8 @@ def _mesh(sc: Scenario) -> str:
     if sc.tp == 1 and sc.cp == 1:
         return mesh
     sp = " (sequence parallel)" if sc.sequence_parallel else ""
-    parts = [f"cp {sc.cp}" if sc.cp > 1 else "", f"tp {sc.tp}{sp}" if sc.tp > 1 else ""]
+    ring = " (ring attention)" if sc.cp_attention == "ring" else ""
+    parts = [f"cp {sc.cp}{ring}" if sc.cp > 1 else "", f"tp {sc.tp}{sp}" if sc.tp > 1 else ""]
     folded = ", cp folded into the shard group" if sc.cp > 1 else ""
     return f"{' x '.join(p for p in parts if p)} x {sc.dp} data-parallel ({mesh}{folded})"
 

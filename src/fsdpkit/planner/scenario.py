@@ -98,6 +98,9 @@ class Scenario:
     """Tensor-parallel ranks (parallel.tp): the block units hold tp-local shards."""
     cp: int = 1
     """Context-parallel ranks (parallel.cp): each holds seq_len / cp tokens."""
+    cp_attention: str = "ulysses"
+    """parallel.cp_attention: "ulysses" (heads for sequence) or "ring" (k / v rotate;
+    [Note: ring attention memory] in fsdpkit.planner.ringmem)."""
     sequence_parallel: bool = False
     """Whether the residual stream and norms are split over tp too (the built-in Llama
     with tp > 1; [Note: model-parallel block memory] in fsdpkit.planner.mparallel)."""
@@ -259,7 +262,9 @@ def scenario(
     precision, note = planned_precision(cfg.precision.mode, device)
     model = _planned_model(cfg, vocab=vocab, precision=precision)
     why_not = model.why_traced or _selective_why_traced(cfg)
-    check_layout(model.shape, tp=dims.tp, cp=dims.cp, why_not=why_not)
+    check_layout(
+        model.shape, tp=dims.tp, cp=dims.cp, attention=cfg.parallel.cp_attention, why_not=why_not
+    )
     split_vocab = vocab_parallel(model.layout, vocab=model.vocab_size, tp=dims.tp)
     local_layout = tp_layout(
         model.layout, tp=dims.tp, vocab=model.vocab_size if split_vocab else None
@@ -317,6 +322,7 @@ def scenario(
         backward_prefetch=cfg.parallel.backward_prefetch,
         tp=dims.tp,
         cp=dims.cp,
+        cp_attention=cfg.parallel.cp_attention,
         sequence_parallel=dims.tp > 1 and (builtin or model.layout.sequence_parallel),
         vocab_parallel=split_vocab,
         reference_bytes=dpo.resident,

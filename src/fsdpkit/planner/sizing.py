@@ -29,6 +29,8 @@ def sizes(sc: Scenario) -> Sizes:
         inner_n=inner,
         tp=sc.tp,
         cp=sc.cp,
+        ring=sc.cp_attention == "ring",
+        gloo=sc.device.kind != "gpu",
     )
 
 
@@ -41,4 +43,4 @@ def head_sizes(sc: Scenario) -> Sizes:
     the gather, on ``sizes(sc)``'s shard (fsdpkit.planner.replay)."""
     s = sizes(sc)
     vocab = s.vocab // sc.tp if sc.vocab_parallel and sc.loss_chunk is not None else s.vocab
-    return replace(s, n=s.m, inner_n=0, tp=1, cp=1, vocab=vocab)
+    return replace(s, n=s.m, inner_n=0, tp=1, cp=1, ring=False, vocab=vocab)

@@ -1,0 +1,96 @@
+"""The byte sizes one block's event model runs over and the categories its events
+count in (fsdpkit.planner.blockmem, fsdpkit.planner.ringmem, fsdpkit.planner.headmem)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ACT, TEMP, GRAD, LOGITS = "activations", "temporaries", "unsharded_grads", "logits_loss"
+XCHG = "exchange_buffers"
+Event = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Byte sizes of the tensors of one micro-batch through one block."""
+
+    n: int
+    """Tokens in the micro-batch (batch x seq)."""
+    d: int
+    f: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    e: int
+    """Bytes per element of the compute dtype."""
+    norm_grads: bool = True
+    """Whether the norms' weights train; frozen (LoRA, fsdpkit.planner.finetune_layout), a norm
+    keeps no normalized copy for a weight gradient."""
+    inner_n: int = 0
+    """Tokens per rank at the matmuls and in attention (0: ``n``). With sequence
+    parallelism the residual stream and the norms hold ``n`` = inner_n / tp tokens and
+    each attention / MLP input is all-gathered to ``inner_n`` ([Note: model-parallel
+    block memory] in fsdpkit.planner.mparallel)."""
+    tp: int = 1
+    """Tensor-parallel degree (``heads``, ``kv_heads`` and ``f`` are already per rank)."""
+    cp: int = 1
+    """Context-parallel degree: attention exchanges heads for sequence (all-to-alls)."""
+    ring: bool = False
+    """Ring attention over the cp ranks (``parallel.cp_attention = "ring"``): k / v travel
+    instead of heads ([Note: ring attention memory] in fsdpkit.planner.ringmem)."""
+    gloo: bool = False
+    """CPU ranks: gloo all-gathers through a temporary of the output's size."""
+
+    @property
+    def m(self) -> int:
+        """Tokens per rank at the matmuls (``inner_n``, else ``n``)."""
+        return self.inner_n or self.n
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism: the residual stream holds fewer tokens than the matmuls."""
+        return self.m != self.n
+
+    @property
+    def nme(self) -> int:
+        """A d-wide tensor on the matmul side (a gathered input, a partial output)."""
+        return self.m * self.d * self.e
+
+    @property
+    def nh4(self) -> int:
+        """Attention's fp32 log-sum-exp (one per head and token)."""
+        return 4 * self.m * self.heads
+
+    @property
+    def cast(self) -> bool:
+        """Whether .float() / .to(dtype) in the norms and loss make copies."""
+        return self.e != 4
+
+    @property
+    def nd4(self) -> int:
+        return self.n * self.d * 4
+
+    @property
+    def nde(self) -> int:
+        return self.n * self.d * self.e
+
+    @property
+    def nqe(self) -> int:
+        return self.m * self.heads * self.head_dim * self.e
+
+    @property
+    def nke(self) -> int:
+        return self.m * self.kv_heads * self.head_dim * self.e
+
+    @property
+    def nfe(self) -> int:
+        return self.m * self.f * self.e
+
+    @property
+    def nv4(self) -> int:
+        return self.n * self.vocab * 4
+
+    @property
+    def nve(self) -> int:
+        return self.n * self.vocab * self.e
