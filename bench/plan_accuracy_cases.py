@@ -219,6 +219,14 @@ CASES = [
     # bf16: the casts of the final norm on the sequence shard and of RoPE under cp
     Case("MP T bf16 dp2 x tp2", 4, "T", (FULL, BF16, "parallel.tp=2")),
     Case("MP T bf16 tp2 x cp2 +AC", 4, "T", (FULL, BF16, AC, "parallel.tp=2", "parallel.cp=2")),
+    # transformers' Qwen2 (no analytic shape: traced) and Llama under tp / cp
+    *(
+        Case(f"MP {m} {name}{label}", 4, m.split()[0], (FULL, *layout, *ac))
+        for m in ("HQ hf qwen2", "HL hf llama")
+        for name, layout in MP_LAYOUTS
+        if "MHA" not in name and "ring" not in name
+        for label, ac in (("", ()), (" +AC", (AC,)))
+    ),
 ]
 QUICK = [c for c in CASES if c.world == 2 and c.name in ("S full +AC", "S grad_op", "T bf16 full")]
 """The subset tests/distributed/test_planner_accuracy.py checks."""

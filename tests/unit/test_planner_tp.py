@@ -274,6 +274,11 @@ fsdpkit.planner.ringmem), planned under the real peak: "MP A dp2 x cp2 ring" -1.
 "+AC" -3.7% (the ring's kernel and gloo buffers are modeled in part)."""
 
 
+HF_LLAMA_OVER = 0.09
+"""The analytic plan of transformers' Llama at tp / cp reads over the measured peak, by
+up to 8.7% ("MP HL hf llama tp2 x cp2"); the built-in Llama's same rows are exact."""
+
+
 def test_model_parallel_accuracy_rows_plan_their_measured_peaks() -> None:
     # the planner against what real tp / cp runs held, from the committed results file
     # (rerun: python bench/plan_accuracy.py --only MP --merge --steps 3)
@@ -282,10 +287,39 @@ def test_model_parallel_accuracy_rows_plan_their_measured_peaks() -> None:
 
     measured = json.loads((BENCH / "results" / "plan_accuracy.json").read_text())["rows"]
     peaks = {(r["configuration"], r["world"]): r["typical"] for r in measured}
-    cases = [c for c in CASES if c.name.startswith("MP")]
+    cases = [c for c in CASES if c.name.startswith("MP") and c.shape() is not None]
     assert len(cases) >= 8 and all((c.name, c.world) in peaks for c in cases)
     for c in cases:
         truth = peaks[(c.name, c.world)]
         planned = plan(c.config(), world_size=c.world, trace=False).memory.peak.bytes
         bound = RING_BOUND if "ring" in c.name else MEASURED_BOUND
         assert abs(planned - truth) / truth <= bound, (c.name, planned, truth)
+    # transformers' Llama ("MP HL"): planned high, not yet located (docs/planner.md):
+    # +1.1% to +8.7%, never under the real peak
+    for c in (c for c in CASES if c.name.startswith("MP HL")):
+        truth = peaks[(c.name, c.world)]
+        planned = plan(c.config(), world_size=c.world, trace=False).memory.peak.bytes
+        assert 0 <= (planned - truth) / truth <= HF_LLAMA_OVER, (c.name, planned, truth)
+
+
+def test_recommend_takes_ring_attention_where_ulysses_cannot_split_the_heads() -> None:
+    # a Qwen2.5-7B shape (28 heads, 4 kv heads) at 524288 tokens on 8 x H100: only 8
+    # model-parallel ranks fit without offload, and 28 heads split over none of cp 8,
+    # tp 2 x cp 4 (14 per rank) or tp 4 x cp 2 (7 per rank), so all three are ring layouts
+    qwen = [
+        "model.dim=3584", "model.n_layers=28", "model.n_heads=28", "model.n_kv_heads=4",
+        "model.ffn_dim=18944", "model.vocab_size=152064", "data.seq_len=524288",
+    ]  # fmt: skip
+    rec = recommend(_cfg(*qwen), world_size=8, device=H100)
+    assert rec.best is not None and rec.best.fits
+    assert rec.best.changes.get("parallel.cp_attention") == "ring"
+    eight = {(t.tp, t.cp): t for t in rec.layouts if t.ranks == 8}
+    assert {k: t.attention for k, t in eight.items() if k[1] > 1} == {
+        (1, 8): "ring",
+        (2, 4): "ring",
+        (4, 2): "ring",
+    }
+    assert all(t.attention == "ulysses" for t in rec.layouts if t.ranks < 8)
+    text = format_recommendation(rec)
+    assert "(ring attention), the fewest model-parallel ranks that fit" in text
+    assert text.endswith('[parallel]\ncp = 8\ncp_attention = "ring"')  # the TOML to set

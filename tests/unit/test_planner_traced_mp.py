@@ -10,11 +10,13 @@ alone. Each trace takes 1-4 s here.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch.distributed as dist
 
 from fsdpkit.config import load
-from fsdpkit.planner import plan
+from fsdpkit.planner import PlanError, plan
 from fsdpkit.planner.scenario import model_shape
 
 # fp32, tied embeddings, no activation checkpointing, full shard: CPU semantics (the
@@ -95,3 +97,26 @@ def test_traces_in_one_process_do_not_share_meshes() -> None:
 
 
 LAYOUTS = (["parallel.tp=2"], ["parallel.tp=2", "parallel.cp=2"])
+
+
+def test_transformers_families_without_a_llama_shape_are_traced_at_tp_and_cp(
+    tmp_path: Path,
+) -> None:
+    # Qwen2 (q / k / v biases) has no analytic shape: its tp / cp layouts are traced on
+    # the trainer's own plan; the traffic line says the exchanges are not counted
+    from fsdpkit.testing.hf import write_tiny_model
+
+    hf = write_tiny_model(tmp_path / "qwen2", arch="qwen2", weights=False, tokenizer=False)
+    base = [f"model.hf={hf}", "data.seq_len=64", "train.micro_batch_size=2"]
+    fsdp = plan(load(None, base), world_size=4)
+    peaks = {}
+    for layout in (["parallel.tp=2"], ["parallel.tp=2", "parallel.cp=2"]):
+        p = plan(load(None, [*base, *layout]), world_size=4)
+        assert p.memory.mode == "traced" and not dist.is_initialized()
+        assert any("activation exchanges are not in the traffic" in n for n in p.scenario.notes)
+        peaks[len(layout)] = p.memory.peak.bytes
+    assert peaks[2] < peaks[1] < fsdp.memory.peak.bytes  # tp, then cp, divide activations
+    # a family without a plan is refused with the trainer's own paragraph (its build)
+    gpt2 = write_tiny_model(tmp_path / "gpt2", arch="gpt2", weights=False, tokenizer=False)
+    with pytest.raises(PlanError, match="base_model_tp_plan"):
+        plan(load(None, [f"model.hf={gpt2}", "data.seq_len=64", "parallel.tp=2"]), world_size=4)

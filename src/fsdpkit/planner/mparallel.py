@@ -136,23 +136,17 @@ def check_layout(
     *,
     tp: int,
     cp: int,
-    why_not: str | None,
     attention: str = "ulysses",
 ) -> None:
     """Refuse a tp / cp layout the planner (and the trainer) cannot run: a PlanError of
     one paragraph naming the field. Heads divide by cp under Ulysses only (the
-    trainer's ``heads_cp``). (The world size, the node and data.seq_len are checked
+    trainer's ``heads_cp``). A model without a Llama shape (``model`` None: planned by
+    tracing, [Note: planning any model]) is checked by the trainer's own rules instead:
+    on its config (fsdpkit.sharding.tensor.check_layout, called by the scenario) and
+    when the trace builds it. (The world size, the node and data.seq_len are checked
     with the config: fsdpkit.config.dims.)"""
-    if tp == 1 and cp == 1:
+    if (tp == 1 and cp == 1) or model is None:
         return
-    if model is None or why_not is not None:
-        raise PlanError(
-            f"parallel.tp = {tp}, parallel.cp = {cp}: the planner models tensor and context "
-            f"parallelism for Llama-shaped decoder blocks, but this run has "
-            f"{why_not or 'other units'} (the traced planner traces tp / cp only for "
-            "models whose shape the formulas read: it starts from their per-rank layout). "
-            "Plan it with parallel.tp = 1 and parallel.cp = 1."
-        )
     try:  # the trainer's own rule (fsdpkit.sharding.tensor)
         check_heads(
             n_heads=model.n_heads,
