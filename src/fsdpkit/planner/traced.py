@@ -22,21 +22,15 @@ that world. Limits, all measured on torch 2.13:
   tensor: fake tracing of ``clip_grad_norm_(foreach=True)`` on DTensor gradients
   counts a copy of every gradient (seen at world size 1), the real kernel does not.
   The optimizer is the trainer's foreach AdamW, which traces exactly.
-- Collective-internal buffers of a real backend are invisible to the tracker. For CPU
-  ranks, gloo's are modeled: it all-gathers into a temporary of the output's size and
-  reduce-scatters a clone of its input (both seen in the allocator), so the trace runs
-  FSDP2 with custom collectives that allocate exactly those temporaries around the
-  (fake) call (``_GlooLikeAllGather`` / ``_GlooLikeReduceScatter``).
+- Collective-internal buffers of a real backend are invisible to the tracker; gloo's
+  are modeled, and two ways torch's tracker miscounts a unit are fixed, in
+  fsdpkit.planner.tracker.
 - Fake tensors are tensor subclasses, for which autograd sums two gradients of one
   tensor out of place; a real run adds a tied embedding's gradient in place into the
   chunked loss's head gradient. The trace's chunked loss therefore adds the head's
   gradient into ``.grad`` itself (``ChunkedLoss.grad_into_weight``), which holds what
   the real run holds (inside context parallelism's slicing wrapper too,
   ``ContextParallelLoss``; a closure there once hid it: +2.4% on a tp2 x cp2 row).
-- torch's tracker instruments every FSDP module on its own, which breaks a unit of
-  several blocks (``parallel.blocks_per_unit``): its forward hooks then reshard the
-  unit after its first block and the trace read 6-8% low. ``_UnitTracker`` hooks a
-  multi-module unit once, with FSDP2's own group-hook semantics.
 """
 
 from __future__ import annotations
@@ -49,17 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import (
-    FSDPMemTracker,
-    _FSDPRefType,
-    _SavedFSDPMethods,
-)
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-    DefaultAllGather,
-    DefaultReduceScatter,
-)
-from torch.distributed.fsdp._fully_shard._fsdp_state import _register_group_forward_hooks
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdpkit.config import RunConfig, with_changes
@@ -72,6 +56,7 @@ from fsdpkit.planner.fake_patches import faithful_step, forget_meshes, real_mesh
 from fsdpkit.planner.result import CATEGORIES, MemoryPlan, PeakPoint
 from fsdpkit.planner.scenario import Scenario
 from fsdpkit.planner.states import model_states
+from fsdpkit.planner.tracker import UnitTracker, model_gloo_buffers
 from fsdpkit.sharding.context_batch import ContextParallelLoss
 from fsdpkit.sharding.mesh import build_mesh
 from fsdpkit.trainable.build import build_unsharded, shard_trainable
@@ -102,99 +87,6 @@ def _breakdown(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
             if key is not None:
                 out[key] += nbytes
     return out
-
-
-class _GlooLikeAllGather(DefaultAllGather):
-    """FSDP2's all-gather plus the temporary gloo gathers into (the output's size)."""
-
-    def __call__(self, output_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        staging = torch.empty_like(output_tensor)
-        work = super().__call__(output_tensor, *args, **kwargs)
-        del staging
-        return work
-
-
-class _GlooLikeReduceScatter(DefaultReduceScatter):
-    """FSDP2's reduce-scatter plus the clone of the input gloo reduces."""
-
-    def __call__(
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> Any:
-        staging = torch.empty_like(input_tensor)
-        work = super().__call__(output_tensor, input_tensor, *args, **kwargs)
-        del staging
-        return work
-
-
-def _model_gloo_buffers(model: torch.nn.Module) -> None:
-    """Give every FSDP unit collectives that allocate gloo's temporaries."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_custom_all_gather(_GlooLikeAllGather())
-            module.set_custom_reduce_scatter(_GlooLikeReduceScatter())
-
-
-class _UnitTracker(FSDPMemTracker):
-    """``FSDPMemTracker`` that instruments each FSDP unit once: a unit of several
-    modules (``fully_shard([b0, b1, b2])``) gets group forward hooks, as FSDP2 itself
-    registers them, instead of one reshard per module (see the module docstring)."""
-
-    def _units(self) -> list[tuple[FSDPModule, Any]]:
-        units: dict[int, tuple[FSDPModule, Any]] = {}
-        for module in self._root_mod.modules():
-            if isinstance(module, FSDPModule):
-                state = module._get_fsdp_state()
-                if state._fsdp_param_group is not None:
-                    units.setdefault(id(state), (module, state))
-        return list(units.values())
-
-    def _hook(self, state: Any, pre: Any, post: Any) -> None:
-        modules = state._modules
-        if len(modules) == 1:
-            state._pre_forward_hook_handle = modules[0].register_forward_pre_hook(
-                pre, prepend=True, with_kwargs=True
-            )
-            state._post_forward_hook_handle = modules[0].register_forward_hook(
-                post, prepend=False, always_call=True
-            )
-            return
-        handle = _register_group_forward_hooks(
-            modules, pre, post, state._modules_to_run_forward, state._cast_output_dtype
-        )
-        state._pre_forward_hook_handle = state._post_forward_hook_handle = handle
-
-    def _instrument_fsdp_module(self) -> None:
-        for _module, state in self._units():
-            state._pre_forward_hook_handle.remove()
-            state._post_forward_hook_handle.remove()
-        for module, state in self._units():
-            group = state._fsdp_param_group
-            self._instrument_fsdp_sharded_params_grads(group)
-            self._hook(
-                state,
-                self._fsdp_state_pre_forward(module, state._pre_forward),
-                self._fsdp_state_post_forward(module, state._post_forward),
-            )
-            self._fsdp_mod_to_saved_methods[module] = _SavedFSDPMethods(
-                group.pre_backward, group.post_backward
-            )
-            group.pre_backward = self._fsdp_param_group_pre_backward(module, group.pre_backward)
-            group.post_backward = self._fsdp_param_group_post_backward(module, group.post_backward)
-        for buffer in self._root_mod.buffers():
-            self._update_and_maybe_create_winfos(buffer, _FSDPRefType.BUFFER)
-
-    def _deregister_module_and_optimizer_hooks(self) -> None:
-        for module, saved in self._fsdp_mod_to_saved_methods.items():
-            state = module._get_fsdp_state()
-            state._pre_forward_hook_handle.remove()
-            self._hook(state, state._pre_forward, state._post_forward)
-            state._fsdp_param_group.pre_backward = saved.pre_backward
-            state._fsdp_param_group.post_backward = saved.post_backward
-        self._fsdp_mod_to_saved_methods.clear()
-        if self._optimizer_hook_handles is not None:
-            for handle in self._optimizer_hook_handles:
-                handle.remove()
-            self._optimizer_hook_handles = None
 
 
 class _PhaseRecorder:
@@ -260,13 +152,13 @@ def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
         with real_meshes():
             run = shard_trainable(unsharded, run_cfg, mesh=mesh, device=CPU, fake=fake)
         if sc.device.kind == "cpu" and sc.shard > 1:
-            _model_gloo_buffers(run.model)
+            model_gloo_buffers(run.model)
         loss_fn = _grads_in_place(run.loss_fn)
         _steady_state(run.model, run.optimizer)
         # two micro-batches hold what any later one holds (the second shows what a
         # no-sync accumulation keeps); more would only make the trace slower
         batches = synthetic_batches(run_cfg, dp_world=sc.dp, vocab_size=sc.vocab_size, at_most=2)
-        tracker = _UnitTracker(run.model, run.optimizer)
+        tracker = UnitTracker(run.model, run.optimizer)
         tracker.track_inputs(tuple(batches))
         recorder = _PhaseRecorder(tracker)
         with tracker, faithful_step():
