@@ -14,8 +14,6 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp._fully_shard import _fully_shard as _fully_shard_module
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -140,17 +138,3 @@ def faithful_step() -> Iterator[None]:
     bookkeeping kept out of the count (the three notes above)."""
     with _unpacked_hf_batches(), _unpacked_positions(), _untracked_dtensor_metadata():
         yield
-
-
-def forget_meshes() -> None:
-    """Drop DTensor's caches of sharding decisions, which hold meshes.
-
-    DTensor caches an op's output placements (in Python and in C++) by its inputs'
-    specs, and meshes compare equal by shape and ranks alone. Each trace starts and
-    destroys its own fake process group, so a later trace in the same process (the
-    bench plans many configurations) whose tp axis equals an earlier one's was handed
-    the earlier mesh and its destroyed groups ("Could not resolve the process group
-    registered under the name 3"). Called around every trace."""
-    torch._C._clear_DTensor_sharding_propagator_cache()
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    clear_redistribute_planner_cache()

@@ -16,12 +16,12 @@ that world. Limits, all measured on torch 2.13:
   shard x cp x tp), built outside ``FakeTensorMode``; every data-parallel rank gets
   its batch (cp ranks slice theirs). What tensor and context parallelism compute from
   tensor values or outside any tracker (mesh rank tensors, the built-in Llama's
-  document mask, DTensor's global-shape metadata, DTensor's caches of meshes between
-  traces) is set to the real run's answer in fsdpkit.planner.fake_patches, one note
-  each. Gradient clipping runs tensor by
-  tensor: fake tracing of ``clip_grad_norm_(foreach=True)`` on DTensor gradients
-  counts a copy of every gradient (seen at world size 1), the real kernel does not.
-  The optimizer is the trainer's foreach AdamW, which traces exactly.
+  document mask, DTensor's global-shape metadata) is set to the real run's answer in
+  fsdpkit.planner.fake_patches, one note each; DTensor's caches of meshes are dropped
+  around every trace ([Note: equal meshes] in fsdpkit.sharding.mesh). Gradient
+  clipping runs tensor by tensor: fake tracing of ``clip_grad_norm_(foreach=True)``
+  on DTensor gradients counts a copy of every gradient (seen at world size 1), the
+  real kernel does not. The optimizer is the trainer's foreach AdamW, which traces exactly.
 - Collective-internal buffers of a real backend are invisible to the tracker; gloo's
   are modeled, and two ways torch's tracker miscounts a unit are fixed, in
   fsdpkit.planner.tracker.
@@ -52,13 +52,13 @@ from fsdpkit.loss.contract import LossFn
 from fsdpkit.loss.head import ChunkedLoss
 from fsdpkit.planner.analytic import late_free_spread
 from fsdpkit.planner.errors import PlanError, TraceError
-from fsdpkit.planner.fake_patches import faithful_step, forget_meshes, real_meshes
+from fsdpkit.planner.fake_patches import faithful_step, real_meshes
 from fsdpkit.planner.result import CATEGORIES, MemoryPlan, PeakPoint
 from fsdpkit.planner.scenario import Scenario
 from fsdpkit.planner.states import model_states
 from fsdpkit.planner.tracker import UnitTracker, model_gloo_buffers
 from fsdpkit.sharding.context_batch import ContextParallelLoss
-from fsdpkit.sharding.mesh import build_mesh
+from fsdpkit.sharding.mesh import build_mesh, forget_meshes
 from fsdpkit.trainable.build import build_unsharded, shard_trainable
 from fsdpkit.trainable.step import step_options, synthetic_batches, train_step
 

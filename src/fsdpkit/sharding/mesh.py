@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import warnings
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
 
 from fsdpkit.devices import device_type as local_device_type
 from fsdpkit.errors import UserError
@@ -39,8 +42,9 @@ def build_mesh(
     ``shard`` defaults to world_size / (replicate x cp x tp). With ``cp`` or ``tp`` > 1
     the mesh has the named axes of [Note: parallel dimensions] ("replicate" only when
     > 1, "shard" always, then "cp", "tp" where > 1). The process group must be
-    initialized.
+    initialized. DTensor's caches are dropped first ([Note: equal meshes]).
     """
+    forget_meshes()
     world = world_size if world_size is not None else dist.get_world_size()
     if cp < 1 or tp < 1 or world % (cp * tp):
         raise MeshError(
@@ -70,6 +74,26 @@ def build_mesh(
     if replicate == 1:
         return init_device_mesh(dev, (shard,), mesh_dim_names=("shard",))
     return init_device_mesh(dev, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def forget_meshes() -> None:
+    """Drop DTensor's caches of sharding decisions, which hold meshes.
+
+    [Note: equal meshes]
+    DTensor caches an op's output placements (in Python and in C++) by its inputs'
+    specs, and meshes compare equal by shape, ranks and axis names alone, not by their
+    process groups. So the second of two equal meshes in one process was handed the
+    first one's outputs, with the first mesh's groups: two ring-attention
+    configurations measured one after the other in one spawn (bench/plan_accuracy.py's
+    "MP A dp2 x cp2 ring" rows) deadlocked in the second one's ring backward, waiting
+    on a key / value all-gather; a trace after an earlier one (each starts and destroys
+    its own fake process group) was handed the earlier, destroyed groups ("Could not
+    resolve the process group registered under the name 3"). ``build_mesh`` drops
+    them before every mesh it builds; the planner's trace also after each trace.
+    """
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    clear_redistribute_planner_cache()
 
 
 def _model_parallel_mesh(
