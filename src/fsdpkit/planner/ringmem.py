@@ -43,11 +43,14 @@ default ``_cp_options``: ``rotate_method`` all-gather, ``convert_to_f32``):
   buffers: 20Q at cp 2, the most of any step (the traced planner holds it the same
   way, fsdpkit.planner.tracker).
 
-Measured (bench/plan_accuracy.py, "MP A dp2 x cp2 ring" rows, fp32 on 4 gloo ranks),
-with the concatenation freed at the first wait in backward too and gloo's temporary
-freed inside the call, the plan read 1.5% under the real peak without checkpointing
-and 3.7% under with full checkpointing (peaks set by rank 0's step 1 and by step 0
-with the temporary still live, 2Q and 3Q under).
+Measured (bench/plan_accuracy.py, "MP A dp2 x cp2 ring" rows, fp32 on 4 gloo ranks,
+6 steps each): +0.3% over the typical step without checkpointing (-0.01% on the
+steps where the temporary was still live, +0.6% on the others) and -0.3% with full
+checkpointing (-0.3% to +0.4% by step); the traced planner, which runs torch's ring
+on fake tensors, agrees within 0.01%. With
+the concatenation freed at the first wait in backward too and gloo's temporary inside
+the call they read -1.5% and -3.7% (2Q under at rank 0's step 1, 3Q under at step 0
+with the temporary still live).
 
 Traffic (fsdpkit.planner.mparallel.exchange_traffic): the gather moves (cp - 1) x 2Q
 per rank in each forward and backward; the permutes move cp x 2 Qf per backward.
