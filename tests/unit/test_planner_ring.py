@@ -47,10 +47,16 @@ def test_ring_events_balance_and_peak_above_ulysses() -> None:
     # the gather (4Q) + the concatenation (2Q) + step 0's block, then the merge's two
     # temporaries beside the state and step 1's block (the concatenation freed)
     assert _peak(ring_forward(ring)) == (8 * q + 3 * lse, q + lse)
-    # 3 fp32 accumulators + gather + step 0's grads + the sent and received k / v grads
-    # (16Q), then step 1's grads (rank 0: 2.5Q) with the concatenation freed; leaves
-    # the q, k, v grads for the output's grad
-    assert _peak(ring_backward(ring, sdpa_workspace=0)) == (33 * q // 2, 2 * q)
+    # 3 fp32 accumulators + the concatenation + gather + step 0's grads + the sent and
+    # received k / v grads (16Q), then step 1's grads (rank 0: 2.5Q) with the
+    # concatenation still bound (torch's ``next_kv``); leaves the q, k, v grads for
+    # the output's grad
+    assert _peak(ring_backward(ring, sdpa_workspace=0)) == (37 * q // 2, 2 * q)
+    # CPU ranks: gloo's gathering temporary (cp x 2Q) lives to the first wait, over
+    # step 0's block in forward and step 0's grads and first permute in backward
+    gloo = replace(ring, gloo=True)
+    assert _peak(ring_forward(gloo)) == (11 * q + lse, q + lse)
+    assert _peak(ring_backward(gloo, sdpa_workspace=0)) == (20 * q, 2 * q)
 
 
 def test_ring_plan_peak_and_traffic() -> None:

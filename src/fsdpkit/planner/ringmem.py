@@ -19,21 +19,38 @@ default ``_cp_options``: ``rotate_method`` all-gather, ``convert_to_f32``):
   two Qf temporaries beside the state, the new state and the block. Modeled for the
   last rank, whose every step takes the whole local query (rank 0's later steps
   take half of it).
-- backward: three fp32 accumulators (3 Qf), the k/v gather again (2Q + cp x 2Q),
-  per step the kernel's q / k / v grads while the previous step's are still bound
-  (rank 0 after the first step: q halved, k and v whole, 2.5Q), and the k / v grad
-  accumulators rotated by an all-to-all permute each step: the sent concatenation
-  (2 Qf) and the received buffer (2 Qf), which becomes the next accumulator; the
-  last received buffer is the k / v grad returned (one tensor: both grads die
-  together). Modeled for rank 0, whose step after the first holds the most.
+- backward: three fp32 accumulators (3 Qf), the k/v gather again (2Q + cp x 2Q;
+  here the concatenation stays bound to ``next_kv`` until the next step's replaces
+  it, to the end for the last one), per step the kernel's q / k / v grads while the
+  previous step's are still bound (rank 0 after the first step: q halved, k and v
+  whole, 2.5Q), and the k / v grad accumulators rotated by an all-to-all permute
+  each step: the sent concatenation (2 Qf) and the received buffer (2 Qf), which
+  becomes the next accumulator; the last received buffer is the k / v grad returned
+  (one tensor: both grads die together). Modeled for rank 0, whose step after the
+  first holds the most.
 - the kernel's own workspace in backward (``sdpa_workspace``, fsdpkit.planner.replay:
-  the fp32 dq accumulator and a row sum; measured 1.5 Q on the CPU kernel at full q,
-  1 Q at half), and on CPU ranks gloo's all-gather temporary (cp x 2Q, transient).
+  FA2's fp32 dq accumulator and row sum, Qf + L, half of it at half q). The CPU
+  kernel, measured: 0.25 Q of per-thread buffers at full q (one thread); at half q a
+  contiguous copy of a half-q input (Q / 2) and 0.125 Q, besides torch's contiguous
+  half of L: 0.12 Q above the modeled half, at a step that does not set the peak.
+- on CPU ranks gloo's all-gather: a flattened copy of the concatenation (2Q, freed
+  at once), then its worker thread's temporary of the output's size (cp x 2Q), live
+  until the gather completes. That is after step 0's kernel as often as not (the
+  thread gets its turn late on busy CPU ranks, or the peer posts late: still live
+  after step 0's kernel on 7 of 8 rank-steps of "MP A dp2 x cp2 ring +AC", 1 of 8
+  without checkpointing, profiled), so it is held to the first wait, which it
+  cannot outlive; in backward it then meets step 0's grads and the first permute's
+  buffers: 20Q at cp 2, the most of any step (the traced planner holds it the same
+  way, fsdpkit.planner.tracker).
 
-Measured (bench/plan_accuracy.py, "MP A dp2 x cp2 ring" rows, fp32 on 4 gloo ranks):
-the plan sits 1.5% under the real peak without checkpointing and 3.7% under with full
-checkpointing; the rest is not located yet (the traced planner, which runs torch's ring
-on fake tensors, is within 2%).
+Measured (bench/plan_accuracy.py, "MP A dp2 x cp2 ring" rows, fp32 on 4 gloo ranks,
+6 steps each): +0.3% over the typical step without checkpointing (-0.01% on the
+steps where the temporary was still live, +0.6% on the others) and -0.3% with full
+checkpointing (-0.3% to +0.4% by step); the traced planner, which runs torch's ring
+on fake tensors, agrees within 0.01%. With
+the concatenation freed at the first wait in backward too and gloo's temporary inside
+the call they read -1.5% and -3.7% (2Q under at rank 0's step 1, 3Q under at step 0
+with the temporary still live).
 
 Traffic (fsdpkit.planner.mparallel.exchange_traffic): the gather moves (cp - 1) x 2Q
 per rank in each forward and backward; the permutes move cp x 2 Qf per backward.
@@ -49,10 +66,19 @@ def _f32(s: Sizes, size: int) -> int:
     return size * 4 // s.e
 
 
-def _gather(s: Sizes, size: int) -> list[Event]:
-    """The k / v all-gather's output; on CPU ranks gloo gathers into a temporary of its
-    size first (as FSDP's all-gathers, fsdpkit.planner.replay)."""
-    return [(XCHG, size), *([(TEMP, size), (TEMP, -size)] if s.gloo else [])]
+def _gather(s: Sizes, size: int, *, sent: int) -> list[Event]:
+    """The k / v all-gather's output (``size``) of the ``sent`` concatenation. On CPU
+    ranks gloo first flattens the input into a copy (freed at once), then its worker
+    thread gathers into a temporary of the output's size that lives until the gather
+    completes, which is after the first step's kernel as often as not (the thread gets
+    its turn late on busy CPU ranks): modeled live until the first wait, which it
+    cannot outlive (``_gathered``)."""
+    return [(XCHG, size), *([(TEMP, sent), (TEMP, -sent), (TEMP, size)] if s.gloo else [])]
+
+
+def _gathered(s: Sizes, size: int) -> list[Event]:
+    """The first wait on the gather: gloo's temporary is gone by then."""
+    return [(TEMP, -size)] if s.gloo else []
 
 
 def _merge(s: Sizes) -> list[Event]:
@@ -73,10 +99,11 @@ def ring_forward(s: Sizes) -> list[Event]:
     freed ([Note: ring attention memory])."""
     q, lse, cp = s.nqe, s.nh4, s.cp
     kv, gathered = 2 * q, cp * 2 * q
-    ev: list[Event] = [(TEMP, kv), *_gather(s, gathered), (TEMP, q + lse)]  # step 0's block
+    ev: list[Event] = [(TEMP, kv), *_gather(s, gathered, sent=kv), (TEMP, q + lse)]  # step 0
     ev += [(TEMP, _f32(s, q) + lse)] if s.cast else []  # the fp32 state (else: the block)
     for i in range(1, cp):
-        ev += [(TEMP, -kv)] if i == 1 else []  # the first wait frees the concatenation
+        # the first wait frees the concatenation (only the collective held it)
+        ev += [*_gathered(s, gathered), (TEMP, -kv)] if i == 1 else []
         ev += [(TEMP, kv), (TEMP, -kv)] if i < cp - 1 else []  # re-concatenated, unsent
         ev += [(TEMP, q + lse)]  # this step's block
         ev += [(TEMP, -(q + lse))] if i > 1 or s.cast else []  # the previous block
@@ -93,12 +120,13 @@ def ring_backward(s: Sizes, *, sdpa_workspace: int) -> list[Event]:
     the output's grad freed ([Note: ring attention memory])."""
     q, cp, ws = s.nqe, s.cp, sdpa_workspace
     qf, kv, gathered = _f32(s, s.nqe), 2 * s.nqe, cp * 2 * s.nqe
-    ev: list[Event] = [(TEMP, 3 * qf), (TEMP, kv), *_gather(s, gathered)]  # accumulators
+    ev: list[Event] = [(TEMP, 3 * qf), (TEMP, kv), *_gather(s, gathered, sent=kv)]
     ev += [(TEMP, 3 * q + ws), (TEMP, -ws)]  # step 0's grads, summed in place
     ev += [(TEMP, 2 * qf), (XCHG, 2 * qf)]  # k / v grads sent (permute) and received
     prev = 3 * q
     for i in range(1, cp):
-        ev += [(TEMP, -kv)] if i == 1 else []
+        ev += _gathered(s, gathered) if i == 1 else []
+        # the concatenation stays bound (``next_kv``) until the next one replaces it
         ev += [(TEMP, kv), (TEMP, -kv)] if i < cp - 1 else []
         new = q // 2 + 2 * q  # rank 0: the second half of q against whole k, v
         ev += [(TEMP, new + ws // 2), (TEMP, -(ws // 2)), (TEMP, -prev), (TEMP, -2 * qf)]
@@ -111,6 +139,6 @@ def ring_backward(s: Sizes, *, sdpa_workspace: int) -> list[Event]:
         ev += [(TEMP, q), (TEMP, -qf)]  # grad q cast back
     ev += [(TEMP, -2 * qf), (XCHG, -2 * qf)]  # the last send's wait; old accumulators
     ev += [(TEMP, kv)] if s.cast else []  # the received k / v grads cast back
-    ev += [(XCHG, -gathered), (TEMP, -prev), (XCHG, -2 * qf)]
+    ev += [(XCHG, -gathered), (TEMP, -prev), (XCHG, -2 * qf), (TEMP, -kv)]
     ev += [] if s.cast else [(TEMP, kv)]  # fp32: the received buffer is the result
     return [*ev, (TEMP, -q)]

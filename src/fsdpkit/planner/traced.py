@@ -23,8 +23,8 @@ that world. Limits, all measured on torch 2.13:
   on DTensor gradients counts a copy of every gradient (seen at world size 1), the
   real kernel does not. The optimizer is the trainer's foreach AdamW, which traces exactly.
 - Collective-internal buffers of a real backend are invisible to the tracker; gloo's
-  are modeled, and two ways torch's tracker miscounts a unit are fixed, in
-  fsdpkit.planner.tracker.
+  are modeled (FSDP2's and ring attention's gathers), and two ways torch's tracker
+  miscounts a unit are fixed, in fsdpkit.planner.tracker.
 - Fake tensors are tensor subclasses, for which autograd sums two gradients of one
   tensor out of place; a real run adds a tied embedding's gradient in place into the
   chunked loss's head gradient. The trace's chunked loss therefore adds the head's
@@ -56,7 +56,7 @@ from fsdpkit.planner.fake_patches import faithful_step, real_meshes
 from fsdpkit.planner.result import CATEGORIES, MemoryPlan, PeakPoint
 from fsdpkit.planner.scenario import Scenario
 from fsdpkit.planner.states import model_states
-from fsdpkit.planner.tracker import UnitTracker, model_gloo_buffers
+from fsdpkit.planner.tracker import UnitTracker, model_gloo_buffers, ring_gloo_buffers
 from fsdpkit.sharding.context_batch import ContextParallelLoss
 from fsdpkit.sharding.mesh import build_mesh, forget_meshes
 from fsdpkit.trainable.build import build_unsharded, shard_trainable
@@ -151,7 +151,8 @@ def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
     with FakeTensorMode() as fake:
         with real_meshes():
             run = shard_trainable(unsharded, run_cfg, mesh=mesh, device=CPU, fake=fake)
-        if sc.device.kind == "cpu" and sc.shard > 1:
+        gloo = sc.device.kind == "cpu"
+        if gloo and sc.shard > 1:
             model_gloo_buffers(run.model)
         loss_fn = _grads_in_place(run.loss_fn)
         _steady_state(run.model, run.optimizer)
@@ -161,7 +162,8 @@ def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
         tracker = UnitTracker(run.model, run.optimizer)
         tracker.track_inputs(tuple(batches))
         recorder = _PhaseRecorder(tracker)
-        with tracker, faithful_step():
+        ring = gloo and sc.cp_attention == "ring"
+        with tracker, faithful_step(), ring_gloo_buffers(active=ring):
             train_step(
                 run.model,
                 run.optimizer,

@@ -6,6 +6,12 @@ does not see, or sees wrong, against a real CPU run (all measured on torch 2.13)
 - gloo's own buffers: it all-gathers into a temporary of the output's size and
   reduce-scatters a clone of its input (both seen in the allocator), so the trace runs
   FSDP2 with collectives that allocate exactly those temporaries around the (fake) call.
+  Ring attention's k / v all-gather (torch's ``_AllGatherRotater``, [Note: ring
+  attention memory] in fsdpkit.planner.ringmem) flattens its input into a copy (freed
+  at once), and its worker thread's temporary lives until the gather completes, as
+  often as not after the first step's kernel: ``ring_gloo_buffers`` holds it until the
+  first wait, which it cannot outlive ("MP A dp2 x cp2 ring +AC" of
+  bench/plan_accuracy.py: 4 Q there, live at the real peak).
 - a unit of several modules (``parallel.blocks_per_unit``): the tracker hooks each
   module on its own, whose forward hooks then reshard the unit after its first block
   (the trace read 6-8% low); ``UnitTracker`` hooks such a unit once, with FSDP2's own
@@ -23,7 +29,9 @@ does not see, or sees wrong, against a real CPU run (all measured on torch 2.13)
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -70,6 +78,44 @@ def model_gloo_buffers(model: torch.nn.Module) -> None:
         if isinstance(module, FSDPModule):
             module.set_custom_all_gather(GlooLikeAllGather())
             module.set_custom_reduce_scatter(GlooLikeReduceScatter())
+
+
+_STAGING = "_fsdpkit_gloo_staging"
+
+
+@contextlib.contextmanager
+def ring_gloo_buffers(*, active: bool) -> Iterator[None]:
+    """Ring attention's k / v all-gathers allocate gloo's flattened input and hold its
+    gathering temporary until the first wait (see the module docstring); nothing
+    changes unless ``active`` (CPU ranks under ring attention)."""
+    if not active:
+        yield
+        return
+    from torch.distributed.tensor.experimental._context_parallel._attention import (
+        _AllGatherRotater as Rotater,
+    )
+
+    exchange, wait = Rotater.exchange_buffers, Rotater.next_buffer
+
+    def exchange_buffers(self: Any, curr_buffer: torch.Tensor) -> None:
+        first = self._aggregated_buffer is None  # torch's rotater gathers only once
+        if first:
+            flat = torch.empty_like(curr_buffer)  # gloo's flattened copy of the input
+            del flat
+        exchange(self, curr_buffer)
+        if first:  # the worker thread's temporary, until the first wait
+            setattr(self, _STAGING, torch.empty_like(self._aggregated_buffer))
+
+    def next_buffer(self: Any) -> torch.Tensor:
+        if hasattr(self, _STAGING):
+            delattr(self, _STAGING)
+        return wait(self)  # type: ignore[no-any-return]
+
+    Rotater.exchange_buffers, Rotater.next_buffer = exchange_buffers, next_buffer  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Rotater.exchange_buffers, Rotater.next_buffer = exchange, wait  # type: ignore[method-assign]
 
 
 class UnitTracker(FSDPMemTracker):
