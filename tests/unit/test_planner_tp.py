@@ -279,11 +279,6 @@ Before the temporary and the backward's k / v concatenation were held as torch h
 them: -1.5% and -3.7%."""
 
 
-HF_LLAMA_OVER = 0.09
-"""The analytic plan of transformers' Llama at tp / cp reads over the measured peak, by
-up to 8.7% ("MP HL hf llama tp2 x cp2"); the built-in Llama's same rows are exact."""
-
-
 def test_model_parallel_accuracy_rows_plan_their_measured_peaks() -> None:
     # the planner against what real tp / cp runs held, from the committed results file
     # (rerun: python bench/plan_accuracy.py --only MP --merge --steps 3)
@@ -292,19 +287,16 @@ def test_model_parallel_accuracy_rows_plan_their_measured_peaks() -> None:
 
     measured = json.loads((BENCH / "results" / "plan_accuracy.json").read_text())["rows"]
     peaks = {(r["configuration"], r["world"]): r["typical"] for r in measured}
-    cases = [c for c in CASES if c.name.startswith("MP") and c.shape() is not None]
-    assert len(cases) >= 8 and all((c.name, c.world) in peaks for c in cases)
+    # transformers' Llama ("MP HL") too: its body's own tensors are modeled ([Note:
+    # transformers' Llama in the plan]; up to +8.7% before), Qwen2 ("MP HQ") is traced
+    analytic = ("MP HL", "MP A", "MP T")
+    cases = [c for c in CASES if c.name.startswith(analytic)]
+    assert len(cases) >= 14 and all((c.name, c.world) in peaks for c in cases)
     for c in cases:
         truth = peaks[(c.name, c.world)]
         planned = plan(c.config(), world_size=c.world, trace=False).memory.peak.bytes
         bound = RING_BOUND if "ring" in c.name else MEASURED_BOUND
         assert abs(planned - truth) / truth <= bound, (c.name, planned, truth)
-    # transformers' Llama ("MP HL"): planned high, not yet located (docs/planner.md):
-    # +1.1% to +8.7%, never under the real peak
-    for c in (c for c in CASES if c.name.startswith("MP HL")):
-        truth = peaks[(c.name, c.world)]
-        planned = plan(c.config(), world_size=c.world, trace=False).memory.peak.bytes
-        assert 0 <= (planned - truth) / truth <= HF_LLAMA_OVER, (c.name, planned, truth)
 
 
 def test_recommend_takes_ring_attention_where_ulysses_cannot_split_the_heads() -> None:

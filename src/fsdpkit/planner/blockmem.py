@@ -49,7 +49,7 @@ def saved_per_block(s: Sizes) -> int:
     """Bytes a block keeps for backward without checkpointing, its input included
     when it is saved (fp32) — see [Note: block event model]."""
     norms = 2 * (2 * s.nd4 + s.nme + 4 * s.n + (4 * s.d if s.cast else 0))
-    attn = s.nqe + 2 * s.nqe + s.nqe + s.nh4 + (s.nqe if s.cp > 1 else 0)
+    attn = s.nqe + 2 * s.nse + s.nqe + s.nh4 + (s.nqe if s.cp > 1 else 0)
     return norms + attn + 4 * s.nfe
 
 
@@ -146,7 +146,7 @@ def _rope_forward(size: int) -> list[Event]:
 
 
 def _attn_forward(s: Sizes, *, keep: bool, selective: bool = False) -> list[Event]:
-    rep = s.heads // s.kv_heads
+    rep = s.rep  # 1 with sdpa's own grouped-query attention (Sizes.gqa)
     ev: list[Event] = [(TEMP, s.nqe), (TEMP, s.nke), (TEMP, s.nke)]
     # q, k = rope(q), rope(k): the raw q lives until both are computed
     ev += _rope_forward(s.nqe)[:-1] + _rope_forward(s.nke)
@@ -164,7 +164,7 @@ def _attn_forward(s: Sizes, *, keep: bool, selective: bool = False) -> list[Even
     if selective:  # rotated q and k, the repeated copies die; v, output, lse stay
         ev += [(ACT, -(3 * s.nqe if rep > 1 else s.nqe + s.nke))]
     elif not keep:
-        ev += [(ACT, -(4 * s.nqe + s.nh4))]
+        ev += [(ACT, -(2 * s.nqe + 2 * s.nse + s.nh4))]
     return [*ev, (TEMP, s.nme), *_row_add(s), (TEMP, -s.nme)]  # o_proj, residual -> x1
 
 
@@ -266,7 +266,7 @@ def _rope_backward(size: int) -> list[Event]:
 
 
 def _attn_backward(s: Sizes, *, sdpa_workspace: int) -> list[Event]:
-    rep = s.heads // s.kv_heads
+    rep = s.rep
     q, kv = s.nqe, s.nke
     wq, wkv = s.d * s.heads * s.head_dim * s.e, s.d * s.kv_heads * s.head_dim * s.e
     ev: list[Event] = [*_grad_gather(s, 1), (TEMP, q), (GRAD, wq), *_grad_gather(s, -1)]  # o_proj
@@ -275,9 +275,9 @@ def _attn_backward(s: Sizes, *, sdpa_workspace: int) -> list[Event]:
     if s.ring and s.cp > 1:
         ev += ring_backward(s, sdpa_workspace=sdpa_workspace)
     else:
-        ev += [(TEMP, 3 * q + sdpa_workspace), (TEMP, -sdpa_workspace), (TEMP, -q)]
+        ev += [(TEMP, q + 2 * s.nse + sdpa_workspace), (TEMP, -sdpa_workspace), (TEMP, -q)]
     ev += _exchange(s, 3 * q)  # q, k, v grads back (before the GQA sum)
-    ev += [(ACT, -(q + (2 * q if rep > 1 else 2 * kv) + q + s.nh4))]
+    ev += [(ACT, -(2 * q + 2 * s.nse + s.nh4))]
     if rep > 1 and s.ring and s.cp > 1:  # ring: both grads are views of one buffer
         ev += [(TEMP, kv), (TEMP, kv), (TEMP, -2 * q)]
     elif rep > 1:  # sum the repeated heads back: v first, then k

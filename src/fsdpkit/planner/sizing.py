@@ -31,7 +31,18 @@ def sizes(sc: Scenario) -> Sizes:
         cp=sc.cp,
         ring=sc.cp_attention == "ring",
         gloo=sc.device.kind != "gpu",
+        gqa=sdpa_gqa(sc),
     )
+
+
+def sdpa_gqa(sc: Scenario) -> bool:
+    """Whether attention gets k / v unrepeated: transformers' sdpa path passes
+    ``enable_gqa`` when it has no mask and heads of at most 256 (``use_gqa_in_sdpa``);
+    under cp fsdpkit's exchanges repeat them as the built-in Llama does ([Note:
+    transformers' Llama in the plan] in fsdpkit.planner.user_models)."""
+    m = sc.model
+    assert m is not None
+    return sc.layout.transformers_body and sc.cp == 1 and m.head_dim <= 256
 
 
 def head_sizes(sc: Scenario) -> Sizes:
