@@ -48,7 +48,10 @@ __all__ = ["ACT", "GRAD", "LOGITS", "TEMP", "XCHG", "Event", "Sizes"]
 def saved_per_block(s: Sizes) -> int:
     """Bytes a block keeps for backward without checkpointing, its input included
     when it is saved (fp32) — see [Note: block event model]."""
-    norms = 2 * (2 * s.nd4 + s.nme + 4 * s.n + (4 * s.d if s.cast else 0))
+    if s.cast and s.norm_casts_first:  # xf and the cast xn; no fp32 weight
+        norms = 2 * (s.nd4 + s.nde + s.nme + 4 * s.n)
+    else:
+        norms = 2 * (2 * s.nd4 + s.nme + 4 * s.n + (4 * s.d if s.cast else 0))
     attn = s.nqe + 2 * s.nse + s.nqe + s.nh4 + (s.nqe if s.cp > 1 else 0)
     return norms + attn + 4 * s.nfe
 
@@ -115,6 +118,10 @@ def norm_forward(s: Sizes, *, keep: bool) -> list[Event]:
         return _norm_forward_unsaved(s)
     ev: list[Event] = [(ACT, s.nd4)] if s.cast else []
     ev += [(TEMP, s.nd4), (TEMP, 4 * s.n), (TEMP, -s.nd4), (TEMP, 4 * s.n), (TEMP, -4 * s.n)]
+    if s.cast and s.norm_casts_first:  # xn (dies at return), xn.to(e) (saved), weight * it
+        cast = ACT if s.norm_grads else TEMP
+        ev += [(ACT, 4 * s.n), (TEMP, -4 * s.n), (TEMP, s.nd4), (cast, s.nde), (ACT, s.nde)]
+        return ev + [(TEMP, -s.nd4)] + ([] if s.norm_grads else [(TEMP, -s.nde)])
     if not s.norm_grads:  # xn is used by weight * xn only: it dies there
         ev += [(ACT, 4 * s.n), (TEMP, -4 * s.n), (TEMP, s.nd4)]
         ev += [(TEMP, s.nd4), (ACT, s.nde), (TEMP, -s.nd4)] if s.cast else [(ACT, s.nd4)]
@@ -129,6 +136,8 @@ def _norm_forward_unsaved(s: Sizes) -> list[Event]:
     ev: list[Event] = [(TEMP, s.nd4)] if s.cast else []
     ev += [(TEMP, s.nd4), (TEMP, -s.nd4), (TEMP, s.nd4)]  # x^2 (dies at mean), xn
     ev += [(TEMP, -s.nd4)] if s.cast else []  # xf rebound to xn
+    if s.cast and s.norm_casts_first:  # weight * xn.to(e): the cast dies with the product
+        return [*ev, (TEMP, s.nde), (ACT, s.nde), (TEMP, -s.nde), (TEMP, -s.nd4)]
     ev += [(TEMP, s.nd4)]  # weight * xn
     if s.cast:
         ev += [(ACT, s.nde), (TEMP, -s.nd4)]
@@ -225,13 +234,16 @@ def selective_backward_end(s: Sizes) -> list[Event]:
 def norm_backward(s: Sizes) -> list[Event]:
     """Backward of RMSNorm with the output's grad (N*d*e) live; ends with the
     input's grad accumulated in place into the residual grad, saved tensors freed."""
-    ev: list[Event] = [(TEMP, s.nd4), (TEMP, -s.nde)] if s.cast else []
-    if s.norm_grads:
-        ev += [(TEMP, s.nd4), (TEMP, -s.nd4), (GRAD, s.d * s.e)]  # weight grad: (g*xn).sum
-        ev += [(TEMP, s.nd4), (TEMP, -s.nd4), (ACT, -s.nd4)]  # grad of xn; xn released
-        ev += [(ACT, -4 * s.d)] if s.cast else []
+    if s.cast and s.norm_casts_first:
+        ev = _cast_first_grad(s)
     else:
-        ev += [(TEMP, s.nd4), (TEMP, -s.nd4)]  # grad of xn (no weight grad, nothing saved)
+        ev = [(TEMP, s.nd4), (TEMP, -s.nde)] if s.cast else []
+        if s.norm_grads:
+            ev += [(TEMP, s.nd4), (TEMP, -s.nd4), (GRAD, s.d * s.e)]  # weight grad: (g*xn).sum
+            ev += [(TEMP, s.nd4), (TEMP, -s.nd4), (ACT, -s.nd4)]  # grad of xn; xn released
+            ev += [(ACT, -4 * s.d)] if s.cast else []
+        else:
+            ev += [(TEMP, s.nd4), (TEMP, -s.nd4)]  # grad of xn (no weight grad, nothing saved)
     ev += [(TEMP, s.nd4), (TEMP, s.nd4), (TEMP, -s.nd4), (TEMP, -s.nd4)]  # grad of xf, of r
     ev += [(ACT, -4 * s.n), (TEMP, s.nd4)]  # rsqrt released; mean's expanded grad
     ev += [(TEMP, 3 * s.nd4), (TEMP, -4 * s.nd4)]  # pow: g*(2*x.pow(1)), folded into xf's
@@ -239,6 +251,14 @@ def norm_backward(s: Sizes) -> list[Event]:
     if s.cast:
         ev += [(TEMP, s.nde), (TEMP, -s.nd4)]  # ToCopyBackward to the input dtype
     return [*ev, (TEMP, -s.nde)]  # accumulated in place into the residual grad
+
+
+def _cast_first_grad(s: Sizes) -> list[Event]:
+    """``weight * xn.to(e)`` backward (``Sizes.norm_casts_first``): the weight's grad
+    and the cast's in e, the output's grad dies, then the cast's grad to fp32 (xn's)."""
+    w: list[Event] = [(TEMP, s.nde), (TEMP, -s.nde), (GRAD, s.d * s.e)] if s.norm_grads else []
+    ev = [*w, (TEMP, s.nde), (TEMP, -s.nde)] + ([(ACT, -s.nde)] if s.norm_grads else [])
+    return [*ev, (TEMP, s.nd4), (TEMP, -s.nde)]
 
 
 def _mlp_backward(s: Sizes) -> list[Event]:

@@ -41,6 +41,11 @@ class Sizes:
     instead of heads ([Note: ring attention memory] in fsdpkit.planner.ringmem)."""
     gloo: bool = False
     """CPU ranks: gloo all-gathers through a temporary of the output's size."""
+    norm_casts_first: bool = False
+    """RMSNorm casts its normalized input to the compute dtype before the weight
+    multiplies it (transformers' ``weight * x.to(dtype)``; the built-in Llama multiplies
+    in fp32): in low precision it saves that cast, not the fp32 copy nor an fp32 weight
+    ([Note: transformers' Llama in the plan])."""
     gqa: bool = False
     """Attention is given k / v at their own heads (SDPA's ``enable_gqa``, transformers'
     sdpa path: [Note: transformers' Llama in the plan]): no repeated copies."""

@@ -35,9 +35,8 @@ from fsdpkit.planner.headmem import (
 )
 from fsdpkit.planner.layout import Unit
 from fsdpkit.planner.ledger import EventSummary, Ledger, summarize
-from fsdpkit.planner.mparallel import rope_bytes
 from fsdpkit.planner.scenario import Scenario
-from fsdpkit.planner.sizing import head_sizes, sizes
+from fsdpkit.planner.sizing import head_sizes, kept_embedding, rope_held, sizes
 from fsdpkit.planner.states import leading_frozen_units, model_states
 from fsdpkit.sharding.policy import effective_reshard
 
@@ -102,6 +101,7 @@ class Step:
         self.gloo = not gpu and sc.shard > 1
         self.dead = leading_frozen_units(sc)
         self.selective = sc.ac_mode == "selective"
+        self.rope, self.kept_embedding = rope_held(sc), kept_embedding(sc)
 
     # ------------------------------------------------------------ unit mechanics
 
@@ -257,30 +257,13 @@ class Step:
             self.unit_forward(j, u)
         self.head_and_loss_forward()
 
-    def rope(self) -> int:
-        """RoPE's cos / sin, from the embedding's forward to the backward of the first
-        block that trains (the last to read them; traced: freed before the embedding's)."""
-        s, sc = self.s, self.sc
-        tables = not sc.layout.transformers_body
-        return rope_bytes(
-            seq_len=sc.seq_len, head_dim=s.head_dim, tokens=s.m, e=s.e, cp=sc.cp, tables=tables
-        )
-
-    def whole_embedding(self) -> int:
-        """Under sequence parallelism transformers' body keeps the whole embedding
-        output (``inputs_embeds``) until its forward returns, after the final norm; the
-        first block's input is the shard cut from it ([Note: transformers' Llama in the
-        plan] in fsdpkit.planner.user_models). 0 when nothing is kept."""
-        sc, hs = self.sc, self.hs
-        return hs.nde if sc.layout.transformers_body and hs.n != self.s.n else 0
-
     def embedding_forward(self) -> None:
         """The embedding's output, in the embedding unit (then resharded like a block
         unit) or the root's."""
         s, embedding = self.s, self.sc.edge("embedding")
         self.gathered(embedding, forward=True)
-        kept = self.whole_embedding() > 0
-        self.led.apply([("buffers_inputs", self.rope()), *embedding_output(s, self.hs, kept=kept)])
+        kept = embedding_output(s, self.hs, kept=self.kept_embedding > 0)
+        self.led.apply([("buffers_inputs", self.rope), *kept])
         if embedding is not None:
             self.reshard_after_forward(embedding, self.reshard_of(embedding))
 
@@ -309,7 +292,7 @@ class Step:
         # is all-gathered for the head ([Note: model-parallel block memory])
         led.apply(chunked_head_forward(self.s))
         led.apply(hidden_gather(self.s, s))
-        led.add(ACT, -self.whole_embedding())  # transformers' body returns
+        led.add(ACT, -self.kept_embedding)  # transformers' body returns
         if head is not None:
             self.gathered(head, forward=True)
         led.add(LOGITS, s.nve if chunk is None else 0)
@@ -381,7 +364,7 @@ class Step:
             led.add(COLL, -flat)  # freed when FSDP2's final callback reshards everything
         self.prefetched.clear()
         if self.dead == len(self.units):  # no block backward freed RoPE's tensors
-            led.add("buffers_inputs", -self.rope())
+            led.add("buffers_inputs", -self.rope)
         led.add(COLL, -self.rs_state)
         self.rs_state = 0
 
@@ -403,7 +386,7 @@ class Step:
         if not full:
             led.add(GRAD, u.grads_numel * s.e)
         if j == self.dead:  # the last block backward that reads RoPE's cos / sin
-            led.add("buffers_inputs", -self.rope())
+            led.add("buffers_inputs", -self.rope)
         self.post_backward(u, sync=sync)
 
     def optimizer(self) -> None:

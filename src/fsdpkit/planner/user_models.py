@@ -35,18 +35,22 @@ ledger, which was exact on them):
   when there is no mask (causal, unpacked rows) and head_dim <= 256
   (``use_gqa_in_sdpa``), so SDPA saves k and v at kv heads, and its backward makes
   their gradients there, with no repeated copies to sum (``Sizes.gqa``,
-  fsdpkit.planner.sizing.sdpa_gqa: 2 x (heads - kv) x head_dim per token less than the
-  built-in's ``repeat_interleave``; measured on the CPU kernel). Under cp fsdpkit's
+  fsdpkit.planner.sizing.sdpa_gqa: 2 x (heads - kv) x head_dim x e bytes a token less than
+  the built-in's ``repeat_interleave``; measured on the CPU kernel). Under cp fsdpkit's
   exchanges repeat them as for the built-in Llama;
 - sequence parallelism: the embedding output stays whole and the first block's input
   is cut from it (fsdpkit.sharding.tensor_edges), and the body keeps the whole tensor
-  (``inputs_embeds``) until its forward returns (``Step.whole_embedding``);
+  (``inputs_embeds``) until its forward returns (fsdpkit.planner.sizing.kept_embedding);
+- RMSNorm: ``weight * x.to(dtype)`` casts the normalized input before the weight
+  multiplies it, so in low precision it saves that cast (N x d x e) where the built-in
+  saves the fp32 copy and an fp32 weight (``Sizes.norm_casts_first``; in fp32 both are
+  the same: +3.0% on a bf16 "HL hf llama full" against the traced plan without it);
 - its head is untied: the late head gradient ([Note: the head's late gradient] in
   fsdpkit.planner.replay) holds the head's tp-local rows, not the whole vocabulary's.
 
 The first two were +2.5% on "HL hf llama full" (the GQA copies 2.0%, the tables 0.5%),
 the last +7.1% of the +8.7% on "MP HL hf llama tp2 x cp2"; the third is not at these
-rows' peaks (it is at each block's forward).
+rows' peaks (it is at each block's forward), nor the fourth (they are fp32).
 """
 
 from __future__ import annotations
