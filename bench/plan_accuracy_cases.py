@@ -162,6 +162,10 @@ CASES = [
     # issue 10: Hugging Face models (model.hf); analytic for the Llama family only
     Case("HL hf llama full", 2, "HL", (FULL,)),
     Case("HL hf llama full +AC", 2, "HL", (FULL, AC)),
+    # transformers' RMSNorm saves its bf16 cast, not an fp32 copy ([Note: transformers'
+    # Llama in the plan])
+    Case("HL hf llama bf16 full", 2, "HL", (FULL, BF16)),
+    Case("HL hf llama bf16 full +AC", 2, "HL", (FULL, BF16, AC)),
     Case("HM hf mistral grad_op", 2, "HM", (GRAD_OP,)),
     Case("HQ hf qwen2 full", 2, "HQ", (FULL,)),
     Case("HG hf gpt2 full", 2, "HG", (FULL,)),

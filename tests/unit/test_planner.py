@@ -6,6 +6,7 @@ No process group and no tensors: the analytic planner replays FSDP2 over shapes.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -75,6 +76,39 @@ def test_block_event_model_is_consistent() -> None:
         grads = sum(n for c, n in block_backward(s) if c == "unsharded_grads")
         assert grads == (2 * 256 + 4 * 256 * 256 + 3 * 256 * 688 - 2 * 256 * 128) * e
         assert sum(n for c, n in block_backward(s) if c == "activations") < 0
+
+
+def test_sdpa_grouped_query_attention_saves_kv_unrepeated() -> None:
+    # transformers' sdpa path ([Note: transformers' Llama in the plan]): k and v are
+    # saved at their 4 heads, not repeated to the 8 query heads; the backward frees
+    # every saved tensor and leaves the same weight grads and input grad
+    rep = Sizes(n=512, d=256, f=688, heads=8, kv_heads=4, head_dim=32, vocab=2048, e=4)
+    gqa = replace(rep, gqa=True)
+    assert saved_per_block(rep) - saved_per_block(gqa) == 2 * (rep.nqe - rep.nke)
+    for s in (rep, gqa):
+        fwd = sum(n for _, n in block_forward(s, keep=True))
+        assert fwd == saved_per_block(s) + s.nde - s.nd4
+        bwd = block_backward(s)
+        assert sum(n for c, n in bwd if c == "activations") == -saved_per_block(s)
+    rest = [sum(n for c, n in block_backward(s) if c != "activations") for s in (gqa, rep)]
+    assert rest[0] == rest[1]
+
+
+def test_transformers_block_variants_free_what_they_save() -> None:
+    # sdpa's own GQA and transformers' RMSNorm (weight * x.to(dtype)), in fp32 and bf16:
+    # the forward keeps exactly the saved set, the backward frees all of it; in fp32 the
+    # norm variant is the built-in's, in bf16 it saves the cast, not an fp32 copy
+    base = Sizes(n=512, d=256, f=688, heads=8, kv_heads=4, head_dim=32, vocab=2048, e=2)
+    for e in (4, 2):
+        for gqa in (False, True):
+            s = replace(base, e=e, gqa=gqa, norm_casts_first=True)
+            fwd = sum(n for _, n in block_forward(s, keep=True))
+            assert fwd == saved_per_block(s) + s.nde - (s.nd4 if e == 4 else s.nde)
+            bwd = sum(n for c, n in block_backward(s) if c == "activations")
+            assert bwd == -saved_per_block(s)
+            built_in = replace(s, norm_casts_first=False)
+            saved_less = 2 * (s.nd4 + 4 * s.d - s.nde) if e == 2 else 0
+            assert saved_per_block(built_in) - saved_per_block(s) == saved_less
 
 
 def test_peak_and_breakdown_add_up() -> None:

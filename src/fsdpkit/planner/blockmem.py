@@ -48,8 +48,11 @@ __all__ = ["ACT", "GRAD", "LOGITS", "TEMP", "XCHG", "Event", "Sizes"]
 def saved_per_block(s: Sizes) -> int:
     """Bytes a block keeps for backward without checkpointing, its input included
     when it is saved (fp32) — see [Note: block event model]."""
-    norms = 2 * (2 * s.nd4 + s.nme + 4 * s.n + (4 * s.d if s.cast else 0))
-    attn = s.nqe + 2 * s.nqe + s.nqe + s.nh4 + (s.nqe if s.cp > 1 else 0)
+    if s.cast and s.norm_casts_first:  # xf and the cast xn; no fp32 weight
+        norms = 2 * (s.nd4 + s.nde + s.nme + 4 * s.n)
+    else:
+        norms = 2 * (2 * s.nd4 + s.nme + 4 * s.n + (4 * s.d if s.cast else 0))
+    attn = s.nqe + 2 * s.nse + s.nqe + s.nh4 + (s.nqe if s.cp > 1 else 0)
     return norms + attn + 4 * s.nfe
 
 
@@ -115,6 +118,10 @@ def norm_forward(s: Sizes, *, keep: bool) -> list[Event]:
         return _norm_forward_unsaved(s)
     ev: list[Event] = [(ACT, s.nd4)] if s.cast else []
     ev += [(TEMP, s.nd4), (TEMP, 4 * s.n), (TEMP, -s.nd4), (TEMP, 4 * s.n), (TEMP, -4 * s.n)]
+    if s.cast and s.norm_casts_first:  # xn (dies at return), xn.to(e) (saved), weight * it
+        cast = ACT if s.norm_grads else TEMP
+        ev += [(ACT, 4 * s.n), (TEMP, -4 * s.n), (TEMP, s.nd4), (cast, s.nde), (ACT, s.nde)]
+        return ev + [(TEMP, -s.nd4)] + ([] if s.norm_grads else [(TEMP, -s.nde)])
     if not s.norm_grads:  # xn is used by weight * xn only: it dies there
         ev += [(ACT, 4 * s.n), (TEMP, -4 * s.n), (TEMP, s.nd4)]
         ev += [(TEMP, s.nd4), (ACT, s.nde), (TEMP, -s.nd4)] if s.cast else [(ACT, s.nd4)]
@@ -129,6 +136,8 @@ def _norm_forward_unsaved(s: Sizes) -> list[Event]:
     ev: list[Event] = [(TEMP, s.nd4)] if s.cast else []
     ev += [(TEMP, s.nd4), (TEMP, -s.nd4), (TEMP, s.nd4)]  # x^2 (dies at mean), xn
     ev += [(TEMP, -s.nd4)] if s.cast else []  # xf rebound to xn
+    if s.cast and s.norm_casts_first:  # weight * xn.to(e): the cast dies with the product
+        return [*ev, (TEMP, s.nde), (ACT, s.nde), (TEMP, -s.nde), (TEMP, -s.nd4)]
     ev += [(TEMP, s.nd4)]  # weight * xn
     if s.cast:
         ev += [(ACT, s.nde), (TEMP, -s.nd4)]
@@ -146,7 +155,7 @@ def _rope_forward(size: int) -> list[Event]:
 
 
 def _attn_forward(s: Sizes, *, keep: bool, selective: bool = False) -> list[Event]:
-    rep = s.heads // s.kv_heads
+    rep = s.rep  # 1 with sdpa's own grouped-query attention (Sizes.gqa)
     ev: list[Event] = [(TEMP, s.nqe), (TEMP, s.nke), (TEMP, s.nke)]
     # q, k = rope(q), rope(k): the raw q lives until both are computed
     ev += _rope_forward(s.nqe)[:-1] + _rope_forward(s.nke)
@@ -164,7 +173,7 @@ def _attn_forward(s: Sizes, *, keep: bool, selective: bool = False) -> list[Even
     if selective:  # rotated q and k, the repeated copies die; v, output, lse stay
         ev += [(ACT, -(3 * s.nqe if rep > 1 else s.nqe + s.nke))]
     elif not keep:
-        ev += [(ACT, -(4 * s.nqe + s.nh4))]
+        ev += [(ACT, -(2 * s.nqe + 2 * s.nse + s.nh4))]
     return [*ev, (TEMP, s.nme), *_row_add(s), (TEMP, -s.nme)]  # o_proj, residual -> x1
 
 
@@ -225,13 +234,16 @@ def selective_backward_end(s: Sizes) -> list[Event]:
 def norm_backward(s: Sizes) -> list[Event]:
     """Backward of RMSNorm with the output's grad (N*d*e) live; ends with the
     input's grad accumulated in place into the residual grad, saved tensors freed."""
-    ev: list[Event] = [(TEMP, s.nd4), (TEMP, -s.nde)] if s.cast else []
-    if s.norm_grads:
-        ev += [(TEMP, s.nd4), (TEMP, -s.nd4), (GRAD, s.d * s.e)]  # weight grad: (g*xn).sum
-        ev += [(TEMP, s.nd4), (TEMP, -s.nd4), (ACT, -s.nd4)]  # grad of xn; xn released
-        ev += [(ACT, -4 * s.d)] if s.cast else []
+    if s.cast and s.norm_casts_first:
+        ev = _cast_first_grad(s)
     else:
-        ev += [(TEMP, s.nd4), (TEMP, -s.nd4)]  # grad of xn (no weight grad, nothing saved)
+        ev = [(TEMP, s.nd4), (TEMP, -s.nde)] if s.cast else []
+        if s.norm_grads:
+            ev += [(TEMP, s.nd4), (TEMP, -s.nd4), (GRAD, s.d * s.e)]  # weight grad: (g*xn).sum
+            ev += [(TEMP, s.nd4), (TEMP, -s.nd4), (ACT, -s.nd4)]  # grad of xn; xn released
+            ev += [(ACT, -4 * s.d)] if s.cast else []
+        else:
+            ev += [(TEMP, s.nd4), (TEMP, -s.nd4)]  # grad of xn (no weight grad, nothing saved)
     ev += [(TEMP, s.nd4), (TEMP, s.nd4), (TEMP, -s.nd4), (TEMP, -s.nd4)]  # grad of xf, of r
     ev += [(ACT, -4 * s.n), (TEMP, s.nd4)]  # rsqrt released; mean's expanded grad
     ev += [(TEMP, 3 * s.nd4), (TEMP, -4 * s.nd4)]  # pow: g*(2*x.pow(1)), folded into xf's
@@ -239,6 +251,14 @@ def norm_backward(s: Sizes) -> list[Event]:
     if s.cast:
         ev += [(TEMP, s.nde), (TEMP, -s.nd4)]  # ToCopyBackward to the input dtype
     return [*ev, (TEMP, -s.nde)]  # accumulated in place into the residual grad
+
+
+def _cast_first_grad(s: Sizes) -> list[Event]:
+    """``weight * xn.to(e)`` backward (``Sizes.norm_casts_first``): the weight's grad
+    and the cast's in e, the output's grad dies, then the cast's grad to fp32 (xn's)."""
+    w: list[Event] = [(TEMP, s.nde), (TEMP, -s.nde), (GRAD, s.d * s.e)] if s.norm_grads else []
+    ev = [*w, (TEMP, s.nde), (TEMP, -s.nde)] + ([(ACT, -s.nde)] if s.norm_grads else [])
+    return [*ev, (TEMP, s.nd4), (TEMP, -s.nde)]
 
 
 def _mlp_backward(s: Sizes) -> list[Event]:
@@ -266,7 +286,7 @@ def _rope_backward(size: int) -> list[Event]:
 
 
 def _attn_backward(s: Sizes, *, sdpa_workspace: int) -> list[Event]:
-    rep = s.heads // s.kv_heads
+    rep = s.rep
     q, kv = s.nqe, s.nke
     wq, wkv = s.d * s.heads * s.head_dim * s.e, s.d * s.kv_heads * s.head_dim * s.e
     ev: list[Event] = [*_grad_gather(s, 1), (TEMP, q), (GRAD, wq), *_grad_gather(s, -1)]  # o_proj
@@ -275,9 +295,9 @@ def _attn_backward(s: Sizes, *, sdpa_workspace: int) -> list[Event]:
     if s.ring and s.cp > 1:
         ev += ring_backward(s, sdpa_workspace=sdpa_workspace)
     else:
-        ev += [(TEMP, 3 * q + sdpa_workspace), (TEMP, -sdpa_workspace), (TEMP, -q)]
+        ev += [(TEMP, q + 2 * s.nse + sdpa_workspace), (TEMP, -sdpa_workspace), (TEMP, -q)]
     ev += _exchange(s, 3 * q)  # q, k, v grads back (before the GQA sum)
-    ev += [(ACT, -(q + (2 * q if rep > 1 else 2 * kv) + q + s.nh4))]
+    ev += [(ACT, -(2 * q + 2 * s.nse + s.nh4))]
     if rep > 1 and s.ring and s.cp > 1:  # ring: both grads are views of one buffer
         ev += [(TEMP, kv), (TEMP, kv), (TEMP, -2 * q)]
     elif rep > 1:  # sum the repeated heads back: v first, then k

@@ -41,6 +41,24 @@ class Sizes:
     instead of heads ([Note: ring attention memory] in fsdpkit.planner.ringmem)."""
     gloo: bool = False
     """CPU ranks: gloo all-gathers through a temporary of the output's size."""
+    norm_casts_first: bool = False
+    """RMSNorm casts its normalized input to the compute dtype before the weight
+    multiplies it (transformers' ``weight * x.to(dtype)``; the built-in Llama multiplies
+    in fp32): in low precision it saves that cast, not the fp32 copy nor an fp32 weight
+    ([Note: transformers' Llama in the plan])."""
+    gqa: bool = False
+    """Attention is given k / v at their own heads (SDPA's ``enable_gqa``, transformers'
+    sdpa path: [Note: transformers' Llama in the plan]): no repeated copies."""
+
+    @property
+    def rep(self) -> int:
+        """Copies of each k / v head that attention makes and saves (1: none)."""
+        return 1 if self.gqa else self.heads // self.kv_heads
+
+    @property
+    def nse(self) -> int:
+        """k or v as attention saves it: repeated to every query head, or its own."""
+        return self.nqe if self.rep > 1 else self.nke
 
     @property
     def m(self) -> int:

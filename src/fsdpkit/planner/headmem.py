@@ -195,9 +195,10 @@ def embedding_grad_gather(s: Sizes, hs: Sizes) -> list[Event]:
     return [(TEMP, hs.nde), (TEMP, -s.nde)] if hs.n != s.n else []
 
 
-def embedding_output(s: Sizes, hs: Sizes) -> list[Event]:
+def embedding_output(s: Sizes, hs: Sizes, *, kept: bool = False) -> list[Event]:
     """The embedding's output (replicated over tp), cut to the rank's sequence shard
-    under sequence parallelism (a copy: the whole output dies after it)."""
+    under sequence parallelism (a copy: the whole output dies after it, unless ``kept``:
+    transformers' body holds it to the end of its forward, sizing.kept_embedding)."""
     if hs.n == s.n:
         return [(ACT, s.nde)]
-    return [(ACT, hs.nde), (ACT, s.nde), (ACT, -hs.nde)]
+    return [(ACT, hs.nde), (ACT, s.nde)] + ([] if kept else [(ACT, -hs.nde)])

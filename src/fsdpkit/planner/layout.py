@@ -87,6 +87,12 @@ class ModelLayout:
     sequence_parallel: bool = False
     """Tensor parallelism would split its norms and residual stream by sequence (the
     trainer's rule, fsdpkit.sharding.tensor_sequence.sequence_parallel_applies)."""
+    buffer_bytes: int = 0
+    """The model's buffers, held for the whole run (the built-in Llama's RoPE tables,
+    transformers' inverse frequencies)."""
+    transformers_body: bool = False
+    """The decoder blocks are transformers' Llama / Mistral layers run by transformers'
+    body ([Note: transformers' Llama in the plan] in fsdpkit.planner.user_models)."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +169,7 @@ def layout_of(model: nn.Module, *, class_names: Sequence[str] | None = None) -> 
         if choice.blocks
         else (),
         sequence_parallel=sequence_parallel_applies(model, blocks=list(choice.blocks)),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         root=tuple(_shape(p) for p in root.values()),
         decoder_blocks=bool(choice.blocks)
         and all(isinstance(b, DecoderLayer) for b in choice.blocks),

@@ -221,11 +221,15 @@ def _edge_traffic(b: int, *, tp: int, sp: bool, vocab: bool) -> tuple[int, int]:
     return (3 * _ring(b, tp), 3) if sp else (0, 0)
 
 
-def rope_bytes(*, seq_len: int, head_dim: int, tokens: int, e: int, cp: int) -> int:
+def rope_bytes(
+    *, seq_len: int, head_dim: int, tokens: int, e: int, cp: int, tables: bool = True
+) -> int:
     """RoPE's cos / sin a forward holds until its backward ends ([Note: model-parallel
     block memory]): under context parallelism gathered by position id for the rank's
     ``tokens`` (micro-batch x seq / cp), copies at any dtype; otherwise views of the
-    model's table, copied (seq_len rows) only by a cast to a lower compute dtype."""
+    model's table, copied (seq_len rows) only by a cast to a lower compute dtype.
+    Without ``tables`` (transformers' rotary embedding, [Note: transformers' Llama in
+    the plan]) they are computed in every forward, seq_len rows at any dtype."""
     if cp > 1:
         return 2 * tokens * head_dim * e
-    return 2 * seq_len * head_dim * e if e != 4 else 0
+    return 2 * seq_len * head_dim * e if e != 4 or not tables else 0

@@ -35,9 +35,8 @@ from fsdpkit.planner.headmem import (
 )
 from fsdpkit.planner.layout import Unit
 from fsdpkit.planner.ledger import EventSummary, Ledger, summarize
-from fsdpkit.planner.mparallel import rope_bytes
 from fsdpkit.planner.scenario import Scenario
-from fsdpkit.planner.sizing import head_sizes, sizes
+from fsdpkit.planner.sizing import head_sizes, kept_embedding, rope_held, sizes
 from fsdpkit.planner.states import leading_frozen_units, model_states
 from fsdpkit.sharding.policy import effective_reshard
 
@@ -102,6 +101,7 @@ class Step:
         self.gloo = not gpu and sc.shard > 1
         self.dead = leading_frozen_units(sc)
         self.selective = sc.ac_mode == "selective"
+        self.rope, self.kept_embedding = rope_held(sc), kept_embedding(sc)
 
     # ------------------------------------------------------------ unit mechanics
 
@@ -186,11 +186,14 @@ class Step:
         through that reduce-scatter: the root's (FSDP2 runs it in the final callback of
         backward, before autograd frees the graph; ``parallel.edge_units=false``), or
         the head unit's right after the loss's backward (measured both ways: V1 bf16
-        +AC, V3 rows of bench/plan_accuracy.py)."""
+        +AC, V3 rows of bench/plan_accuracy.py). Split by vocabulary over tp it is the
+        head's tp-local rows: planned as the whole vocabulary's, "MP HL hf llama tp2 x
+        cp2" (an untied head) read +7.1%."""
         unit = self.sc.edge("head") or (None if self.m.tie_embeddings else self.root)
         if u is not unit or "head" in self.sc.layout.frozen_names or self.accumulated:
             return 0
-        return self.s.vocab * self.s.d * self.s.e
+        rows = self.s.vocab // self.sc.tp if self.sc.vocab_parallel else self.s.vocab
+        return rows * self.s.d * self.s.e  # the head's tp-local rows
 
     def _reduced(self, u: Unit, gloo: int) -> None:
         """The reduce-scatter output becomes the sharded gradient, or (``every``, after
@@ -232,12 +235,12 @@ class Step:
 
     def persistent(self) -> None:
         """Sharded params and optimizer states (device or host), buffers, the batch."""
-        led, m = self.led, self.m
+        led = self.led
         if not self.host_states:
             for category, value in model_states(self.sc).items():
                 if category != "gradients":
                     led.add(category, value)
-        led.add("buffers_inputs", 2 * m.max_seq_len * m.head_dim * 4)  # RoPE tables
+        led.add("buffers_inputs", self.sc.layout.buffer_bytes)  # RoPE tables or frequencies
         led.add("buffers_inputs", self.sc.micro_batch * (self.sc.seq_len + 1) * 8)  # tokens
 
     def gathered(self, u: Unit | None, *, forward: bool) -> None:
@@ -254,19 +257,13 @@ class Step:
             self.unit_forward(j, u)
         self.head_and_loss_forward()
 
-    def rope(self) -> int:
-        """RoPE's cos / sin, from the embedding's forward to the backward of the first
-        block that trains (the last to read them; traced: freed before the embedding's)."""
-        s, sc = self.s, self.sc
-        return rope_bytes(seq_len=sc.seq_len, head_dim=s.head_dim, tokens=s.m, e=s.e, cp=sc.cp)
-
     def embedding_forward(self) -> None:
         """The embedding's output, in the embedding unit (then resharded like a block
         unit) or the root's."""
         s, embedding = self.s, self.sc.edge("embedding")
         self.gathered(embedding, forward=True)
-        rope = self.rope()
-        self.led.apply([("buffers_inputs", rope), *embedding_output(s, self.hs)])
+        kept = embedding_output(s, self.hs, kept=self.kept_embedding > 0)
+        self.led.apply([("buffers_inputs", self.rope), *kept])
         if embedding is not None:
             self.reshard_after_forward(embedding, self.reshard_of(embedding))
 
@@ -295,6 +292,7 @@ class Step:
         # is all-gathered for the head ([Note: model-parallel block memory])
         led.apply(chunked_head_forward(self.s))
         led.apply(hidden_gather(self.s, s))
+        led.add(ACT, -self.kept_embedding)  # transformers' body returns
         if head is not None:
             self.gathered(head, forward=True)
         led.add(LOGITS, s.nve if chunk is None else 0)
@@ -332,9 +330,11 @@ class Step:
             led.apply(head_backward(s, weight_grad=weight_grad, norm=False))
         else:
             led.apply(chunked_loss_backward(s, chunk=chunk, weight_grad=weight_grad, norm=False))
+        # back to the shard the norm ran on, inside the head unit's backward: FSDP2's
+        # hook sees the head's input before tensor parallelism gathers it
+        led.apply(hidden_grad_scatter(self.s, s))
         if head is not None:
             self.post_backward(head, sync=sync)
-        led.apply(hidden_grad_scatter(self.s, s))  # back to the shard the norm ran on
         led.apply(final_norm_backward(self.s))
         norm_unit = self.sc.edge("norm")
         if head is not None and norm_unit is not None:
@@ -364,7 +364,7 @@ class Step:
             led.add(COLL, -flat)  # freed when FSDP2's final callback reshards everything
         self.prefetched.clear()
         if self.dead == len(self.units):  # no block backward freed RoPE's tensors
-            led.add("buffers_inputs", -self.rope())
+            led.add("buffers_inputs", -self.rope)
         led.add(COLL, -self.rs_state)
         self.rs_state = 0
 
@@ -386,7 +386,7 @@ class Step:
         if not full:
             led.add(GRAD, u.grads_numel * s.e)
         if j == self.dead:  # the last block backward that reads RoPE's cos / sin
-            led.add("buffers_inputs", -self.rope())
+            led.add("buffers_inputs", -self.rope)
         self.post_backward(u, sync=sync)
 
     def optimizer(self) -> None:

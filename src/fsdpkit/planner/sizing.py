@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fsdpkit.planner.blockmem import Sizes
+from fsdpkit.planner.mparallel import rope_bytes
 from fsdpkit.planner.scenario import Scenario
 
 
@@ -31,7 +32,19 @@ def sizes(sc: Scenario) -> Sizes:
         cp=sc.cp,
         ring=sc.cp_attention == "ring",
         gloo=sc.device.kind != "gpu",
+        norm_casts_first=sc.layout.transformers_body,
+        gqa=sdpa_gqa(sc),
     )
+
+
+def sdpa_gqa(sc: Scenario) -> bool:
+    """Whether attention gets k / v unrepeated: transformers' sdpa path passes
+    ``enable_gqa`` when it has no mask and heads of at most 256 (``use_gqa_in_sdpa``);
+    under cp fsdpkit's exchanges repeat them as the built-in Llama does ([Note:
+    transformers' Llama in the plan] in fsdpkit.planner.user_models)."""
+    m = sc.model
+    assert m is not None
+    return sc.layout.transformers_body and sc.cp == 1 and m.head_dim <= 256
 
 
 def head_sizes(sc: Scenario) -> Sizes:
@@ -44,3 +57,22 @@ def head_sizes(sc: Scenario) -> Sizes:
     s = sizes(sc)
     vocab = s.vocab // sc.tp if sc.vocab_parallel and sc.loss_chunk is not None else s.vocab
     return replace(s, n=s.m, inner_n=0, tp=1, cp=1, ring=False, vocab=vocab)
+
+
+def rope_held(sc: Scenario) -> int:
+    """RoPE's cos / sin, from the embedding's forward to the backward of the first
+    block that trains (the last to read them; traced: freed before the embedding's)."""
+    s = sizes(sc)
+    tables = not sc.layout.transformers_body
+    return rope_bytes(
+        seq_len=sc.seq_len, head_dim=s.head_dim, tokens=s.m, e=s.e, cp=sc.cp, tables=tables
+    )
+
+
+def kept_embedding(sc: Scenario) -> int:
+    """Under sequence parallelism transformers' body keeps the whole embedding output
+    (``inputs_embeds``) until its forward returns, after the final norm; the first
+    block's input is the shard cut from it ([Note: transformers' Llama in the plan] in
+    fsdpkit.planner.user_models). 0 when nothing is kept."""
+    s, hs = sizes(sc), head_sizes(sc)
+    return hs.nde if sc.layout.transformers_body and hs.n != s.n else 0

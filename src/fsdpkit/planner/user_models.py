@@ -18,6 +18,39 @@ bench/plan_accuracy.py measures both against real runs (rows "H ...").
 
 The build is cached per model-relevant config (the recommender plans many variants of
 one run, and a factory may be slow).
+
+[Note: transformers' Llama in the plan]
+transformers' Llama / Mistral run the block's ops of the built-in Llama, but its body
+holds some tensors differently, and the analytic plan of the same shape read up to
+8.7% over the measured peak until these were modeled (``ModelLayout.transformers_body``;
+bench/plan_accuracy.py "HL" rows, each cause found in the traced planner's op-by-op
+ledger, which was exact on them):
+
+- RoPE: no cos / sin tables (the built-in's are 2 x max_seq_len x head_dim fp32 for the
+  whole run), only the inverse frequencies (``ModelLayout.buffer_bytes`` reads every
+  model's buffers); the body computes cos and sin in every forward for its position
+  ids, (1, seq, head_dim) in the compute dtype each, which every block's RoPE saves
+  until the first block's backward (``rope_bytes(tables=False)``);
+- attention: its sdpa path passes grouped-query k / v unrepeated with ``enable_gqa``
+  when there is no mask (causal, unpacked rows) and head_dim <= 256
+  (``use_gqa_in_sdpa``), so SDPA saves k and v at kv heads, and its backward makes
+  their gradients there, with no repeated copies to sum (``Sizes.gqa``,
+  fsdpkit.planner.sizing.sdpa_gqa: 2 x (heads - kv) x head_dim x e bytes a token less than
+  the built-in's ``repeat_interleave``; measured on the CPU kernel). Under cp fsdpkit's
+  exchanges repeat them as for the built-in Llama;
+- sequence parallelism: the embedding output stays whole and the first block's input
+  is cut from it (fsdpkit.sharding.tensor_edges), and the body keeps the whole tensor
+  (``inputs_embeds``) until its forward returns (fsdpkit.planner.sizing.kept_embedding);
+- RMSNorm: ``weight * x.to(dtype)`` casts the normalized input before the weight
+  multiplies it, so in low precision it saves that cast (N x d x e) where the built-in
+  saves the fp32 copy and an fp32 weight (``Sizes.norm_casts_first``; in fp32 both are
+  the same: +3.0% on a bf16 "HL hf llama full" against the traced plan without it);
+- its head is untied: the late head gradient ([Note: the head's late gradient] in
+  fsdpkit.planner.replay) holds the head's tp-local rows, not the whole vocabulary's.
+
+The first two were +2.5% on "HL hf llama full" (the GQA copies 2.0%, the tables 0.5%),
+the last +7.1% of the +8.7% on "MP HL hf llama tp2 x cp2"; the third is not at these
+rows' peaks (it is at each block's forward), nor the fourth (they are fp32).
 """
 
 from __future__ import annotations
@@ -113,7 +146,7 @@ def _plan_model(cfg: RunConfig, *, vocab: int | None, precision: str) -> BuiltPl
     hf_config = getattr(model, "config", None) if built.hf is not None else None
     shape, why = _analytic_shape(hf_config, layout=layout, seq_len=cfg.data.seq_len)
     if shape is not None:
-        layout = replace(layout, decoder_blocks=True)
+        layout = replace(layout, decoder_blocks=True, transformers_body=True)
     if shape is not None:
         flops = shape.flops_per_token(cfg.data.seq_len)
     else:  # 6 per parameter (fsdpkit.models.flops); its attention term needs the shape
