@@ -6,7 +6,9 @@ config-only model.hf directory of ``HF_MODELS``) and the config overrides of the
 
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,13 +66,21 @@ HF_MODELS = {
     "HGe": "gemma",
 }
 HF_RUN = ["data.seq_len=128", "train.micro_batch_size=2"]
-_HF_ROOT = Path(tempfile.mkdtemp(prefix="fsdpkit-plan-accuracy-"))
+
+
+@functools.cache
+def _hf_root() -> Path:
+    """One temporary directory per process that writes a model directory, removed when
+    it exits (importing this module writes nothing: the bench's ranks import it too)."""
+    root = Path(tempfile.mkdtemp(prefix="fsdpkit-plan-accuracy-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
 
 
 @functools.cache
 def hf_dir(arch: str) -> str:
     """A config-only model directory of ``arch`` (written once per bench run)."""
-    out = _HF_ROOT / arch
+    out = _hf_root() / arch
     write_tiny_model(out, arch=arch, weights=False, tokenizer=False, **HF_SHAPE)
     return str(out)
 
