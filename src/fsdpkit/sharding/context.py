@@ -85,7 +85,7 @@ def check_cp_heads(*, n_heads: int, cp: int, tp: int = 1) -> None:
         )
 
 
-def _kv_repeat(*, q_heads: int, kv_heads: int, cp: int) -> int:
+def kv_repeat(*, q_heads: int, kv_heads: int, cp: int) -> int:
     """The smallest repeat of the kv heads that divides by cp and into the q heads."""
     rep = q_heads // kv_heads
     return next(f for f in range(1, rep + 1) if rep % f == 0 and (kv_heads * f) % cp == 0)
@@ -147,7 +147,7 @@ class UlyssesAttention:
         if h % self.cp:
             check_cp_heads(n_heads=h, cp=self.cp)  # raises, naming parallel.cp
         if h_kv % self.cp:  # repeat grouped kv heads until they divide (say so: Note)
-            f = _kv_repeat(q_heads=h, kv_heads=h_kv, cp=self.cp)
+            f = kv_repeat(q_heads=h, kv_heads=h_kv, cp=self.cp)
             k, v = k.repeat_interleave(f, dim=1), v.repeat_interleave(f, dim=1)
         q, k, v = (sequence_to_heads(t, group=self.group, cp=self.cp) for t in (q, k, v))
         rep = q.shape[1] // k.shape[1]
