@@ -230,6 +230,10 @@ CASES = [
         for name, layout in MP_LAYOUTS
         for label, ac in (("", ()), (" +AC", (AC,)))
     ),
+    # selective checkpointing saves the collectives' outputs too: the sequence-parallel
+    # gathers and reduce-scatters, Ulysses's all-to-alls ([Note: selective
+    # checkpointing of exchanges] in fsdpkit.planner.blockmem)
+    *(Case(f"MP A {name} selective", 4, "A", (FULL, *layout, SEL)) for name, layout in MP_LAYOUTS),
     # bf16: the casts of the final norm on the sequence shard and of RoPE under cp
     Case("MP T bf16 dp2 x tp2", 4, "T", (FULL, BF16, "parallel.tp=2")),
     Case("MP T bf16 tp2 x cp2 +AC", 4, "T", (FULL, BF16, AC, "parallel.tp=2", "parallel.cp=2")),
@@ -240,6 +244,11 @@ CASES = [
         for name, layout in MP_LAYOUTS
         if "MHA" not in name and "ring" not in name
         for label, ac in (("", ()), (" +AC", (AC,)))
+    ),
+    *(
+        Case(f"MP HL hf llama {name} selective", 4, "HL", (FULL, *layout, SEL))
+        for name, layout in MP_LAYOUTS
+        if name in ("dp2 x tp2", "tp2 x cp2")
     ),
 ]
 QUICK = [c for c in CASES if c.world == 2 and c.name in ("S full +AC", "S grad_op", "T bf16 full")]

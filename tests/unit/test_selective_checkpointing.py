@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -219,12 +220,28 @@ def _net(events: list[tuple[str, int]], category: str = ACT) -> int:
     return sum(n for c, n in events if c == category)
 
 
+SPLITS = {
+    "dp": {},
+    "tp2": {"tp": 2, "n": 32, "inner_n": 64},
+    "cp2": {"cp": 2},
+    "tp2 x cp2": {"tp": 2, "cp": 2, "n": 32, "inner_n": 64},
+    "ring": {"cp": 2, "ring": True},
+    "hf cp2": {"cp": 2, "block_positions": True},
+}
+"""Sizes of a tp / cp rank's block (heads, kv heads and f are divided by tp below)."""
+
+
+@pytest.mark.parametrize("split", list(SPLITS.values()), ids=list(SPLITS))
 @pytest.mark.parametrize("e", [4, 2], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kv_heads", [2, 8], ids=["gqa", "mha"])
-def test_selective_block_keeps_its_saved_outputs(e: int, kv_heads: int) -> None:
+def test_selective_block_keeps_its_saved_outputs(
+    e: int, kv_heads: int, split: dict[str, Any]
+) -> None:
     """Forward keeps exactly ``selective_saved`` more than full checkpointing, and
     forward + recompute + backward leave the same activations behind as full."""
-    s = Sizes(n=64, d=128, f=344, heads=8, kv_heads=kv_heads, head_dim=16, vocab=100, e=e)
+    tp = split.get("tp", 1)
+    base = {"n": 64, "d": 128, "head_dim": 16, "vocab": 100, "e": e}
+    s = Sizes(**base | split, f=344 // tp, heads=8 // tp, kv_heads=kv_heads // tp)
     full_fwd = block_forward(s, keep=False)
     sel_fwd = block_forward(s, keep=False, selective=True)
     assert _net(sel_fwd) - _net(full_fwd) == selective_saved(s)
@@ -234,6 +251,32 @@ def test_selective_block_keeps_its_saved_outputs(e: int, kv_heads: int) -> None:
     sel = sel_fwd + block_recompute(s, selective=True) + block_backward(s)
     sel += selective_backward_end(s)
     assert _net(sel) == _net(full) and _net(sel, TEMP) == _net(full, TEMP)
+
+
+def test_selective_tp_cp_block_keeps_its_collectives_outputs() -> None:
+    """[Note: selective checkpointing of exchanges]: under tp2 x cp2 (sequence
+    parallelism, Ulysses) a selective block also keeps the two gathered norm outputs
+    (m tokens), o_proj's and down_proj's reduce-scattered outputs (n tokens) and the
+    four all-to-alls' outputs: q, k and v (the one kv head per tp rank repeated to two,
+    so that it divides by cp) and attention's output. Without them the plan read
+    -21% of "MP A tp2 x cp2 selective"'s real peak (bench/plan_accuracy.py)."""
+    m, n, d, hd = 512, 256, 256, 64  # model A's rank: 1024 tokens / cp, / tp on the stream
+    s = Sizes(
+        n=n, inner_n=m, d=d, f=344, heads=2, kv_heads=1, head_dim=hd, vocab=1, e=4, tp=2, cp=2
+    )
+    matmuls = 2 * m * 2 * hd * 4 + m * hd * 4 + 4 * m * 2 + m * 344 * 4 + m * d * 4
+    gathers, scatters = 2 * m * d * 4, 2 * n * d * 4
+    exchanges = m * 2 * hd * 4 * 2 + 2 * (m * 2 * hd * 4)  # q, out; k, v at 2 heads
+    assert selective_saved(s) == matmuls + gathers + scatters + exchanges
+    assert s.nxe == 2 * s.nke
+    kept = _net(block_forward(s, keep=False, selective=True)) - _net(block_forward(s, keep=False))
+    assert kept == selective_saved(s)
+    # down_proj's output and its reduce-scattered copy, never taken by the recompute,
+    # stay to the end of the block's backward
+    assert selective_backward_end(s) == [(ACT, -(m * d * 4 + n * d * 4))]
+    # ring attention: its exchanges run inside one attention op, nothing is added
+    ring = replace(s, tp=1, n=m, inner_n=0, ring=True)
+    assert selective_saved(ring) == matmuls
 
 
 def _peak(mode: str, *overrides: str) -> Any:

@@ -35,6 +35,43 @@ q and v die once RoPE and the repeat have consumed them, gate and attention's
 outputs become autograd's saved tensors as under full checkpointing, and
 down_proj's output, never asked for again (the recompute stops early, before
 down_proj), lives until the block's backward ends and the checkpoint frame dies.
+Under tp / cp the block's collectives are saved too ([Note: selective checkpointing
+of exchanges]).
+
+[Note: selective checkpointing of exchanges]
+The selective policy also saves the outputs of the functional collectives
+(``COLLECTIVE_OPS`` in fsdpkit.sharding.activations), and every exchange inside a
+tensor- or context-parallel block is one of them, read from torch 2.13 and fsdpkit:
+
+- sequence parallelism's gathers (``GatherSequence``: DTensor Shard(1) -> Replicate,
+  ``funcol.all_gather_single``): ``all_gather_into_tensor`` gathers along dim 0, then
+  ``_maybe_view_chunk_cat`` moves the chunks to the sequence dim — a copy (what the
+  projections read) unless the micro-batch is 1, where it is a view of the saved
+  output; either way m x d x e bytes stay per gather, two per block;
+- the row-parallel o / down outputs (``RowwiseParallel``): Partial -> Shard(1) is
+  ``reduce_scatter_tensor`` after a chunk-cat to dim 0, its n-token output saved
+  rather than dying at the residual add; without sequence parallelism Partial ->
+  Replicate is ``all_reduce``, out of place (its own copy), saved the same way;
+- Ulysses's all-to-alls (``all_to_all_single_autograd``, whose autograd kernel runs
+  ``_c10d_functional.all_to_all_single`` under the policy's mode): the received q,
+  k, v (k / v at the heads ``Sizes.nxe`` sends: repeated by ``kv_repeat`` when they
+  do not divide by cp) and the received output; the layout copies after them
+  (permute-reshape) are recomputed; in transformers' attention also the whole
+  sequence's int64 position ids, gathered per block for the document mask
+  (``whole_mask``; ``Sizes.block_positions``): 8 x cp x m bytes.
+
+So per block (``exchange_saved``) 2 x m x d x e + 2 x n x d x e under tp, and
+m x (2 heads + 2 kv') x hd x e (+ the positions) under Ulysses. Ring attention's
+gathers and permutes run inside torch's ring SDPA on DTensors, one attention op to
+the policy (saved as attention), so none is added. In backward the recompute takes
+each saved output where forward made it, and it dies once read (as q and v do) —
+except down_proj's reduced output: the recompute stops before down_proj, so it stays
+with down_proj's output to the end of the block's backward
+(``selective_backward_end``). With a micro-batch of 1 a gathered input is a view of
+the saved output, so forward holds m x d x e less than modeled while it lives (the
+safe side). Measured (bench/plan_accuracy.py, the "MP ... selective" rows at world
+4): -0.04% to -0.22% of the real peak; without these bytes -9% (dp2 x cp2) to -21%
+(tp2 x cp2).
 """
 
 from __future__ import annotations
@@ -58,8 +95,36 @@ def saved_per_block(s: Sizes) -> int:
 
 def selective_saved(s: Sizes) -> int:
     """Bytes selective checkpointing keeps per block beyond its input ([Note:
-    selective block memory])."""
-    return 2 * s.nqe + s.nke + s.nh4 + s.nfe + s.nme
+    selective block memory]), the collectives' outputs included."""
+    return 2 * s.nqe + s.nke + s.nh4 + s.nfe + s.nme + exchange_saved(s)
+
+
+def _row_collective(s: Sizes) -> int:
+    """Bytes of one row-parallel output's collective (reduce-scatter to n tokens, or
+    all-reduce), 0 without tensor parallelism."""
+    return s.nde if s.tp > 1 else 0
+
+
+def _ulysses(s: Sizes) -> bool:
+    return s.cp > 1 and not s.ring
+
+
+def exchange_saved(s: Sizes) -> int:
+    """Bytes of the collectives' outputs selective checkpointing keeps per block
+    ([Note: selective checkpointing of exchanges]): the two gathered inputs and the
+    two reduced row-parallel outputs under tp, the four all-to-alls under Ulysses."""
+    tp = 2 * (s.nme if s.sp else 0) + 2 * _row_collective(s)
+    return tp + (2 * s.nqe + 2 * s.nxe + _positions(s) if _ulysses(s) else 0)
+
+
+def _positions(s: Sizes) -> int:
+    """The whole sequence's int64 position ids where a block gathers them (Ulysses)."""
+    return 8 * s.cp * s.m if s.block_positions and _ulysses(s) else 0
+
+
+def _kept(size: int, selective: bool) -> list[Event]:
+    """A collective's output that the selective policy saves (``size`` 0: none)."""
+    return [(ACT, size)] if selective and size else []
 
 
 def block_matmuls(*, d: int, f: int, heads: int, kv_heads: int, head_dim: int) -> list[int]:
@@ -74,11 +139,12 @@ def _saved(size: int) -> list[Event]:
     return [(ACT, size), (TEMP, -size)]
 
 
-def _gather(s: Sizes) -> list[Event]:
+def _gather(s: Sizes, *, selective: bool = False) -> list[Event]:
     """Sequence parallelism: a norm's output (``n`` tokens) all-gathered to the matmuls'
     ``m`` tokens; the gathered copy is what the projections read (and save), the shard
-    dies. Nothing without sequence parallelism."""
-    return [(XCHG, s.nme), (ACT, -s.nde)] if s.sp else []
+    dies; ``selective``: the collective's output is saved beside it. Nothing without
+    sequence parallelism."""
+    return [*_kept(s.nme, selective), (XCHG, s.nme), (ACT, -s.nde)] if s.sp else []
 
 
 def _y(s: Sizes) -> Event:
@@ -87,17 +153,24 @@ def _y(s: Sizes) -> Event:
     return (XCHG, s.nme) if s.sp else (ACT, s.nde)
 
 
-def _row_add(s: Sizes) -> list[Event]:
+def _row_add(s: Sizes, *, selective: bool = False) -> list[Event]:
     """A row-parallel output (live) into the residual: under sequence parallelism
-    reduce-scattered first (a new ``n``-token tensor), else all-reduced in place."""
+    reduce-scattered first (a new ``n``-token tensor), else all-reduced (its copy
+    transient, unmodeled); ``selective``: the collective's output is saved."""
+    if selective and s.tp > 1:
+        return [(ACT, _row_collective(s)), (ACT, s.nde)]
     return [(TEMP, s.nde), (ACT, s.nde), (TEMP, -s.nde)] if s.sp else [(ACT, s.nde)]
 
 
-def _exchange(s: Sizes, size: int, *, ring_too: bool = False) -> list[Event]:
+def _exchange(
+    s: Sizes, size: int, *, ring_too: bool = False, saved: int = 0, selective: bool = False
+) -> list[Event]:
     """Context parallelism: an all-to-all's output coexists with its input, which then
     dies (heads for sequence, and back). Ring attention exchanges none (``ring_too``:
-    the one copy both make, the attention output made o_proj's input)."""
-    return [(XCHG, size), (XCHG, -size)] if s.cp > 1 and (ring_too or not s.ring) else []
+    the one copy both make, the attention output made o_proj's input). ``selective``:
+    the all-to-all's output (``saved`` bytes) is saved as well (Ulysses only)."""
+    kept = _kept(saved, selective and _ulysses(s))
+    return [*kept, (XCHG, size), (XCHG, -size)] if s.cp > 1 and (ring_too or not s.ring) else []
 
 
 def _grad_scatter(s: Sizes) -> list[Event]:
@@ -160,7 +233,9 @@ def _attn_forward(s: Sizes, *, keep: bool, selective: bool = False) -> list[Even
     # q, k = rope(q), rope(k): the raw q lives until both are computed
     ev += _rope_forward(s.nqe)[:-1] + _rope_forward(s.nke)
     ev += _saved(s.nqe) if selective else [(TEMP, -s.nqe)]
-    ev += _exchange(s, s.nqe + 2 * s.nke)  # q, k, v: sequence for heads
+    ev += _kept(_positions(s), selective)  # the mask's gathered positions (transformers)
+    sent = s.nqe + 2 * s.nxe  # q, k, v: sequence for heads
+    ev += _exchange(s, s.nqe + 2 * s.nke, saved=sent, selective=selective)
     if rep > 1:  # repeat_interleave copies k and v to every query head
         ev += [(ACT, s.nqe), (ACT, -s.nke), (ACT, s.nqe)]
         ev += _saved(s.nke) if selective else [(TEMP, -s.nke)]
@@ -169,12 +244,14 @@ def _attn_forward(s: Sizes, *, keep: bool, selective: bool = False) -> list[Even
     # attention output + logsumexp (ring: its buffers on the way, fsdpkit.planner.ringmem)
     ev += ring_forward(s) if s.ring and s.cp > 1 else [(ACT, s.nqe + s.nh4)]
     # the output exchanged back (ring: copied): o_proj's input (saved when kept)
-    ev += [(ACT, s.nqe)] if s.cp > 1 and keep else _exchange(s, s.nqe, ring_too=True)
+    back = _exchange(s, s.nqe, ring_too=True, saved=s.nqe, selective=selective)
+    ev += [(ACT, s.nqe)] if s.cp > 1 and keep else back
     if selective:  # rotated q and k, the repeated copies die; v, output, lse stay
         ev += [(ACT, -(3 * s.nqe if rep > 1 else s.nqe + s.nke))]
     elif not keep:
         ev += [(ACT, -(2 * s.nqe + 2 * s.nse + s.nh4))]
-    return [*ev, (TEMP, s.nme), *_row_add(s), (TEMP, -s.nme)]  # o_proj, residual -> x1
+    o_proj = _row_add(s, selective=selective)
+    return [*ev, (TEMP, s.nme), *o_proj, (TEMP, -s.nme)]  # o_proj, residual -> x1
 
 
 def _mlp_forward(s: Sizes, *, keep: bool, selective: bool = False) -> list[Event]:
@@ -186,7 +263,7 @@ def _mlp_forward(s: Sizes, *, keep: bool, selective: bool = False) -> list[Event
     down = _saved(s.nme) if selective else [(TEMP, -s.nme)]
     return [
         (TEMP, f), (TEMP, f), *gate, (TEMP, f), (TEMP, f), (TEMP, -2 * f),
-        (TEMP, s.nme), (TEMP, -f), *_row_add(s), *down,
+        (TEMP, s.nme), (TEMP, -f), *_row_add(s, selective=selective), *down,
     ]  # fmt: skip
 
 
@@ -199,11 +276,11 @@ def block_forward(s: Sizes, *, keep: bool, selective: bool = False) -> list[Even
     it (fp32 alias, or the checkpoint).
     """
     cat, y = _y(s)
-    ev = norm_forward(s, keep=keep) + _gather(s)
+    ev = norm_forward(s, keep=keep) + _gather(s, selective=selective)
     ev += _attn_forward(s, keep=keep, selective=selective)
     if not keep:
         ev += [(cat, -y)]  # norm1 output: only q/k/v projections used it
-    ev += norm_forward(s, keep=keep) + _gather(s)
+    ev += norm_forward(s, keep=keep) + _gather(s, selective=selective)
     ev += _mlp_forward(s, keep=keep, selective=selective)
     if not keep:
         ev += [(cat, -y), (ACT, -s.nde)]  # norm2 output and x1
@@ -221,14 +298,16 @@ def block_recompute(s: Sizes, *, selective: bool = False) -> list[Event]:
     ev = block_forward(s, keep=True)
     if s.cast:
         ev = [*ev[:-2], (ACT, -s.nde)]  # keep x, free x1
-    taken: list[Event] = [(ACT, -(selective_saved(s) - s.nme))] if selective else []
+    stays = s.nme + _row_collective(s)  # down_proj's output and its reduced copy
+    taken: list[Event] = [(ACT, -(selective_saved(s) - stays))] if selective else []
     return [*taken, *ev, (ACT, -s.nde)]
 
 
 def selective_backward_end(s: Sizes) -> list[Event]:
     """The checkpoint frame dies with the block's backward: down_proj's saved output
-    (never taken by the early-stopped recompute) goes with it."""
-    return [(ACT, -s.nme)]
+    and its reduced copy under tp (never taken by the early-stopped recompute) go with
+    it ([Note: selective checkpointing of exchanges])."""
+    return [(ACT, -(s.nme + _row_collective(s)))]
 
 
 def norm_backward(s: Sizes) -> list[Event]:

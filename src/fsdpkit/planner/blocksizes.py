@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fsdpkit.sharding.context import kv_repeat
+
 ACT, TEMP, GRAD, LOGITS = "activations", "temporaries", "unsharded_grads", "logits_loss"
 XCHG = "exchange_buffers"
 Event = tuple[str, int]
@@ -49,6 +51,10 @@ class Sizes:
     gqa: bool = False
     """Attention is given k / v at their own heads (SDPA's ``enable_gqa``, transformers'
     sdpa path: [Note: transformers' Llama in the plan]): no repeated copies."""
+    block_positions: bool = False
+    """Ulysses attention all-gathers the whole sequence's int64 position ids in every
+    block (transformers' attention, ``hf_context_parallel_attention``; the built-in
+    Llama gathers them once per forward, outside the blocks)."""
 
     @property
     def rep(self) -> int:
@@ -100,6 +106,15 @@ class Sizes:
     @property
     def nke(self) -> int:
         return self.m * self.kv_heads * self.head_dim * self.e
+
+    @property
+    def nxe(self) -> int:
+        """k or v as Ulysses's all-to-all sends it: kv heads that do not divide by cp are
+        repeated until they do first (fsdpkit.sharding.context.kv_repeat). Ring
+        attention sends none: ``nke``."""
+        if self.cp == 1 or self.ring or self.kv_heads % self.cp == 0:
+            return self.nke
+        return self.nke * kv_repeat(q_heads=self.heads, kv_heads=self.kv_heads, cp=self.cp)
 
     @property
     def nfe(self) -> int:

@@ -34,6 +34,7 @@ def sizes(sc: Scenario) -> Sizes:
         gloo=sc.device.kind != "gpu",
         norm_casts_first=sc.layout.transformers_body,
         gqa=sdpa_gqa(sc),
+        block_positions=sc.layout.transformers_body,
     )
 
 
