@@ -198,6 +198,10 @@ CASES = [
     Case("ACC S accum=3 every keep", 2, "S", (FULL, "train.grad_accum=3", *EVERY_KEEP)),
     Case("ACC T bf16 accum=2 every", 2, "T", (FULL, BF16, "train.grad_accum=2", SYNC_EVERY)),
     Case("ACC S hybrid accum=2 every", 4, "S", (*HYBRID, "train.grad_accum=2", SYNC_EVERY)),
+    # a later micro-batch's block backward sums into the accumulated grads in place
+    # ([Note: accumulating in place] in fsdpkit.planner.replay), with checkpointing
+    Case("ACC A accum=2 +AC", 4, "A", (FULL, AC, "train.grad_accum=2")),
+    Case("ACC A accum=2 selective", 2, "A", (FULL, SEL, "train.grad_accum=2")),
     Case("ACC S prefetch fwd2 bwd2", 2, "S", (FULL, *PREFETCH_2_2)),
     Case("ACC M prefetch fwd2 bwd3 +AC", 2, "M", (FULL, AC, *PREFETCH_2_3)),
     # the optimizer step peaks at world size 1 with AC: each AdamW kernel's temporary
@@ -234,6 +238,7 @@ CASES = [
     # gathers and reduce-scatters, Ulysses's all-to-alls ([Note: selective
     # checkpointing of exchanges] in fsdpkit.planner.blockmem)
     *(Case(f"MP A {name} selective", 4, "A", (FULL, *layout, SEL)) for name, layout in MP_LAYOUTS),
+    Case("MP A dp2 x tp2 +AC accum=2", 4, "A", (FULL, AC, "parallel.tp=2", "train.grad_accum=2")),
     # bf16: the casts of the final norm on the sequence shard and of RoPE under cp
     Case("MP T bf16 dp2 x tp2", 4, "T", (FULL, BF16, "parallel.tp=2")),
     Case("MP T bf16 tp2 x cp2 +AC", 4, "T", (FULL, BF16, AC, "parallel.tp=2", "parallel.cp=2")),
