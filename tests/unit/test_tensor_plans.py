@@ -5,12 +5,14 @@ downloaded); the planner's layout answers the trainer's rule."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from fsdpkit.config import load
 from fsdpkit.planner.layout import layout_of
 from fsdpkit.sharding import choose_blocks
 from fsdpkit.sharding.tensor import (
@@ -18,6 +20,7 @@ from fsdpkit.sharding.tensor import (
     REPLICATED,
     TensorParallelError,
     block_plan,
+    check_layout,
     check_model,
 )
 from fsdpkit.sharding.tensor_sequence import (
@@ -80,7 +83,6 @@ def test_families_with_a_plan_are_split_with_sequence_parallelism(
         ("Olmo2Config", "olmo2", "layers.*.self_attn.q_proj: colwise_gather_output"),
         ("Phi3Config", "phi3", "layers.*.self_attn.qkv_proj: colwise_gather_output"),
         ("GlmConfig", "glm", "colwise_gather_output"),
-        ("MixtralConfig", "mixtral", "layers.*.mlp.experts"),
     ],
 )
 def test_plans_with_other_entries_are_refused_naming_family_field_and_entry(
@@ -92,6 +94,34 @@ def test_plans_with_other_entries_are_refused_naming_family_field_and_entry(
     text = str(err.value)
     assert f"({family})" in text and "base_model_tp_plan" in text and "parallel.tp = 2" in text
     assert entry in text, text
+
+
+@pytest.mark.parametrize(
+    ("config_class", "family", "field"),
+    [
+        ("MixtralConfig", "mixtral", "num_local_experts"),
+        ("Qwen2MoeConfig", "qwen2_moe", "num_experts"),
+        ("Qwen3MoeConfig", "qwen3_moe", "num_local_experts"),
+        ("OlmoeConfig", "olmoe", "num_local_experts"),
+    ],
+)
+def test_mixture_of_experts_configs_are_refused_by_their_expert_count(
+    config_class: str, family: str, field: str, tmp_path: Path
+) -> None:
+    """Since transformers 5.25 Mixtral's and OLMoE's plans name only attention, and
+    Qwen2-MoE's / Qwen3-MoE's a dense ``mlp.gate_proj`` their expert layers lack: the
+    entries alone would pass. The config's expert count refuses them, naming it, in
+    the launcher's check (config.json only, before any process starts) and on the
+    built model alike."""
+    model = _meta(config_class)
+    model.config.save_pretrained(tmp_path)
+    cfg = load(None, [f"model.hf={tmp_path}", "parallel.tp=2"])
+    for check in (lambda: check_layout(cfg), lambda: block_plan(model, tp=2)):
+        with pytest.raises(TensorParallelError) as err:
+            check()
+        text = str(err.value)
+        assert f"({family})" in text and "mixture-of-experts" in text, text
+        assert "parallel.tp = 2" in text and f"{field} = " in text, text
 
 
 def test_a_plan_that_leaves_parameters_of_its_blocks_unplanned_is_refused() -> None:

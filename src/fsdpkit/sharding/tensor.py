@@ -21,15 +21,15 @@ comes from:
   A config without such a plan is refused, whatever its module names; so are plans
   with other entries: ``colwise_gather_output`` / ``rowwise_split_input`` (OLMo2 /
   OLMo3, whose q / k norms normalize the whole hidden q / k; Phi3 and GLM, whose
-  fused qkv / gate_up projections those entries gather), packed or expert entries
-  (mixture-of-experts), and plans that leave a parameter of a block's split layers
-  unplanned (``check_covered``: Apertus' xIELU activation between up and down, whose
-  gradient would differ between the tp ranks). Where its blocks hold only
-  ``self_attn``, ``mlp`` and norms and it ends in ``model.norm`` (the rule of
-  fsdpkit.sharding.tensor_sequence) it gets sequence parallelism too: its body
-  computes masks and positions from the embedding output's length, so the sequence
-  is split at the first block's input instead of the embedding's output
-  (fsdpkit.sharding.tensor_edges); other families keep the residual stream whole;
+  fused qkv / gate_up projections those entries gather), packed or expert entries,
+  every mixture-of-experts config (by its expert count, ``_experts``), and plans that
+  leave a parameter of a block's split layers unplanned (``check_covered``: Apertus'
+  xIELU activation between up and down, whose gradient would differ between the tp
+  ranks). Where its blocks hold only ``self_attn``, ``mlp`` and norms and it ends
+  in ``model.norm`` (the rule of fsdpkit.sharding.tensor_sequence) it gets sequence
+  parallelism too: its body computes masks and positions from the embedding output's
+  length, so the sequence is split at the first block's input instead of the
+  embedding's output (fsdpkit.sharding.tensor_edges); other families keep the residual stream whole;
 - anything else is refused by name (``TensorParallelError``).
 
 The embedding and the output head are split by vocabulary rows over tp (loss
@@ -136,16 +136,45 @@ def block_plan(model: nn.Module, *, tp: int) -> tuple[dict[str, str], str]:
     return _hf_block_plan(getattr(model, "config", None), name=type(model).__name__, tp=tp)
 
 
+EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+"""Config fields by which transformers' mixture-of-experts families count their experts."""
+
+
+def _experts(config: Any) -> str | None:
+    """``"FIELD = N"`` where ``config`` describes a mixture-of-experts model, else None.
+
+    Read from the config, not from its ``base_model_tp_plan``: since transformers 5.25
+    Mixtral's and OLMoE's plans name only the attention projections (the experts moved
+    to ``base_model_ep_plan``), and Qwen2-MoE's / Qwen3-MoE's name a dense
+    ``mlp.gate_proj`` that their expert layers do not have. Such a plan would pass
+    the entry check and fail only once the model is built, after the processes start.
+    """
+    for field in EXPERT_FIELDS:
+        count = getattr(config, field, None)
+        if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+            return f"{field} = {count}"
+    return None
+
+
 def _hf_block_plan(config: Any, *, name: str, tp: int) -> tuple[dict[str, str], str]:
     """A transformers config's ``base_model_tp_plan`` as a block plan, or the refusal
     naming the family, the field and the entries fsdpkit does not apply."""
+    family = getattr(config, "model_type", None) or name
+    experts = _experts(config)
+    if experts:
+        raise TensorParallelError(
+            f"parallel.tp = {tp}: fsdpkit has no tensor-parallel plan for {name} ({family}): "
+            f"it is a mixture-of-experts model ({experts} in its config), and fsdpkit splits "
+            "dense blocks only (colwise / rowwise linears of transformers' "
+            "base_model_tp_plan), not expert layers. Use parallel.tp = 1 (FSDP over all "
+            "ranks; parallel.cp splits long sequences instead), or a dense model family."
+        )
     hf_plan = getattr(config, "base_model_tp_plan", None) or {}
     translated = {k.split("layers.*.", 1)[1]: v for k, v in hf_plan.items() if "layers.*." in k}
     others = [f"{k}: {v}" for k, v in hf_plan.items() if "layers.*." in k and v not in PLAN_KINDS]
     splits = any(v != REPLICATED for v in translated.values())
     if splits and not others:
         return translated, f"transformers' base_model_tp_plan of {name}"
-    family = getattr(config, "model_type", None) or name
     has = (
         "has no entries for its layers"
         if not translated
