@@ -265,19 +265,26 @@ def test_chunked_never_needs_more_than_full_logits(e: int, n: int) -> None:
         assert summarize(chunked).net == summarize(full).net  # the same state after
 
 
-def test_grad_into_weight_leaves_the_same_gradient_with_a_tied_embedding() -> None:
+@pytest.mark.parametrize("tied", [True, False])
+def test_grad_into_weight_leaves_the_same_gradient(tied: bool) -> None:
+    # two micro-batches: the second sums into an accumulated .grad after the
+    # embedding's gradient is in ([Note: the head's gradient under fake tensors])
     grads = []
     for into in (False, True):
         emb = nn.Embedding(50, 16)
+        head = emb.weight if tied else nn.Parameter(torch.zeros(50, 16))
         with torch.no_grad():
             emb.weight.copy_(torch.randn(50, 16, generator=torch.Generator().manual_seed(0)))
-        tokens = torch.arange(24).reshape(2, 12) % 50
-        loss = chunked_linear_cross_entropy(
-            emb(tokens[:, :-1]), emb.weight, None, tokens[:, 1:], chunk_tokens=4,
-            grad_into_weight=into,
-        )  # fmt: skip
-        loss.backward()
-        grads.append(emb.weight.grad)
+            head.copy_(torch.randn(50, 16, generator=torch.Generator().manual_seed(1)))
+        for micro in range(2):
+            tokens = (torch.arange(24).reshape(2, 12) * (micro + 1)) % 50
+            loss = chunked_linear_cross_entropy(
+                emb(tokens[:, :-1]), head, None, tokens[:, 1:], chunk_tokens=4,
+                grad_into_weight=into,
+            )  # fmt: skip
+            loss.backward()
+        assert not head._post_accumulate_grad_hooks  # each hook removed itself
+        grads.append((emb.weight.grad, head.grad))
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-7)
 
 

@@ -27,10 +27,13 @@ that world. Limits, all measured on torch 2.13:
   miscounts a unit are fixed, in fsdpkit.planner.tracker.
 - Fake tensors are tensor subclasses, for which autograd sums two gradients of one
   tensor out of place; a real run adds a tied embedding's gradient in place into the
-  chunked loss's head gradient. The trace's chunked loss therefore adds the head's
-  gradient into ``.grad`` itself (``ChunkedLoss.grad_into_weight``), which holds what
-  the real run holds (inside context parallelism's slicing wrapper too,
-  ``ContextParallelLoss``; a closure there once hid it: +2.4% on a tp2 x cp2 row).
+  chunked loss's head gradient. The trace's chunked loss therefore sums the head's
+  gradient into ``.grad`` itself (``ChunkedLoss.grad_into_weight``), when and where the
+  real run's autograd does ([Note: the head's gradient under fake tensors] in
+  fsdpkit.loss.chunked_ce: beside an accumulated ``.grad`` until the embedding's
+  gradient is in), which holds what the real run holds (inside context parallelism's
+  slicing wrapper too, ``ContextParallelLoss``; a closure there once hid it: +2.4% on
+  a tp2 x cp2 row).
 """
 
 from __future__ import annotations
@@ -177,8 +180,8 @@ def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
 
 
 def _grads_in_place(loss_fn: LossFn) -> LossFn:
-    """A chunked loss that sums a tied head's gradient in place, as the real run does
-    (see the module docstring), also inside context parallelism's slicing wrapper."""
+    """A chunked loss that sums a tied head's gradient as the real run does (see the
+    module docstring), also inside context parallelism's slicing wrapper."""
     if isinstance(loss_fn, ContextParallelLoss):
         return dataclasses.replace(loss_fn, inner=_grads_in_place(loss_fn.inner))
     if isinstance(loss_fn, ChunkedLoss):
