@@ -126,6 +126,10 @@ class Unit:
     largest_sharded: int = 0
     """Elements of this rank's shard of the unit's largest trainable parameter (the
     for-loop AdamW's per-parameter temporaries)."""
+    last_grad_numel: int = 0
+    """Elements of the unit's last trainable parameter in FSDP2's order (the module's
+    ``parameters()``), unsharded: its gradient outlives the others' into the
+    reduce-scatter ([Note: the last gradient] in fsdpkit.planner.replay)."""
 
     @property
     def grads_numel(self) -> int:
@@ -241,6 +245,7 @@ def _unit(
         ),
         frozen_bytes=frozen_bytes,
         largest_sharded=max((n for n, t in zip(local, train) if t), default=0),
+        last_grad_numel=next((r * c for (r, c), t in zip(shapes[::-1], train[::-1]) if t), 0),
     )
 
 

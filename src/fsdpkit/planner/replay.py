@@ -170,32 +170,41 @@ class Step:
         self.led.add(COLL, -self.rs_state)  # the previous unit's input is released
         if self.last_micro or not self.sc.keep_unsharded:  # else kept for the next forward
             self.led.add(UNSH, -self.held.pop(u.name, 0))
-        late = self._late_head_grad(u)
+        last = self._last_grad(u)
         self.led.add(COLL, gathered * rb)  # copy-in, then the grads are freed
-        self.led.add(GRAD, -new_grads - self.accumulated.pop(u.name, 0) + late)
+        self.led.add(GRAD, -new_grads - self.accumulated.pop(u.name, 0) + last)
         self.rs_state = gathered * rb
         gloo = gathered * rb if self.gloo else 0  # gloo reduces a clone of the input
         if self.sc.replicate > 1 and not self.last_micro:
             self._partial_sum(u, gloo)
         else:
             self._reduced(u, gloo)
-        self.led.add(GRAD, -late)
+        self.led.add(GRAD, -last)
 
-    def _late_head_grad(self, u: Unit) -> int:
-        """[Note: the head's late gradient]
-        An untied, trainable output head's unsharded gradient is still referenced by
-        the loss's backward graph when its unit's reduce-scatter runs, so it lives
-        through that reduce-scatter: the root's (FSDP2 runs it in the final callback of
-        backward, before autograd frees the graph; ``parallel.edge_units=false``), or
-        the head unit's right after the loss's backward (measured both ways: V1 bf16
-        +AC, V3 rows of bench/plan_accuracy.py). Split by vocabulary over tp it is the
-        head's tp-local rows: planned as the whole vocabulary's, "MP HL hf llama tp2 x
-        cp2" (an untied head) read +7.1%."""
-        unit = self.sc.edge("head") or (None if self.m.tie_embeddings else self.root)
-        if u is not unit or "head" in self.sc.layout.frozen_names or self.accumulated:
+    def _last_grad(self, u: Unit) -> int:
+        """[Note: the last gradient]
+        FSDP2's ``foreach_reduce`` (torch 2.13, _fsdp_collectives.py) frees the unit's
+        unsharded gradients after the copy-in by clearing its list, but the loop before
+        it (``for i, (fsdp_param, unsharded_grad) in enumerate(zip(...))``, which
+        re-chunks gradients not sharded on dim 0) leaves its variable bound to the last
+        one, so the unit's last parameter's gradient (in FSDP2's order, the module's
+        ``parameters()``) lives until ``foreach_reduce`` returns: through the
+        reduce-scatter output and gloo's clone of the input, where a bf16 step with an
+        fp32 reduce peaks. The loop runs only on a shard group of more than one rank.
+        Which parameter is last is the model's: the built-in Llama block ends with
+        ``down_proj`` (d x f), transformers' with a norm weight (d), an untied head's
+        unit with the head (the whole vocabulary's rows, or the tp-local ones: "MP HL
+        hf llama tp2 x cp2" read +7.1% planned whole), the root without edge units
+        (``parallel.edge_units=false``) with the untied head too (V1 bf16 +AC, V3 rows
+        of bench/plan_accuracy.py). Without it the block units' reduce-scatter read
+        -1.0% ("T bf16 full"), -1.3% ("T bf16 chunked 48"), -1.4% ("MP T bf16 tp2 x
+        cp2") and -2.1% ("MP T bf16 dp2 x cp2 selective"). After no-sync micro-batches
+        it is the last accumulated gradient: in the reduce dtype when FSDP2 accumulates
+        in one of its own ([Note: accumulating in place])."""
+        if self.sc.shard <= 1 or not u.last_grad_numel:
             return 0
-        rows = self.s.vocab // self.sc.tp if self.sc.vocab_parallel else self.s.vocab
-        return rows * self.s.d * self.s.e  # the head's tp-local rows
+        separate = u.name in self.accumulated and self.s.e != self.sc.reduce_bytes
+        return u.last_grad_numel * (self.sc.reduce_bytes if separate else self.s.e)
 
     def _reduced(self, u: Unit, gloo: int) -> None:
         """The reduce-scatter output becomes the sharded gradient, or (``every``, after
