@@ -242,6 +242,10 @@ CASES = [
     # bf16: the casts of the final norm on the sequence shard and of RoPE under cp
     Case("MP T bf16 dp2 x tp2", 4, "T", (FULL, BF16, "parallel.tp=2")),
     Case("MP T bf16 tp2 x cp2 +AC", 4, "T", (FULL, BF16, AC, "parallel.tp=2", "parallel.cp=2")),
+    # without checkpointing the peak sits in a block unit's reduce-scatter, beside its last
+    # gradient ([Note: the last gradient] in fsdpkit.planner.replay)
+    Case("MP T bf16 tp2 x cp2", 4, "T", (FULL, BF16, "parallel.tp=2", "parallel.cp=2")),
+    Case("MP T bf16 dp2 x cp2 selective", 4, "T", (FULL, BF16, SEL, "parallel.cp=2")),
     # transformers' Qwen2 (no analytic shape: traced) and Llama under tp / cp
     *(
         Case(f"MP {m} {name}{label}", 4, m.split()[0], (FULL, *layout, *ac))
