@@ -14,6 +14,7 @@ from fsdpkit.config import ConfigError, load
 from fsdpkit.planner import Device, DeviceError, PlanError, parse_device, parse_size, plan
 from fsdpkit.planner.blockmem import Sizes, block_backward, block_forward, saved_per_block
 from fsdpkit.planner.recommend import recommend
+from fsdpkit.planner.replay import Step
 from fsdpkit.planner.report import format_plan, format_recommendation, plan_dict, toml_lines
 from fsdpkit.planner.scenario import scenario
 from fsdpkit.planner.states import model_states
@@ -255,3 +256,28 @@ def test_async_checkpoint_staging_is_planned_on_the_host() -> None:
     assert on.memory.staging_bytes == states["sharded_params"] + states["optimizer_states"]
     assert on.memory.peak.bytes == off.memory.peak.bytes  # device peak unchanged
     assert "async checkpoint staging" in format_plan(on)
+
+
+TINY_BF16 = [
+    "model.preset=tiny", "model.dim=128", "model.n_layers=2", "model.n_heads=4",
+    "model.n_kv_heads=2", "model.ffn_dim=344", "model.vocab_size=1024", "data.seq_len=64",
+    "train.micro_batch_size=2", "precision.mode=bf16", "parallel.strategy=full",
+]  # fmt: skip
+
+
+def test_a_units_last_gradient_lives_through_its_reduce_scatter() -> None:
+    # FSDP2's foreach_reduce keeps the unit's last gradient in a loop variable until the
+    # reduce-scatter returns ([Note: the last gradient]); the built-in block's last
+    # parameter is down_proj's (d x f). bf16 at world 2 peaks in layers.1's reduce-scatter
+    # (its fp32 input, gloo's clone of it, the fp32 output), where the unsharded bf16
+    # gradients still live are the tied head's (vocab x d, until the embedding's
+    # backward), the final norm's (d) and down_proj's: 2 * (1024*128 + 128 + 128*344).
+    # bench/plan_accuracy.py's "T bf16 full" (this run) measured 6678912 bytes.
+    peak = plan(load(None, TINY_BF16), world_size=2, trace=False).memory.peak
+    assert (peak.phase, peak.where) == ("backward", "backward of layers.1")
+    assert peak.breakdown["unsharded_grads"] == 2 * (1024 * 128 + 128 + 128 * 344)
+    assert peak.bytes == 6678800
+    # replicate: a shard group of one rank never runs that loop, nothing is held
+    sc = scenario(load(None, [*TINY_BF16, "parallel.strategy=replicate"]), world_size=2)
+    assert sc.units[0].last_grad_numel == 128 * 344
+    assert Step(sc)._last_grad(sc.units[0]) == 0
