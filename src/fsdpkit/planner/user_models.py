@@ -45,8 +45,8 @@ ledger, which was exact on them):
   multiplies it, so in low precision it saves that cast (N x d x e) where the built-in
   saves the fp32 copy and an fp32 weight (``Sizes.norm_casts_first``; in fp32 both are
   the same: +3.0% on a bf16 "HL hf llama full" against the traced plan without it);
-- its head is untied: the late head gradient ([Note: the head's late gradient] in
-  fsdpkit.planner.replay) holds the head's tp-local rows, not the whole vocabulary's.
+- its head is untied: the head unit's last gradient ([Note: the last gradient] in
+  fsdpkit.planner.replay) is the head's tp-local rows, not the whole vocabulary's.
 
 The first two were +2.5% on "HL hf llama full" (the GQA copies 2.0%, the tables 0.5%),
 the last +7.1% of the +8.7% on "MP HL hf llama tp2 x cp2"; the third is not at these
