@@ -197,10 +197,12 @@ class Step:
         hf llama tp2 x cp2" read +7.1% planned whole), the root without edge units
         (``parallel.edge_units=false``) with the untied head too (V1 bf16 +AC, V3 rows
         of bench/plan_accuracy.py). Without it the block units' reduce-scatter read
-        -1.0% ("T bf16 full"), -1.3% ("T bf16 chunked 48"), -1.4% ("MP T bf16 tp2 x
-        cp2") and -2.1% ("MP T bf16 dp2 x cp2 selective"). After no-sync micro-batches
-        it is the last accumulated gradient: in the reduce dtype when FSDP2 accumulates
-        in one of its own ([Note: accumulating in place])."""
+        -1.0% ("T bf16 full"), -1.3% ("T bf16 chunked 48"), -0.9% ("ACC T bf16
+        accum=2 every"), -1.4% ("MP T bf16 tp2 x cp2") and -2.1% ("MP T bf16 dp2 x cp2
+        selective"). After no-sync micro-batches (``accum_sync = last``) it is the last
+        accumulated gradient, in the reduce dtype when FSDP2 accumulates in one of its
+        own ([Note: accumulating in place]); read from the code, not at any measured
+        row's peak."""
         if self.sc.shard <= 1 or not u.last_grad_numel:
             return 0
         separate = u.name in self.accumulated and self.s.e != self.sc.reduce_bytes
