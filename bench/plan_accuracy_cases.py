@@ -199,7 +199,7 @@ CASES = [
     Case("ACC T bf16 accum=2 every", 2, "T", (FULL, BF16, "train.grad_accum=2", SYNC_EVERY)),
     Case("ACC S hybrid accum=2 every", 4, "S", (*HYBRID, "train.grad_accum=2", SYNC_EVERY)),
     # a later micro-batch's block backward sums into the accumulated grads in place
-    # ([Note: accumulating in place] in fsdpkit.planner.replay), with checkpointing
+    # ([Note: accumulating in place] in fsdpkit.planner.gradlife), with checkpointing
     Case("ACC A accum=2 +AC", 4, "A", (FULL, AC, "train.grad_accum=2")),
     Case("ACC A accum=2 selective", 2, "A", (FULL, SEL, "train.grad_accum=2")),
     Case("ACC S prefetch fwd2 bwd2", 2, "S", (FULL, *PREFETCH_2_2)),
@@ -243,7 +243,7 @@ CASES = [
     Case("MP T bf16 dp2 x tp2", 4, "T", (FULL, BF16, "parallel.tp=2")),
     Case("MP T bf16 tp2 x cp2 +AC", 4, "T", (FULL, BF16, AC, "parallel.tp=2", "parallel.cp=2")),
     # without checkpointing the peak sits in a block unit's reduce-scatter, beside its last
-    # gradient ([Note: the last gradient] in fsdpkit.planner.replay)
+    # gradient ([Note: the last gradient] in fsdpkit.planner.gradlife)
     Case("MP T bf16 tp2 x cp2", 4, "T", (FULL, BF16, "parallel.tp=2", "parallel.cp=2")),
     Case("MP T bf16 dp2 x cp2 selective", 4, "T", (FULL, BF16, SEL, "parallel.cp=2")),
     # transformers' Qwen2 (no analytic shape: traced) and Llama under tp / cp

@@ -13,6 +13,7 @@ import pytest
 from fsdpkit.config import ConfigError, load
 from fsdpkit.planner import Device, DeviceError, PlanError, parse_device, parse_size, plan
 from fsdpkit.planner.blockmem import Sizes, block_backward, block_forward, saved_per_block
+from fsdpkit.planner.gradlife import last_grad_bytes
 from fsdpkit.planner.recommend import recommend
 from fsdpkit.planner.replay import Step
 from fsdpkit.planner.report import format_plan, format_recommendation, plan_dict, toml_lines
@@ -280,4 +281,4 @@ def test_a_units_last_gradient_lives_through_its_reduce_scatter() -> None:
     # replicate: a shard group of one rank never runs that loop, nothing is held
     sc = scenario(load(None, [*TINY_BF16, "parallel.strategy=replicate"]), world_size=2)
     assert sc.units[0].last_grad_numel == 128 * 344
-    assert Step(sc)._last_grad(sc.units[0]) == 0
+    assert last_grad_bytes(sc=sc, s=Step(sc).s, unit=sc.units[0], accumulated=False) == 0

@@ -64,7 +64,7 @@ the second into the first in place (torch/csrc/autograd/input_buffer.cpp,
 AccumulateGrad (functions/accumulate_grad.h) then steals the sum as ``.grad`` where
 there is none (a micro-batch after the optimizer step) or adds it into ``.grad`` in
 place (a later micro-batch of ``last`` accumulation: FSDP2 leaves the unsharded grad
-on the parameter, [Note: accumulating in place] in fsdpkit.planner.replay). Fake
+on the parameter, [Note: accumulating in place] in fsdpkit.planner.gradlife). Fake
 tensors are subclasses, so a trace's buffer sums out of place, one V*d more than the
 real run. With ``grad_into_weight`` the loss does what the real run's memory does:
 no ``.grad`` yet, its gradient becomes ``.grad`` at once (the embedding's is added

@@ -129,7 +129,7 @@ class Unit:
     last_grad_numel: int = 0
     """Elements of the unit's last trainable parameter in FSDP2's order (the module's
     ``parameters()``), unsharded: its gradient outlives the others' into the
-    reduce-scatter ([Note: the last gradient] in fsdpkit.planner.replay)."""
+    reduce-scatter ([Note: the last gradient] in fsdpkit.planner.gradlife)."""
 
     @property
     def grads_numel(self) -> int:

@@ -19,6 +19,7 @@ from fsdpkit.planner.blockmem import (
     block_recompute,
     selective_backward_end,
 )
+from fsdpkit.planner.gradlife import grads_in_place, last_grad_bytes
 from fsdpkit.planner.headmem import (
     chunked_head_forward,
     chunked_loss_backward,
@@ -170,7 +171,7 @@ class Step:
         self.led.add(COLL, -self.rs_state)  # the previous unit's input is released
         if self.last_micro or not self.sc.keep_unsharded:  # else kept for the next forward
             self.led.add(UNSH, -self.held.pop(u.name, 0))
-        last = self._last_grad(u)
+        last = last_grad_bytes(sc=self.sc, s=self.s, unit=u, accumulated=u.name in self.accumulated)
         self.led.add(COLL, gathered * rb)  # copy-in, then the grads are freed
         self.led.add(GRAD, -new_grads - self.accumulated.pop(u.name, 0) + last)
         self.rs_state = gathered * rb
@@ -180,33 +181,6 @@ class Step:
         else:
             self._reduced(u, gloo)
         self.led.add(GRAD, -last)
-
-    def _last_grad(self, u: Unit) -> int:
-        """[Note: the last gradient]
-        FSDP2's ``foreach_reduce`` (torch 2.13, _fsdp_collectives.py) frees the unit's
-        unsharded gradients after the copy-in by clearing its list, but the loop before
-        it (``for i, (fsdp_param, unsharded_grad) in enumerate(zip(...))``, which
-        re-chunks gradients not sharded on dim 0) leaves its variable bound to the last
-        one, so the unit's last parameter's gradient (in FSDP2's order, the module's
-        ``parameters()``) lives until ``foreach_reduce`` returns: through the
-        reduce-scatter output and gloo's clone of the input, where a bf16 step with an
-        fp32 reduce peaks. The loop runs only on a shard group of more than one rank.
-        Which parameter is last is the model's: the built-in Llama block ends with
-        ``down_proj`` (d x f), transformers' with a norm weight (d), an untied head's
-        unit with the head (the whole vocabulary's rows, or the tp-local ones: "MP HL
-        hf llama tp2 x cp2" read +7.1% planned whole), the root without edge units
-        (``parallel.edge_units=false``) with the untied head too (V1 bf16 +AC, V3 rows
-        of bench/plan_accuracy.py). Without it the block units' reduce-scatter read
-        -1.0% ("T bf16 full"), -1.3% ("T bf16 chunked 48"), -0.9% ("ACC T bf16
-        accum=2 every"), -1.4% ("MP T bf16 tp2 x cp2") and -2.1% ("MP T bf16 dp2 x cp2
-        selective"). After no-sync micro-batches (``accum_sync = last``) it is the last
-        accumulated gradient, in the reduce dtype when FSDP2 accumulates in one of its
-        own ([Note: accumulating in place]); read from the code, not at any measured
-        row's peak."""
-        if self.sc.shard <= 1 or not u.last_grad_numel:
-            return 0
-        separate = u.name in self.accumulated and self.s.e != self.sc.reduce_bytes
-        return u.last_grad_numel * (self.sc.reduce_bytes if separate else self.s.e)
 
     def _reduced(self, u: Unit, gloo: int) -> None:
         """The reduce-scatter output becomes the sharded gradient, or (``every``, after
@@ -393,7 +367,9 @@ class Step:
         if j == 0 and embedding is not None:
             self.prefetch(embedding)
         full = u.grads_numel == u.numel  # else frozen weights: only trainable grads
-        in_place = full and self._grads_in_place(u)
+        in_place = full and grads_in_place(
+            sc=self.sc, s=self.s, accumulated=u.name in self.accumulated
+        )
         for ckpt in reversed(u.checkpointed):
             grads = full and not in_place
             summary = _backward_summary(s, ckpt, self.sdpa_workspace, grads, self.selective)
@@ -403,20 +379,6 @@ class Step:
         if j == self.dead:  # the last block backward that reads RoPE's cos / sin
             led.add("buffers_inputs", -self.rope)
         self.post_backward(u, sync=sync, in_place=in_place)
-
-    def _grads_in_place(self, u: Unit) -> bool:
-        """[Note: accumulating in place]
-        After a no-sync micro-batch FSDP2 leaves each unsharded parameter's ``.grad``
-        where autograd put it when it is already in the reduce dtype
-        (``FSDPParam.to_accumulated_grad_if_needed`` moves it to an fp32 accumulator
-        only when the dtypes differ), so in the next micro-batch's backward autograd's
-        AccumulateGrad adds each new weight gradient into it in place and the new one
-        dies at once: that block's backward allocates no unit-sized gradients beside
-        the accumulated ones. Counting both read +0.7% to +1.0% with checkpointing
-        (bench/plan_accuracy.py's "... accum=2" rows at world 2 and 4, measured; the
-        peak sits in a block's backward of the last micro-batch) and +0.38% on "S full
-        accum=2"; now -0.06% to -0.02%."""
-        return u.name in self.accumulated and self.s.e == self.sc.reduce_bytes
 
     def optimizer(self) -> None:
         """Grad clipping (scalars) and AdamW as fsdpkit.train builds it, the 2-D weights

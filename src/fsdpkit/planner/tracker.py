@@ -26,7 +26,7 @@ does not see, or sees wrong, against a real CPU run (all measured on torch 2.13)
   transformers tp2 x cp2 +AC rows. ``UnitTracker`` tags them without a lingering
   reference. (FSDP2's own ``foreach_reduce`` keeps what it copies in of the last
   gradient, the local rows, in a loop variable: [Note: the last gradient] in
-  fsdpkit.planner.replay; the trace sees that as the real run does.)
+  fsdpkit.planner.gradlife; the trace sees that as the real run does.)
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ ledger, which was exact on them):
   saves the fp32 copy and an fp32 weight (``Sizes.norm_casts_first``; in fp32 both are
   the same: +3.0% on a bf16 "HL hf llama full" against the traced plan without it);
 - its head is untied: the head unit's last gradient ([Note: the last gradient] in
-  fsdpkit.planner.replay) is the head's tp-local rows, not the whole vocabulary's.
+  fsdpkit.planner.gradlife) is the head's tp-local rows, not the whole vocabulary's.
 
 The first two were +2.5% on "HL hf llama full" (the GQA copies 2.0%, the tables 0.5%),
 the last +7.1% of the +8.7% on "MP HL hf llama tp2 x cp2"; the third is not at these
