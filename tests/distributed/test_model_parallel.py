@@ -114,10 +114,13 @@ BF16: dict[str, tuple[str, list[str]]] = {
 layout against FSDP alone at the same precision (a one-process run has no FSDP2
 mixed-precision policy to compare with)."""
 
-FAMILIES = ("mistral", "gemma", "granite", "cohere", "olmo", "starcoder2", "nemotron", "gpt_neox")
+FAMILIES = (
+    *("mistral", "gemma", "granite", "cohere", "olmo", "starcoder2", "nemotron", "gpt_neox"),
+    *("phi", "cohere2", "hrm_text"),
+)
 """Dense families whose transformers plan fsdpkit admits, each at tp2 with full logits
 (tiny configs: fsdpkit.testing.hf.tiny_config)."""
-NO_SP = ("hf-gpt_neox",)
+NO_SP = ("hf-gpt_neox", "hf-phi", "hf-hrm_text")
 """Kinds whose residual stream stays whole (GPT-NeoX: dropouts beside its attention and
 MLP, and no ``model.norm``)."""
 SLOW: dict[str, tuple[str, list[str]]] = {

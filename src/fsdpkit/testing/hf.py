@@ -32,6 +32,9 @@ ARCHS = (
     "starcoder2",
     "nemotron",
     "gpt_neox",
+    "phi",
+    "cohere2",
+    "hrm_text",
     "gpt2",
 )
 """Architectures ``tiny_config`` knows (all decoder LMs in transformers)."""
@@ -66,7 +69,9 @@ def tiny_config(
     and logit multipliers; Cohere: one norm before parallel attention and MLP, tied,
     scaled logits; OLMo: parameter-free norms; Starcoder2: biased linears, GELU MLP
     without a gate; Nemotron: LayerNorm1P, squared-ReLU MLP without a gate; GPT-NeoX:
-    fused per-head qkv, parallel residual)."""
+    fused per-head qkv, parallel residual; Phi: a dropout module in its block; Cohere2:
+    sliding-window layers (window 8); HRM text: two stacks of blocks run in cycles, a
+    gate on the attention output)."""
     import transformers as T
 
     special: dict[str, Any] = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": None}
@@ -107,10 +112,13 @@ def tiny_config(
         "starcoder2": T.Starcoder2Config,
         "nemotron": T.NemotronConfig,
         "gpt_neox": T.GPTNeoXConfig,
+        "phi": T.PhiConfig,
+        "cohere2": T.Cohere2Config,
+        "hrm_text": T.HrmTextConfig,
     }
     if arch not in classes:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
-    if arch.startswith(("qwen3", "gemma")):
+    if arch.startswith(("qwen3", "gemma", "hrm_text")):
         common["head_dim"] = dim // heads
     if arch == "granite":  # off their 1.0 defaults, so a layout that drops one shows
         common |= dict(
@@ -119,6 +127,8 @@ def tiny_config(
             attention_multiplier=0.25,
             logits_scaling=4.0,
         )
+    if arch == "cohere2":  # under a short sequence, so its sliding layers mask something
+        common["sliding_window"] = 8
     return classes[arch](**common)
 
 
