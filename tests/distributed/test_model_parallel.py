@@ -4,7 +4,8 @@ gloo mesh match the unsharded model trained in one process.
 One spawn runs every selected variant (process start-up dominates). Each variant builds its
 model on meta, applies ``fsdpkit.shard`` with ``parallel.tp`` / ``parallel.cp`` (the
 built-in Llama with sequence parallelism; transformers' Llama, Qwen2, Qwen3 and Gemma3
-with their own ``base_model_tp_plan`` and sequence parallelism (Qwen3's and Gemma3's
+(and, slow-marked, 14 more families: ``SLOW``) with their own ``base_model_tp_plan`` and
+sequence parallelism where it applies (Qwen3's and Gemma3's
 per-head q / k norms replicated over tp, their gradients reduced; Gemma3's four norms
 per block); LoRA adapters on the split linears; the Ulysses exchange with plain and
 packed SFT rows, the loss through ``context_parallel_loss`` as ``fsdpkit train``
@@ -135,9 +136,11 @@ MLP read the residual stream itself); LoRA over Qwen3 (the per-head norms frozen
 ``FAMILIES``: Mistral, Gemma (tied, scaled embedding), Granite (its four multipliers off
 1.0), Cohere (parallel attention and MLP after one norm, scaled logits), OLMo
 (parameter-free norms), Starcoder2 (biased row-parallel linears under sequence
-parallelism), Nemotron (no gate, LayerNorm1P) and GPT-NeoX (fused per-head qkv, the
-residual stream whole). Granite's and Cohere's scaled logits refuse the chunked loss
-(fsdpkit.loss.head), so all train with full logits."""
+parallelism), Nemotron (no gate, LayerNorm1P), GPT-NeoX (fused per-head qkv), Phi (a
+dropout module in its block), Cohere2 (sliding-window layers) and HRM text (two stacks
+of blocks run in cycles, a gated attention output); GPT-NeoX's, Phi's and HRM text's
+residual stream stays whole (``NO_SP``). Granite's and Cohere's scaled logits refuse
+the chunked loss (fsdpkit.loss.head), so all train with full logits."""
 EXPORTED = "hf-exaone4-tp2"
 """Saved as a DCP checkpoint after its steps, exported to HF safetensors by the test
 (per-head norms and sequence-parallel norms: replicated DTensors over tp)."""
