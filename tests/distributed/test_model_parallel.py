@@ -4,7 +4,8 @@ gloo mesh match the unsharded model trained in one process.
 One spawn runs every selected variant (process start-up dominates). Each variant builds its
 model on meta, applies ``fsdpkit.shard`` with ``parallel.tp`` / ``parallel.cp`` (the
 built-in Llama with sequence parallelism; transformers' Llama, Qwen2, Qwen3 and Gemma3
-with their own ``base_model_tp_plan`` and sequence parallelism (Qwen3's and Gemma3's
+(and, slow-marked, 14 more families: ``SLOW``) with their own ``base_model_tp_plan`` and
+sequence parallelism where it applies (Qwen3's and Gemma3's
 per-head q / k norms replicated over tp, their gradients reduced; Gemma3's four norms
 per block); LoRA adapters on the split linears; the Ulysses exchange with plain and
 packed SFT rows, the loss through ``context_parallel_loss`` as ``fsdpkit train``
@@ -114,14 +115,32 @@ BF16: dict[str, tuple[str, list[str]]] = {
 layout against FSDP alone at the same precision (a one-process run has no FSDP2
 mixed-precision policy to compare with)."""
 
+FAMILIES = (
+    *("mistral", "gemma", "granite", "cohere", "olmo", "starcoder2", "nemotron", "gpt_neox"),
+    *("phi", "cohere2", "hrm_text"),
+)
+"""Dense families whose transformers plan fsdpkit admits, each at tp2 with full logits
+(tiny configs: fsdpkit.testing.hf.tiny_config)."""
+NO_SP = ("hf-gpt_neox", "hf-phi", "hf-hrm_text")
+"""Kinds whose residual stream stays whole (GPT-NeoX: dropouts beside its attention and
+MLP, and no ``model.norm``)."""
 SLOW: dict[str, tuple[str, list[str]]] = {
     "hf-gemma2-tp2": ("hf-gemma2", ["parallel.tp=2"]),
     "hf-exaone4-tp2": ("hf-exaone4", ["parallel.tp=2"]),
     "hf-qwen3-lora-tp2": ("hf-qwen3", ["parallel.tp=2", "lora.rank=4", "lora.alpha=8"]),
+    **{f"hf-{arch}-tp2": (f"hf-{arch}", ["parallel.tp=2"]) for arch in FAMILIES},
 }
 """More transformers families at tp2 (slow-marked, one spawn of their own): Gemma2's
 four norms per block without per-head norms; Exaone4's post-norms (its attention and
-MLP read the residual stream itself); LoRA over Qwen3 (the per-head norms frozen)."""
+MLP read the residual stream itself); LoRA over Qwen3 (the per-head norms frozen);
+``FAMILIES``: Mistral, Gemma (tied, scaled embedding), Granite (its four multipliers off
+1.0), Cohere (parallel attention and MLP after one norm, scaled logits), OLMo
+(parameter-free norms), Starcoder2 (biased row-parallel linears under sequence
+parallelism), Nemotron (no gate, LayerNorm1P), GPT-NeoX (fused per-head qkv), Phi (a
+dropout module in its block), Cohere2 (sliding-window layers) and HRM text (two stacks
+of blocks run in cycles, a gated attention output); GPT-NeoX's, Phi's and HRM text's
+residual stream stays whole (``NO_SP``). Granite's and Cohere's scaled logits refuse
+the chunked loss (fsdpkit.loss.head), so all train with full logits."""
 EXPORTED = "hf-exaone4-tp2"
 """Saved as a DCP checkpoint after its steps, exported to HF safetensors by the test
 (per-head norms and sequence-parallel norms: replicated DTensors over tp)."""
@@ -265,7 +284,7 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         f"hf-{arch}": str(
             write_tiny_model(tmp / arch, arch=arch, vocab_size=VOCAB, dim=32, tokenizer=False)
         )
-        for arch in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "exaone4")
+        for arch in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "exaone4", *FAMILIES)
     } | {"runs": str(tmp / "runs")}
 
 
@@ -346,8 +365,8 @@ def _check(got: dict[str, Any], ref: dict[str, Any], name: str, record_property:
     ):
         if any(o.startswith(degree) for o in overrides):
             assert words in got["plan"], got["plan"]
-    if kind.startswith("hf-") and "parallel.tp=2" in overrides:  # every family here takes SP
-        assert "sequence parallel" in got["plan"], got["plan"]
+    if kind.startswith("hf-") and "parallel.tp=2" in overrides:
+        assert ("sequence parallel" in got["plan"]) != (kind in NO_SP), got["plan"]
     if kind in ("hf-qwen3", "hf-gemma3", "hf-exaone4"):
         assert "per-head norms replicated" in got["plan"], got["plan"]
     record_property("max_loss_rel", max(map(_rel, got["loss"], ref["loss"])))

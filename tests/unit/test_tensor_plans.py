@@ -62,6 +62,12 @@ def _sequence_parallel(model: nn.Module) -> bool:
         ("Gemma2Config", (), {"head_dim": 8}),
         ("Gemma3TextConfig", ("self_attn.k_norm", "self_attn.q_norm"), {"head_dim": 8}),
         ("Exaone4Config", ("self_attn.k_norm", "self_attn.q_norm"), {}),
+        ("MistralConfig", (), {}),
+        ("GemmaConfig", (), {"head_dim": 8}),
+        ("GraniteConfig", (), {}),
+        ("CohereConfig", (), {}),
+        ("Cohere2Config", (), {}),
+        ("OlmoConfig", (), {}),
     ],
 )
 def test_families_with_a_plan_are_split_with_sequence_parallelism(

@@ -16,7 +16,8 @@ in a final norm ``model.norm`` (run on the shard too). A block with any other ch
 
 Read in transformers 5.24 for each family the rule admits (the Llama-named ones, and
 Gemma, Gemma2, Gemma3, Qwen3, Exaone4, Cohere, Granite, OLMo,
-VaultGemma, ...): every block calls ``self_attn(hidden_states=...)`` and
+VaultGemma, ...; those of them trained against one process at 5.25 are listed in
+docs/parallelism.md): every block calls ``self_attn(hidden_states=...)`` and
 ``mlp(hidden_states)``; the gather takes the first positional argument or
 ``hidden_states=`` either way. ``EXCLUDED`` names the families whose model body
 changes the residual stream's length between blocks, which a split stream cannot

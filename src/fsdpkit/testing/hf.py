@@ -17,7 +17,26 @@ import torch
 
 from fsdpkit.data.corpus import stdlib_files
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "exaone4", "gpt2")
+ARCHS = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "exaone4",
+    "granite",
+    "cohere",
+    "olmo",
+    "starcoder2",
+    "nemotron",
+    "gpt_neox",
+    "phi",
+    "cohere2",
+    "hrm_text",
+    "gpt2",
+)
 """Architectures ``tiny_config`` knows (all decoder LMs in transformers)."""
 
 EOS = "<|endoftext|>"
@@ -46,7 +65,13 @@ def tiny_config(
     """A small ``PretrainedConfig`` of ``arch`` (GPT-2: tied embeddings and Conv1D;
     Gemma: tied, zero-centred norms, scaled embeddings; Gemma2 / Gemma3: four norms per
     block; Qwen3, Gemma3, Exaone4: per-head q / k norms; Exaone4: post-norms only;
-    Gemma3: ``Gemma3TextConfig``, the text model)."""
+    Gemma3: ``Gemma3TextConfig``, the text model; Granite: embedding, residual, attention
+    and logit multipliers; Cohere: one norm before parallel attention and MLP, tied,
+    scaled logits; OLMo: parameter-free norms; Starcoder2: biased linears, GELU MLP
+    without a gate; Nemotron: LayerNorm1P, squared-ReLU MLP without a gate; GPT-NeoX:
+    fused per-head qkv, parallel residual; Phi: a dropout module in its block; Cohere2:
+    sliding-window layers (window 8); HRM text: two stacks of blocks run in cycles, a
+    gate on the attention output)."""
     import transformers as T
 
     special: dict[str, Any] = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": None}
@@ -81,11 +106,29 @@ def tiny_config(
         "gemma2": T.Gemma2Config,
         "gemma3": T.Gemma3TextConfig,
         "exaone4": T.Exaone4Config,
+        "granite": T.GraniteConfig,
+        "cohere": T.CohereConfig,
+        "olmo": T.OlmoConfig,
+        "starcoder2": T.Starcoder2Config,
+        "nemotron": T.NemotronConfig,
+        "gpt_neox": T.GPTNeoXConfig,
+        "phi": T.PhiConfig,
+        "cohere2": T.Cohere2Config,
+        "hrm_text": T.HrmTextConfig,
     }
     if arch not in classes:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
-    if arch.startswith(("qwen3", "gemma")):
+    if arch.startswith(("qwen3", "gemma", "hrm_text")):
         common["head_dim"] = dim // heads
+    if arch == "granite":  # off their 1.0 defaults, so a layout that drops one shows
+        common |= dict(
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.25,
+            logits_scaling=4.0,
+        )
+    if arch == "cohere2":  # under a short sequence, so its sliding layers mask something
+        common["sliding_window"] = 8
     return classes[arch](**common)
 
 
