@@ -43,6 +43,14 @@ TINY = LlamaConfig(
 )
 SEQ = 16
 GLOBAL_BATCH = 4
+PLAN_T = [
+    "model.preset=tiny", "model.dim=128", "model.n_layers=2", "model.n_heads=4",
+    "model.n_kv_heads=2", "model.ffn_dim=344", "model.vocab_size=1024", "data.seq_len=64",
+    "train.micro_batch_size=2",
+]  # fmt: skip
+"""The planner tests' tiny model, as config overrides: bench/plan_accuracy.py's "T"
+shape (with the tiny preset), so a test can pin a plan against that bench's measured
+rows; callers add precision and layout."""
 
 
 class ResidualMLP(nn.Module):

@@ -19,6 +19,7 @@ from fsdpkit.planner.replay import Step
 from fsdpkit.planner.report import format_plan, format_recommendation, plan_dict, toml_lines
 from fsdpkit.planner.scenario import scenario
 from fsdpkit.planner.states import model_states
+from support import PLAN_T
 
 GiB = 1024**3
 # Every dim divisible by the shard degrees used below: no FSDP2 padding.
@@ -259,11 +260,7 @@ def test_async_checkpoint_staging_is_planned_on_the_host() -> None:
     assert "async checkpoint staging" in format_plan(on)
 
 
-TINY_BF16 = [
-    "model.preset=tiny", "model.dim=128", "model.n_layers=2", "model.n_heads=4",
-    "model.n_kv_heads=2", "model.ffn_dim=344", "model.vocab_size=1024", "data.seq_len=64",
-    "train.micro_batch_size=2", "precision.mode=bf16", "parallel.strategy=full",
-]  # fmt: skip
+TINY_BF16 = [*PLAN_T, "precision.mode=bf16", "parallel.strategy=full"]
 
 
 def test_a_units_last_gradient_lives_through_its_reduce_scatter() -> None:

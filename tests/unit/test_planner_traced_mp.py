@@ -20,17 +20,13 @@ import torch.distributed as dist
 from fsdpkit.config import load
 from fsdpkit.planner import PlanError, plan
 from fsdpkit.planner.scenario import model_shape
+from support import PLAN_T
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 # fp32, tied embeddings, no activation checkpointing, full shard: CPU semantics (the
 # bench's gloo ranks), so the trace models gloo's collective temporaries
-TINY = [
-    "model.preset=tiny", "model.dim=128", "model.n_layers=2", "model.n_heads=4",
-    "model.n_kv_heads=2", "model.ffn_dim=344", "model.vocab_size=1024",
-    "data.seq_len=64", "train.micro_batch_size=2", "precision.mode=fp32",
-    "parallel.strategy=full", "train.optimizer_impl=foreach",
-]  # fmt: skip
+TINY = [*PLAN_T, "precision.mode=fp32", "parallel.strategy=full", "train.optimizer_impl=foreach"]
 
 
 def _split_numel(overrides: list[str]) -> tuple[int, int, int]:

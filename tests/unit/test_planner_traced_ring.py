@@ -6,12 +6,9 @@ from __future__ import annotations
 
 from fsdpkit.config import load
 from fsdpkit.planner import plan
+from support import PLAN_T
 
-TINY = [
-    "model.preset=tiny", "model.dim=128", "model.n_layers=2", "model.n_heads=4",
-    "model.n_kv_heads=2", "model.ffn_dim=344", "model.vocab_size=1024", "data.seq_len=64",
-    "train.micro_batch_size=2", "precision.mode=fp32", "parallel.cp=2",
-]  # fmt: skip
+TINY = [*PLAN_T, "precision.mode=fp32", "parallel.cp=2"]
 
 
 def test_ring_layout_traces_and_holds_more_than_ulysses() -> None:
