@@ -97,24 +97,24 @@ def tiny_config(
         max_position_embeddings=max_positions,
         **special,
     )
-    classes = {
-        "llama": T.LlamaConfig,
-        "qwen2": T.Qwen2Config,
-        "qwen3": T.Qwen3Config,
-        "mistral": T.MistralConfig,
-        "gemma": T.GemmaConfig,
-        "gemma2": T.Gemma2Config,
-        "gemma3": T.Gemma3TextConfig,
-        "exaone4": T.Exaone4Config,
-        "granite": T.GraniteConfig,
-        "cohere": T.CohereConfig,
-        "olmo": T.OlmoConfig,
-        "starcoder2": T.Starcoder2Config,
-        "nemotron": T.NemotronConfig,
-        "gpt_neox": T.GPTNeoXConfig,
-        "phi": T.PhiConfig,
-        "cohere2": T.Cohere2Config,
-        "hrm_text": T.HrmTextConfig,
+    classes = {  # names: a family older transformers lack fails only when asked for
+        "llama": "LlamaConfig",
+        "qwen2": "Qwen2Config",
+        "qwen3": "Qwen3Config",
+        "mistral": "MistralConfig",
+        "gemma": "GemmaConfig",
+        "gemma2": "Gemma2Config",
+        "gemma3": "Gemma3TextConfig",
+        "exaone4": "Exaone4Config",
+        "granite": "GraniteConfig",
+        "cohere": "CohereConfig",
+        "olmo": "OlmoConfig",
+        "starcoder2": "Starcoder2Config",
+        "nemotron": "NemotronConfig",
+        "gpt_neox": "GPTNeoXConfig",
+        "phi": "PhiConfig",
+        "cohere2": "Cohere2Config",
+        "hrm_text": "HrmTextConfig",
     }
     if arch not in classes:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
@@ -129,7 +129,13 @@ def tiny_config(
         )
     if arch == "cohere2":  # under a short sequence, so its sliding layers mask something
         common["sliding_window"] = 8
-    return classes[arch](**common)
+    config_class = getattr(T, classes[arch], None)
+    if config_class is None:
+        raise ValueError(
+            f"arch {arch!r} needs transformers' {classes[arch]}, which transformers "
+            f"{T.__version__} does not have; upgrade transformers or choose another arch"
+        )
+    return config_class(**common)
 
 
 def tiny_tokenizer(*, vocab_size: int, max_bytes: int = 400_000, chat: bool = False) -> Any:
