@@ -3,6 +3,7 @@ no planner calls: ``parallel.auto`` is decided above, in fsdpkit.run.resolve).
 
 Modules, each owning one job:
     schema    the frozen section dataclasses, one docstring per field
+    finetune  the [lora] and [dpo] sections (schema assembles them)
     coerce    type-checking values against the annotations (did-you-mean errors)
     validate  ranges, impossible combinations, what the world size allows
     io        TOML files, dotted overrides, ``with_changes``, ``to_toml``
