@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from fsdpkit.checkpoint.errors import CheckpointError, dcp_errors_as
+from fsdpkit.checkpoint.hf_convert import KeyPlan, plan_keys, read_group
 from fsdpkit.checkpoint.state import tied_aliases
 
 log = logging.getLogger(__name__)
@@ -71,43 +73,96 @@ def refuse_quantized(directory: Path, *, field: str) -> None:
     )
 
 
-def _check_hf(
-    sd: dict[str, Any],
-    available: dict[str, Any],
-    path: Path,
-    *,
-    aliases: dict[str, str],
-    allow_missing: bool,
-) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The entries of ``sd`` to read from ``path`` and the ones it lacks; shapes must match."""
-    wanted = {k: v for k, v in sd.items() if k not in aliases}
-    missing = [k for k in wanted if k not in available]
-    if missing and (not allow_missing or len(missing) == len(wanted)):
-        raise CheckpointError(
-            f"{path} lacks {len(missing)} of the {len(wanted)} weight(s) the model needs "
-            f"(e.g. {missing[:3]}); it was saved from a different architecture or is "
-            "incomplete. Point the model at a directory whose weights match its config.json."
-        )
+class MissingWeightsError(CheckpointError):
+    """A directory holds weights, but not every weight the model needs."""
+
+
+def missing_weights_message(
+    path: Path, *, missing: list[str], unexpected: list[str], total: int
+) -> str:
+    """One paragraph: which weights a directory lacks, which it holds that the model has
+    no place for, and the fix."""
+    extra = (
+        f" It also holds {len(unexpected)} tensor(s) the model has no place for "
+        f"(e.g. {unexpected[:5]})."
+        if unexpected
+        else ""
+    )
+    return (
+        f"{path} lacks {len(missing)} of the {total} weight(s) the model needs (e.g. "
+        f"{missing[:5]}), after transformers' own renames and conversions of this "
+        f"family.{extra} The directory was saved from a different architecture or "
+        "version, or is incomplete: point model.hf at a directory written by "
+        "save_pretrained for this config.json (or re-download it). To train with the "
+        "missing weights freshly initialized on purpose, set model.init_missing = true."
+    )
+
+
+def _check_shapes(wanted: dict[str, Any], shapes: dict[str, torch.Size], path: Path) -> None:
     for key, value in wanted.items():
-        md = available.get(key)
-        if isinstance(md, TensorStorageMetadata) and tuple(md.size) != tuple(value.shape):
+        size = shapes.get(key)
+        if size is not None and tuple(size) != tuple(value.shape):
             raise CheckpointError(
-                f"{path}: {key} has shape {tuple(md.size)} but the model expects "
+                f"{path}: {key} has shape {tuple(size)} but the model expects "
                 f"{tuple(value.shape)}; the model config does not match these weights."
             )
-    return {k: v for k, v in wanted.items() if k not in missing}, missing
+
+
+def _file_of(path: Path) -> dict[str, Path]:
+    """Checkpoint key -> the safetensors file holding it (headers only)."""
+    from safetensors import safe_open
+
+    files: dict[str, Path] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            files.update(dict.fromkeys(f.keys(), file))
+    return files
+
+
+class _Slices:
+    """Lazily read safetensors slices, each file opened once."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self.files = files
+        self.open: dict[Path, Any] = {}
+
+    def __call__(self, key: str) -> Any:
+        from safetensors import safe_open
+
+        file = self.files[key]
+        if file not in self.open:
+            self.open[file] = safe_open(str(file), framework="pt")
+        return self.open[file].get_slice(key)
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What ``load_hf_weights`` found."""
+
+    missing: list[str]
+    """Model weights the directory lacks (left as they were)."""
+    unexpected: list[str]
+    """Directory tensors the model has no place for (not loaded)."""
+    converted: bool
+    """Whether transformers' conversions renamed or fused anything."""
 
 
 def load_hf_weights(
-    model: nn.Module, path: str | Path, *, allow_missing: bool = False
-) -> list[str]:
+    model: nn.Module,
+    path: str | Path,
+    *,
+    allow_missing: bool = False,
+    shadow: nn.Module | None = None,
+) -> LoadReport:
     """Fill an already-sharded (or plain) model from an HF safetensors directory.
 
-    Collective when distributed: every rank reads only the slices of its own shards
-    (HuggingFaceStorageReader + DCP), so no rank ever holds the full model. Weights are
-    cast to the parameters' dtype. Tied heads may be absent from the files. With
-    ``allow_missing``, weights absent from the files are left as they are and their
-    names returned (the caller initializes them); otherwise they are an error."""
+    Collective when distributed. Keys are mapped as ``from_pretrained`` maps them
+    (``shadow``: the same transformers model unsharded, on meta; [Note: one loading
+    rule with transformers]); tensors that keep their shape under a rename are read by
+    DCP (``HuggingFaceStorageReader``: each rank only its own slices), converted ones
+    one group at a time. Weights are cast to the parameters' dtype. Tied heads may be
+    absent from the files. Missing weights are an error (``MissingWeightsError``)
+    unless ``allow_missing``: then they are left as they are and reported."""
     path = Path(path)
     refuse_quantized(path, field="model.init_from")
     if not path.is_dir() or not any(path.glob("*.safetensors")):
@@ -118,24 +173,48 @@ def load_hf_weights(
     sd = get_model_state_dict(model)
     aliases = tied_aliases(model)  # [Note: tied weights]: read once, share
     available = HuggingFaceStorageReader(str(path)).read_metadata().state_dict_metadata
-    wanted, missing = _check_hf(sd, available, path, aliases=aliases, allow_missing=allow_missing)
-    unused = sorted(set(available) - set(sd))
-    if unused:
+    shapes = {
+        k: (md.size, md.properties.dtype)
+        for k, md in available.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+    plan = (
+        plan_keys(shadow, shapes)
+        if shadow is not None
+        else KeyPlan(renamed={k: k for k in shapes if k in sd}, groups=[], unexpected=[])
+    )
+    if shadow is None:
+        plan.unexpected.extend(sorted(set(shapes) - set(sd)))
+    wanted = {k: v for k, v in sd.items() if k not in aliases}
+    produced = plan.produced()
+    missing = [k for k in wanted if k not in produced]
+    unexpected = [k for k in plan.unexpected if k not in aliases]
+    if missing and (not allow_missing or len(missing) == len(wanted)):
+        raise MissingWeightsError(
+            missing_weights_message(path, missing=missing, unexpected=unexpected, total=len(wanted))
+        )
+    _check_shapes(wanted, {t: shapes[c][0] for t, c in plan.renamed.items()}, path)
+    _check_shapes(wanted, {k: s for g in plan.groups for k, s in g.targets.items()}, path)
+    if unexpected:
         log.warning(
             "%s holds %d tensor(s) the model has no parameter or buffer for (e.g. %s); "
             "they are not loaded.",
             path,
-            len(unused),
-            unused[:3],
+            len(unexpected),
+            unexpected[:3],
         )
+    renamed = {plan.renamed[k]: v for k, v in wanted.items() if k in plan.renamed}
     with dcp_errors_as(
         lambda cause: (
             f"reading HF weights from {path} failed: {cause}. Check that the "
             "files are complete (re-download or re-export them)."
         )
     ):
-        dcp.load(wanted, storage_reader=HuggingFaceStorageReader(str(path)))
+        dcp.load(renamed, storage_reader=HuggingFaceStorageReader(str(path)))
+        slices = _Slices(_file_of(path)) if plan.groups else None
+        for group in plan.groups:
+            read_group(shadow, group, open_slice=slices, params=sd)
     for alias, name in aliases.items():
         sd[alias] = sd[name]
     set_model_state_dict(model, sd)
-    return missing
+    return LoadReport(missing=missing, unexpected=unexpected, converted=plan.converted())

@@ -41,6 +41,13 @@ class ModelConfig:
     tokenizer.json) instead of a preset: always built on meta, each rank reads its own slices
     of the weights; a bare config.json trains from the model's own random init; its
     tokenizer.json is the default data.tokenizer. Never downloads."""
+    init_missing: bool = False
+    """model.hf: let weights the directory lacks get the model's own random init (stated in
+    the run's first lines) instead of refusing the directory. Off: a directory that holds
+    some weights must hold all of them (after transformers' own renames and fusions)."""
+    router_aux_loss_coef: float | None = None
+    """Mixture-of-experts model.hf: the weight of the router's load-balancing loss added to
+    the objective; empty = config.json's router_aux_loss_coef, 0 = off. See docs/models.md."""
     n_layers: int | None = None
     """Override the preset's number of blocks."""
     dim: int | None = None

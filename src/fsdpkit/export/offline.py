@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fsdpkit.checkpoint.errors import CheckpointError
+from fsdpkit.checkpoint.hf_convert import export_groups, to_checkpoint_layout
 from fsdpkit.checkpoint.layout import quiet_single_process, read_meta, verify
 from fsdpkit.checkpoint.reader import VerifyingReader
 from fsdpkit.checkpoint.state import model_prefix
@@ -35,6 +36,7 @@ from fsdpkit.export.hf import (
     hf_model_files,
     llama_config,
 )
+from fsdpkit.models.hf import construct, read_hf_dir
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 INDEX = "model.safetensors.index.json"
@@ -71,16 +73,25 @@ def _read(ckpt: Path, items: dict[str, tuple[str, TensorStorageMetadata]]) -> di
 
 
 def _shards(
-    items: dict[str, tuple[str, TensorStorageMetadata]], *, itemsize: int | None, limit: int
+    items: dict[str, tuple[str, TensorStorageMetadata]],
+    *,
+    itemsize: int | None,
+    limit: int,
+    together: list[list[str]] | None = None,
 ) -> list[dict[str, tuple[str, TensorStorageMetadata]]]:
+    """Output shards of at most ``limit`` bytes; the names of one ``together`` set
+    (what one reverse conversion needs) always land in one shard."""
     shards: list[dict[str, tuple[str, TensorStorageMetadata]]] = [{}]
     size = 0
-    for name, (key, md) in items.items():
-        nbytes = md.size.numel() * (itemsize or md.properties.dtype.itemsize)
+    for names in together or [[name] for name in items]:
+        nbytes = sum(
+            items[n][1].size.numel() * (itemsize or items[n][1].properties.dtype.itemsize)
+            for n in names
+        )
         if shards[-1] and size + nbytes > limit:
             shards.append({})
             size = 0
-        shards[-1][name] = (key, md)
+        shards[-1].update({n: items[n] for n in names})
         size += nbytes
     return shards
 
@@ -101,16 +112,23 @@ def _write_shards(
     dtype: torch.dtype | None,
     max_shard_bytes: int,
     read: ReadDCP | None = None,
+    shadow: Any = None,
 ) -> None:
     """Safetensors shards + index, one shard's tensors in memory at a time (``read``
-    loads a shard; default: straight from the checkpoint)."""
+    loads a shard; default: straight from the checkpoint). With ``shadow`` (the
+    run's transformers model, on meta) the tensors are written in the layout its
+    ``save_pretrained`` writes ([Note: one loading rule with transformers])."""
     itemsize = dtype.itemsize if dtype is not None else None
-    shards = _shards(items, itemsize=itemsize, limit=max_shard_bytes)
+    together = export_groups(shadow, list(items)) if shadow is not None else None
+    shards = _shards(items, itemsize=itemsize, limit=max_shard_bytes, together=together)
     load = read or partial(_read, ckpt)
     weight_map, total = {}, 0
     for i, shard in enumerate(shards, start=1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {n: t.to(dtype or t.dtype).contiguous() for n, t in load(shard).items()}
+        loaded = load(shard)
+        if shadow is not None:
+            loaded = to_checkpoint_layout(shadow, loaded)
+        tensors = {n: t.to(dtype or t.dtype).contiguous() for n, t in loaded.items()}
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, fname))
@@ -136,7 +154,10 @@ def _export_hf(
         files = hf_model_files(ckpt, run)  # before writing anything: it may refuse
         _check_target(out)
         out.mkdir(parents=True, exist_ok=True)
-        _write_shards(ckpt, out, items, dtype=dtype, max_shard_bytes=max_shard_bytes, read=read)
+        shadow = construct(read_hf_dir(files["config.json"].parent).config)
+        _write_shards(
+            ckpt, out, items, dtype=dtype, max_shard_bytes=max_shard_bytes, read=read, shadow=shadow
+        )
         copy_hf_model_files(files, out, dtype=dtype or saved_dtype)
         return out
     cfg = llama_config(run, {n: md.size for n, (_, md) in items.items()})

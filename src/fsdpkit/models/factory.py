@@ -94,7 +94,13 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int, seed: int) -
     ``cfg.meta_init``), a ``model.hf`` directory (on meta) or the user's factory model.
     No process group needed: the planner calls this too."""
     if cfg.hf:
-        return _from_hf(cfg.hf, vocab_size=vocab_size, seq_len=seq_len, seed=seed)
+        return _from_hf(
+            cfg.hf,
+            vocab_size=vocab_size,
+            seq_len=seq_len,
+            seed=seed,
+            init_missing=cfg.init_missing,
+        )
     if cfg.factory:
         return _from_factory(cfg.factory, seed=seed)
     shape = llama_shape(cfg, vocab_size=vocab_size, seq_len=seq_len)
@@ -107,7 +113,9 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int, seed: int) -
     return BuiltModel(module=model, loss_fn=None, llama=shape)
 
 
-def _from_hf(path: str, *, vocab_size: int, seq_len: int, seed: int) -> BuiltModel:
+def _from_hf(
+    path: str, *, vocab_size: int, seq_len: int, seed: int, init_missing: bool
+) -> BuiltModel:
 
     source = hf.read_hf_dir(path)
     hf.check_inputs(source, vocab_size=vocab_size, seq_len=seq_len)
@@ -116,7 +124,7 @@ def _from_hf(path: str, *, vocab_size: int, seq_len: int, seed: int) -> BuiltMod
         module=module,
         loss_fn=None,
         llama=None,
-        init=hf.HFWeights(source, seed=seed),
+        init=hf.HFWeights(source, seed=seed, init_missing=init_missing),
         hf=source,
     )
 

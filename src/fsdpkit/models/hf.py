@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdpkit.checkpoint.hf_weights import load_hf_weights, refuse_quantized
+from fsdpkit.checkpoint.hf_weights import LoadReport, load_hf_weights, refuse_quantized
 from fsdpkit.config import RunConfig
 from fsdpkit.data import run_tokenizer
 from fsdpkit.models.buffers import meta_params
@@ -203,27 +203,47 @@ def check_inputs(source: HFSource, *, vocab_size: int, seq_len: int) -> None:
 
 class HFWeights:
     """The initializer ``shard`` runs for a ``model.hf`` model: read the directory's
-    weights (each rank its own slices), then the model's own init for the rest."""
+    weights (each rank its own slices, keys mapped by transformers' own conversions),
+    then the model's own init for what is not read: everything for a bare config.json,
+    the missing weights only with ``init_missing`` (else they are an error)."""
 
-    def __init__(self, source: HFSource, *, seed: int) -> None:
+    def __init__(self, source: HFSource, *, seed: int, init_missing: bool = False) -> None:
         self.source = source
         self.seed = seed
+        self.init_missing = init_missing
+        self.report: LoadReport | None = None
+        """What loading found (None until it ran, or for a bare config.json)."""
 
     def __call__(self, model: nn.Module) -> None:
-
         names = [n for n, _ in model.named_parameters()]
+        shadow = construct(self.source.config)
         if self.source.has_weights:
-            names = load_hf_weights(model, self.source.path, allow_missing=True)
-            if names:
-                log.warning(
-                    "model.hf = %s lacks %d weight(s) (e.g. %s); they get the model's own "
-                    "initialization.",
-                    self.source.path,
-                    len(names),
-                    names[:3],
-                )
+            self.report = load_hf_weights(
+                model, self.source.path, allow_missing=self.init_missing, shadow=shadow
+            )
+            names = self.report.missing
         if names:
-            init_like_hf(model, shadow=construct(self.source.config), names=names, seed=self.seed)
+            init_like_hf(model, shadow=shadow, names=names, seed=self.seed)
+
+    def describe(self) -> str:
+        """For the run's first lines: where the weights came from."""
+        path = self.source.path
+        if not self.source.has_weights:
+            return (
+                f"model.hf = {path}: config.json only, every weight is freshly initialized "
+                "with the model's own init (seeded by train.seed)"
+            )
+        report = self.report
+        if report is None:
+            return f"model.hf = {path}: weights read from the directory"
+        how = " (transformers' conversions of this family applied)" if report.converted else ""
+        if not report.missing:
+            return f"model.hf = {path}: every weight read from the directory{how}"
+        return (
+            f"model.hf = {path}: {len(report.missing)} weight(s) NOT in the directory are "
+            f"freshly initialized (model.init_missing = true; e.g. {report.missing[:3]}); "
+            f"the rest read from it{how}"
+        )
 
 
 def copy_hf_files(src: Path, dest: Path) -> list[str]:

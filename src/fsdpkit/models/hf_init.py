@@ -32,17 +32,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from fsdpkit.checkpoint.hf_convert import is_hf_model
 from fsdpkit.init import Initializer, copy_full_value, param_seed
 from fsdpkit.models.buffers import meta_buffers, stamp, unchanged
-
-
-def is_hf_model(module: nn.Module) -> bool:
-    """Whether ``module`` is a transformers ``PreTrainedModel`` (without importing
-    transformers when the user never did)."""
-    import sys
-
-    modeling = sys.modules.get("transformers.modeling_utils")
-    return modeling is not None and isinstance(module, modeling.PreTrainedModel)
 
 
 def _chain(root: nn.Module, path: str) -> list[tuple[str, nn.Module, nn.Module | None]]:

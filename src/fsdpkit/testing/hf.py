@@ -36,8 +36,30 @@ ARCHS = (
     "cohere2",
     "hrm_text",
     "gpt2",
+    "mixtral",
+    "qwen3_moe",
+    "olmoe",
+    "qwen2_moe",
 )
 """Architectures ``tiny_config`` knows (all decoder LMs in transformers)."""
+
+MOE_ARCHS = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
+"""The mixture-of-experts families among ``ARCHS``."""
+
+
+def moe_shape(*, experts: int, top_k: int, ffn: int) -> dict[str, Any]:
+    """The config keys that size a transformers MoE family's experts (each family
+    reads the ones it knows and keeps the rest as plain attributes)."""
+    return dict(
+        num_local_experts=experts,  # Mixtral
+        num_experts=experts,  # Qwen2/3-MoE, OLMoE
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=ffn,
+        shared_expert_intermediate_size=ffn,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+
 
 EOS = "<|endoftext|>"
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
@@ -61,6 +83,8 @@ def tiny_config(
     kv_heads: int = 2,
     ffn: int = 128,
     max_positions: int = 512,
+    experts: int = 4,
+    top_k: int = 2,
 ) -> Any:
     """A small ``PretrainedConfig`` of ``arch`` (GPT-2: tied embeddings and Conv1D;
     Gemma: tied, zero-centred norms, scaled embeddings; Gemma2 / Gemma3: four norms per
@@ -71,7 +95,9 @@ def tiny_config(
     without a gate; Nemotron: LayerNorm1P, squared-ReLU MLP without a gate; GPT-NeoX:
     fused per-head qkv, parallel residual; Phi: a dropout module in its block; Cohere2:
     sliding-window layers (window 8); HRM text: two stacks of blocks run in cycles, a
-    gate on the attention output)."""
+    gate on the attention output; Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE: ``experts``
+    routed experts, ``top_k`` per token, every layer sparse, saved by transformers in
+    their per-expert layout; Qwen2-MoE adds a gated shared expert)."""
     import transformers as T
 
     special: dict[str, Any] = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": None}
@@ -115,6 +141,10 @@ def tiny_config(
         "phi": "PhiConfig",
         "cohere2": "Cohere2Config",
         "hrm_text": "HrmTextConfig",
+        "mixtral": "MixtralConfig",
+        "qwen3_moe": "Qwen3MoeConfig",
+        "olmoe": "OlmoeConfig",
+        "qwen2_moe": "Qwen2MoeConfig",
     }
     if arch not in classes:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
@@ -129,6 +159,8 @@ def tiny_config(
         )
     if arch == "cohere2":  # under a short sequence, so its sliding layers mask something
         common["sliding_window"] = 8
+    if arch in MOE_ARCHS:
+        common |= moe_shape(experts=experts, top_k=top_k, ffn=ffn)
     config_class = getattr(T, classes[arch], None)
     if config_class is None:
         raise ValueError(

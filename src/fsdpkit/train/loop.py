@@ -38,7 +38,6 @@ from fsdpkit.train.progress import Progress
 from fsdpkit.train.session import Session, write_run_dir
 from fsdpkit.train.summary import RunSummary
 from fsdpkit.train.telemetry import device_peak_flops, peak_memory_kind, peak_memory_mib
-from fsdpkit.trainable.reference import DpoLoss
 from fsdpkit.trainable.step import train_step
 
 log = logging.getLogger(__name__)
@@ -74,7 +73,8 @@ def _step(s: Session, probe: HangProbe) -> tuple[float, float, dict[str, float]]
         mark=probe.marker(len(batches)),
     )
     s.scheduler.step()
-    extra = s.loss_fn.step_metrics() if isinstance(s.loss_fn, DpoLoss) else {}  # collective
+    metrics = getattr(s.loss_fn, "step_metrics", None)  # DPO's rewards (collective), MoE's router
+    extra = metrics() if metrics is not None else {}
     return _global_mean(result.loss), float(result.grad_norm), extra
 
 

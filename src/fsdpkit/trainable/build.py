@@ -35,8 +35,11 @@ from fsdpkit.config import RunConfig
 from fsdpkit.finetune import Finetune, base_view, prepare
 from fsdpkit.loss.contract import LossFn
 from fsdpkit.loss.head import choose_loss, default_loss
+from fsdpkit.loss.router import RouterLoss, describe, with_router_loss
 from fsdpkit.models.buffers import require_buffer_source
 from fsdpkit.models.factory import BuiltModel, build_model
+from fsdpkit.models.hf import HFWeights, construct
+from fsdpkit.models.hf_init import is_hf_model
 from fsdpkit.models.llama import Llama, LlamaConfig
 from fsdpkit.precision import Precision
 from fsdpkit.sharding import ShardPlan, detect_blocks, resolve_precision, shard
@@ -145,6 +148,7 @@ def shard_trainable(
         if cp is None
         else context_parallel_loss(unsharded.loss_fn, mesh=cp, ring=ring)
     )
+    loss_fn = with_router_loss(loss_fn, model=model, coef=cfg.model.router_aux_loss_coef)
     return Trainable(
         model=model,
         loss_fn=loss_fn,
@@ -153,15 +157,28 @@ def shard_trainable(
         precision=unsharded.precision,
         finetune=unsharded.finetune,
         llama=unsharded.built.llama,
-        loss_note=unsharded.loss_note,
+        loss_note=_notes(unsharded, loss_fn),
     )
+
+
+def _notes(unsharded: Unsharded, loss_fn: LossFn) -> str | None:
+    """For the run's first lines: where a model.hf model's weights came from, the
+    chunked-loss choice, the router loss."""
+    init = unsharded.built.init
+    weights = init.describe() if isinstance(init, HFWeights) else None
+    router = describe(loss_fn.spec) if isinstance(loss_fn, RouterLoss) else None
+    return "\n".join(n for n in (weights, unsharded.loss_note, router) if n) or None
 
 
 def init_from(model: nn.Module, path: Path) -> None:
     """``model.init_from``: HF safetensors or an FSDP1 checkpoint, read into the base
     model's names ([Note: LoRA with FSDP2])."""
     with base_view(model):
-        (load_fsdp1_checkpoint if detect(path) else load_hf_weights)(model, path)
+        if detect(path):
+            load_fsdp1_checkpoint(model, path)
+        else:  # an HF model's weights in transformers' layout ([Note: one loading rule ...])
+            shadow = construct(model.config) if is_hf_model(model) else None  # type: ignore[arg-type]
+            load_hf_weights(model, path, shadow=shadow)
 
 
 def fake_tensors(model: nn.Module, *, fake: FakeTensorMode) -> None:

@@ -1,0 +1,198 @@
+"""The router's auxiliary loss of a mixture-of-experts model, as its family defines it.
+
+[Note: the router loss over the global batch]
+transformers' MoE causal LMs (Mixtral, Qwen2/3-MoE, OLMoE, ...) add
+``router_aux_loss_coef x load_balancing_loss_func(router_logits, experts, top_k)`` to
+the LM loss when ``output_router_logits`` is set. That loss is not a mean over tokens:
+it is ``experts x sum_e f_e P_e`` with ``f_e`` the share of top-k assignments and
+``P_e`` the mean router probability of expert ``e`` over every token of the batch, so
+averaging it over ranks is not the one-process loss. ``RouterLoss``:
+
+- records each router's logits during the loss's forward, through the recorder the
+  family itself declares (``_can_record_outputs["router_logits"]``: a module class and
+  the index of its output), only while the loss runs (a checkpointed block's recompute
+  in backward records nothing);
+- gathers them from every data rank (``torch.distributed.nn.all_gather``: autograd
+  sends each rank's gradient back to its own logits) and calls the family's own
+  ``load_balancing_loss_func`` on the whole micro-batch, so every rank holds the same
+  aux loss ``A`` of the global micro-batch;
+- adds ``coef x A`` to each rank's LM loss. The gather's backward sums the ranks'
+  identical gradients (x world) and FSDP's mean over ranks divides by the world again:
+  the parameters get exactly ``d(coef x A)/d(theta)``, as one process training the
+  global batch. Accumulation divides it by the micro-batch count like the LM loss (one
+  aux loss per micro-batch, as transformers' Trainer does with accumulation).
+
+Every data rank must hold its own tokens (no tensor-parallel replicas: ``parallel.tp``
+refuses MoE models), and gradients must be averaged over the whole world, which FSDP,
+HSDP and context parallelism all do. Evaluation reports the LM loss alone.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdpkit.loss.contract import LossFn
+from fsdpkit.models.hf_init import is_hf_model
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """How a model routes, read from the model itself."""
+
+    family: str
+    recorder: type[nn.Module]
+    """The module class whose output holds the router logits."""
+    index: int
+    """Which element of that output."""
+    aux_fn: Callable[..., Any] | None
+    """The family's ``load_balancing_loss_func`` (None: it defines no aux loss)."""
+    experts: int
+    top_k: int
+    coef: float
+
+
+def _modeling_module(model: nn.Module) -> Any:
+    for cls in type(model).__mro__:
+        if cls.__module__.startswith("transformers.models."):
+            return sys.modules[cls.__module__]
+    return None
+
+
+def _first(obj: Any, names: tuple[str, ...]) -> Any:
+    for name in names:
+        value = getattr(obj, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def router_spec(model: nn.Module, *, coef: float | None = None) -> RouterSpec | None:
+    """The model's routing, when it is a transformers MoE model that records router
+    logits (None otherwise). ``coef``: overrides the config's ``router_aux_loss_coef``."""
+    if not is_hf_model(model):
+        return None
+    recorders = getattr(model, "_can_record_outputs", None) or {}
+    recorder = recorders.get("router_logits")
+    target = getattr(recorder, "target_class", None)
+    if target is None:
+        return None
+    config = model.config  # type: ignore[union-attr]
+    module = _modeling_module(model)
+    experts = _first(model, ("num_experts",)) or _first(
+        config, ("num_local_experts", "num_experts", "n_routed_experts")
+    )
+    top_k = _first(model, ("num_experts_per_tok",)) or _first(config, ("num_experts_per_tok",))
+    family_coef = _first(model, ("router_aux_loss_coef",))
+    if family_coef is None:
+        family_coef = _first(config, ("router_aux_loss_coef",)) or 0.0
+    return RouterSpec(
+        family=str(getattr(config, "model_type", "?")),
+        recorder=target,
+        index=int(getattr(recorder, "index", 0) or 0),
+        aux_fn=getattr(module, "load_balancing_loss_func", None),
+        experts=int(experts or 0),
+        top_k=int(top_k or 0),
+        coef=float(family_coef if coef is None else coef),
+    )
+
+
+def describe(spec: RouterSpec) -> str:
+    """For the run's first lines."""
+    if spec.aux_fn is None:
+        return (
+            f"mixture of experts ({spec.family}: {spec.experts} experts, top {spec.top_k}): "
+            "the family defines no router loss; none is added"
+        )
+    state = "added to the loss" if spec.coef else "off (coefficient 0)"
+    return (
+        f"mixture of experts ({spec.family}: {spec.experts} experts, top {spec.top_k}): "
+        f"router load-balancing loss x {spec.coef:g} {state}, over each global micro-batch "
+        "(model.router_aux_loss_coef overrides config.json); no capacity: no token dropped"
+    )
+
+
+def _gathered(logits: torch.Tensor) -> torch.Tensor:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return logits
+    from torch.distributed.nn import all_gather
+
+    with warnings.catch_warnings():  # deprecated in name; its successor has no gloo backward
+        warnings.simplefilter("ignore", FutureWarning)
+        return torch.cat(all_gather(logits.contiguous()), dim=0)
+
+
+class RouterLoss:
+    """A ``LossFn`` that adds the router's aux loss to ``inner`` ([Note: the router loss
+    over the global batch]); ``step_metrics`` reports it with the experts' load."""
+
+    def __init__(self, inner: LossFn, *, model: nn.Module, spec: RouterSpec) -> None:
+        self.inner = inner
+        self.spec = spec
+        self._recording: list[torch.Tensor] | None = None
+        self._stats: list[torch.Tensor] = []
+        for module in model.modules():
+            if isinstance(module, spec.recorder):
+                module.register_forward_hook(self._record)
+
+    def _record(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        if self._recording is not None:
+            value = output[self.spec.index] if isinstance(output, tuple | list) else output
+            self._recording.append(value)
+
+    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        if not model.training:
+            return self.inner(model, batch)
+        self._recording = []
+        try:
+            loss = self.inner(model, batch)
+            logits = self._recording
+        finally:
+            self._recording = None
+        if not logits or self.spec.aux_fn is None:
+            return loss
+        gathered = tuple(_gathered(x.reshape(-1, x.shape[-1])) for x in logits)
+        aux = self.spec.aux_fn(gathered, self.spec.experts, self.spec.top_k)
+        self._stats.append(torch.cat([aux.detach().float().reshape(1), self._load(gathered)]))
+        return loss + self.spec.coef * aux if self.spec.coef else loss
+
+    def _load(self, logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Per layer, each expert's share of the top-k assignments (detached)."""
+        with torch.no_grad():
+            shares = []
+            for layer in logits:
+                chosen = torch.topk(layer.float(), self.spec.top_k, dim=-1).indices.reshape(-1)
+                counts = torch.bincount(chosen, minlength=self.spec.experts).float()
+                shares.append(counts / counts.sum().clamp(min=1))
+            return torch.cat(shares)
+
+    def step_metrics(self) -> dict[str, Any]:
+        """The step's mean aux loss and the smallest and largest expert share of the
+        routed tokens (x experts: 1.0 = balanced), over all layers and per layer.
+        Every rank holds the same values (from the gathered logits): no collective."""
+        if not self._stats:
+            return {}
+        mean = torch.stack(self._stats).mean(0)
+        self._stats.clear()
+        layers = mean[1:].reshape(-1, self.spec.experts) * self.spec.experts
+        low, high = layers.min(1).values, layers.max(1).values
+        return {
+            "aux_loss": float(mean[0]),
+            "expert_load_min": float(low.min()),
+            "expert_load_max": float(high.max()),
+            "expert_load_min_by_layer": [round(float(v), 4) for v in low],
+            "expert_load_max_by_layer": [round(float(v), 4) for v in high],
+        }
+
+
+def with_router_loss(loss_fn: LossFn, *, model: nn.Module, coef: float | None) -> LossFn:
+    """``loss_fn`` with the model's router loss when it is a MoE model (else itself)."""
+    spec = router_spec(model, coef=coef)
+    return loss_fn if spec is None else RouterLoss(loss_fn, model=model, spec=spec)
