@@ -285,3 +285,25 @@ def run_python(code: str, timeout: float = 60) -> subprocess.CompletedProcess[st
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
         timeout=timeout,
     )  # fmt: skip
+
+
+PROBE = torch.arange(2 * 12).reshape(2, 12) * 7 % 256
+"""Token ids whose logits compare a model with its export or its reference."""
+
+
+def eval_logits(model: nn.Module, probe: torch.Tensor = PROBE) -> torch.Tensor:
+    """The model's logits on ``probe`` in eval mode (collective on sharded models)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from fsdpkit.loss.contract import logits_of
+
+    model.eval()
+    with torch.no_grad():
+        out = logits_of(model(probe), tokens=probe).detach().clone()
+    model.train()
+    for unit in model.modules():
+        # A no-grad forward leaves the root and the last block unsharded (they do not
+        # reshard after forward), and an optimizer built then would hold those tensors.
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+    return out

@@ -16,14 +16,13 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from fsdpkit import build_mesh, shard
 from fsdpkit.config import CheckpointConfig, ModelConfig, RunConfig
-from fsdpkit.loss.contract import logits_of, next_token_loss
+from fsdpkit.loss.contract import next_token_loss
 from fsdpkit.models.factory import build_model
 from fsdpkit.testing import run_ranks
-from support import full_state, global_batches, train
+from support import eval_logits, full_state, global_batches, train
 
 pytestmark = pytest.mark.distributed
 transformers = pytest.importorskip("transformers")
@@ -31,24 +30,10 @@ transformers = pytest.importorskip("transformers")
 ARCHS = ("llama", "qwen3", "mistral", "gemma", "gpt2")
 STEPS = 10
 VOCAB = 256
-PROBE = torch.arange(2 * 12).reshape(2, 12) * 7 % VOCAB
 
 
 def _build(model_dir: str) -> Any:
     return build_model(ModelConfig(hf=model_dir), vocab_size=VOCAB, seq_len=16, seed=3)
-
-
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    model.eval()
-    with torch.no_grad():
-        out = logits_of(model(PROBE), tokens=PROBE).detach().clone()
-    model.train()
-    for unit in model.modules():
-        # A no-grad forward leaves the root and the last block unsharded (they do not
-        # reshard after forward), and an optimizer built then would hold those tensors.
-        if isinstance(unit, FSDPModule):
-            unit.reshard()
-    return out
 
 
 def _one_arch(rank: int, model_dir: str, run_dir: str) -> dict[str, Any]:
@@ -58,13 +43,13 @@ def _one_arch(rank: int, model_dir: str, run_dir: str) -> dict[str, Any]:
     cfg = RunConfig(model=ModelConfig(hf=model_dir))  # blocks: the model's _no_split_modules
     model = built.module
     plan = shard(model, cfg, mesh=build_mesh(), init=built.init)
-    out: dict[str, Any] = {"plan": plan.describe(), "loaded": _logits(model)}
+    out: dict[str, Any] = {"plan": plan.describe(), "loaded": eval_logits(model)}
     emb = model.get_input_embeddings().weight
     out["tied"] = model.get_output_embeddings().weight is emb
     batches = global_batches(STEPS, vocab=VOCAB)
     result = train(model, batches, rank=rank, world=2, loss_fn=next_token_loss)
     out["loss"] = result["loss"]
-    out["trained"] = _logits(model)
+    out["trained"] = eval_logits(model)
     out["still_tied"] = model.get_output_embeddings().weight is emb
     meta = {"config": cfg.to_dict()}
     ckpt = Checkpointer(run_dir=Path(run_dir), cfg=CheckpointConfig(every=1), run_meta=meta)
@@ -100,7 +85,7 @@ def hf_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _reference(model_dir: str) -> tuple[torch.Tensor, list[float]]:
     ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    loaded = _logits(ref)
+    loaded = eval_logits(ref)
     return loaded, train(ref, global_batches(STEPS, vocab=VOCAB), loss_fn=next_token_loss)["loss"]
 
 
@@ -120,7 +105,7 @@ def test_hf_model_loads_trains_and_exports(hf_runs: dict[str, Any], arch: str) -
     export(Path(hf_runs["runs"][arch]) / "checkpoints" / "step-00000010", out, fmt="hf")
     back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     trained = hf_runs["ranks"][0][arch]["trained"]
-    torch.testing.assert_close(_logits(back), trained, rtol=0, atol=1e-5)
+    torch.testing.assert_close(eval_logits(back), trained, rtol=0, atol=1e-5)
     assert (out / "generation_config.json").is_file()
 
 

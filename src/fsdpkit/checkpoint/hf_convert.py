@@ -65,6 +65,9 @@ class KeyPlan:
     groups: list[Group]
     unexpected: list[str]
     """Checkpoint keys with no place in the model (and not ignored by the model)."""
+    absent: list[str] = field(default_factory=list)
+    """Checkpoint keys a converter group needs but the directory lacks (its targets
+    are then missing)."""
 
     def produced(self) -> set[str]:
         """Every model key the directory provides."""
@@ -132,9 +135,45 @@ def plan_keys(shadow: nn.Module, shapes: dict[str, tuple[torch.Size, torch.dtype
         else:
             group = groups.setdefault(target, Group(target, copy.deepcopy(by_pattern[pattern])))
             group.sources[pattern].append(key)
+    absent: list[str] = []
     for group in groups.values():
-        group.targets = {k: v.shape for k, v in _convert(shadow, group, shapes, meta=True).items()}
-    return KeyPlan(renamed=renamed, groups=list(groups.values()), unexpected=unexpected)
+        lacks = _absent_pieces(group)
+        absent += lacks
+        if not lacks:
+            group.targets = {
+                k: v.shape for k, v in _convert(shadow, group, shapes, meta=True).items()
+            }
+    return KeyPlan(
+        renamed=renamed,
+        groups=[g for g in groups.values() if g.targets],
+        unexpected=unexpected,
+        absent=absent,
+    )
+
+
+def _absent_pieces(group: Group) -> list[str]:
+    """Checkpoint keys a group of numbered pieces (one tensor per expert) lacks: every
+    pattern must hold every number any of them holds. Names a removed expert tensor
+    instead of failing inside the conversion."""
+    numbered: dict[str, dict[int, str]] = {}
+    for pattern, keys in group.sources.items():
+        parts = [k.split(".") for k in keys]
+        varying = [i for i in range(len(parts[0])) if len({p[i] for p in parts if len(p) > i}) > 1]
+        if len(keys) < 2 or not varying or not all(p[varying[0]].isdigit() for p in parts):
+            continue
+        numbered[pattern] = {int(p[varying[0]]): k for p, k in zip(parts, keys)}
+        numbered[pattern][-1] = str(varying[0])  # where the number sits
+    if not numbered:
+        return []
+    every = {n for found in numbered.values() for n in found if n >= 0}
+    every = set(range(max(every) + 1))
+    absent = []
+    for found in numbered.values():
+        at = int(found.pop(-1))
+        template = next(iter(found.values())).split(".")
+        for n in sorted(every - set(found)):
+            absent.append(".".join([*template[:at], str(n), *template[at + 1 :]]))
+    return absent
 
 
 def _convert(

@@ -78,7 +78,7 @@ class MissingWeightsError(CheckpointError):
 
 
 def missing_weights_message(
-    path: Path, *, missing: list[str], unexpected: list[str], total: int
+    path: Path, *, missing: list[str], unexpected: list[str], total: int, absent: list[str]
 ) -> str:
     """One paragraph: which weights a directory lacks, which it holds that the model has
     no place for, and the fix."""
@@ -88,10 +88,15 @@ def missing_weights_message(
         if unexpected
         else ""
     )
+    pieces = (
+        f" Of the per-expert (or split) tensors they are made of, it lacks {absent[:5]}."
+        if absent
+        else ""
+    )
     return (
         f"{path} lacks {len(missing)} of the {total} weight(s) the model needs (e.g. "
         f"{missing[:5]}), after transformers' own renames and conversions of this "
-        f"family.{extra} The directory was saved from a different architecture or "
+        f"family.{pieces}{extra} The directory was saved from a different architecture or "
         "version, or is incomplete: point model.hf at a directory written by "
         "save_pretrained for this config.json (or re-download it). To train with the "
         "missing weights freshly initialized on purpose, set model.init_missing = true."
@@ -191,7 +196,9 @@ def load_hf_weights(
     unexpected = [k for k in plan.unexpected if k not in aliases]
     if missing and (not allow_missing or len(missing) == len(wanted)):
         raise MissingWeightsError(
-            missing_weights_message(path, missing=missing, unexpected=unexpected, total=len(wanted))
+            missing_weights_message(
+                path, missing=missing, unexpected=unexpected, total=len(wanted), absent=plan.absent
+            )
         )
     _check_shapes(wanted, {t: shapes[c][0] for t, c in plan.renamed.items()}, path)
     _check_shapes(wanted, {k: s for g in plan.groups for k, s in g.targets.items()}, path)

@@ -237,3 +237,56 @@ def write_tiny_model(
     if tokenizer:
         write_tokenizer(out, vocab_size=config.vocab_size, chat=chat)
     return out
+
+
+SHRINK = dict(
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    num_local_experts=4,
+    num_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=16,
+    first_k_dense_replace=1,
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    n_group=1,
+    topk_group=1,
+)
+"""Size keys ``shrunk_config`` sets where a family's config has them."""
+
+
+def shrunk_config(model_type: str) -> Any:
+    """transformers' default config of ``model_type`` with every size key it has from
+    ``SHRINK`` (a few-layer, 32-wide model), no dropout: for tests that enumerate
+    families. Some families' defaults do not survive shrinking; callers skip those by
+    name when transformers itself cannot build, save and reload them."""
+    from transformers import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING[model_type]()
+    present = config.to_dict()
+    for key, value in SHRINK.items():
+        if key in present:
+            setattr(config, key, value)
+    for key, value in present.items():
+        if "dropout" in key and isinstance(value, float):
+            setattr(config, key, 0.0)
+    if "kv_lora_rank" in present:  # multi-head latent attention: one kv head per head
+        config.num_key_value_heads = config.num_attention_heads
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(present.get(key), int) and present[key] >= SHRINK["vocab_size"]:
+            setattr(config, key, None if key == "pad_token_id" else 0)
+    for key in ("layer_types", "mlp_layer_types"):
+        if isinstance(present.get(key), list):
+            setattr(config, key, present[key][: config.num_hidden_layers])
+    return config
