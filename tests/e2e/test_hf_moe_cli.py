@@ -76,3 +76,35 @@ def test_directory_missing_one_expert_tensor_is_refused_by_name(
     assert opted.returncode == 0, opted.stderr[-3000:]
     assert "1 weight(s) NOT in the directory are freshly initialized" in opted.stdout
     assert "init_missing = true" in (tmp_path / "run2" / "config.toml").read_text()
+
+
+def test_lora_on_moe_says_what_is_adapted_and_exports_peft(mixtral: Path, tmp_path: Path) -> None:
+    import torch
+    from peft import PeftModel
+
+    run = tmp_path / "run"
+    result = fsdpkit(
+        "train",
+        f"model.hf={mixtral}",
+        *SHORT,
+        "lora.rank=4",
+        "checkpoint.every=2",
+        "checkpoint.adapters_only=true",
+        f"logging.run_dir={run}",
+        cwd=tmp_path,
+        env=OFFLINE,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "LoRA on 8 layers (k_proj, o_proj, q_proj, v_proj)" in result.stdout
+    assert "2 router(s) (MixtralTopKRouter) and the 4 fused expert weight(s)" in result.stdout
+    ckpt = run / "checkpoints" / "step-00000002"
+    for fmt, extra in (("peft", []), ("hf", ["--merge"])):
+        out = tmp_path / fmt
+        done = fsdpkit("ckpt", "export", str(ckpt), str(out), "--format", fmt, *extra, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-2000:]
+    base = transformers.AutoModelForCausalLM.from_pretrained(mixtral, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, tmp_path / "peft").merge_and_unload()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    probe = torch.arange(24).reshape(2, 12) * 7 % 320
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(probe).logits, merged(probe).logits, rtol=0, atol=1e-5)

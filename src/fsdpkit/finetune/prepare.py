@@ -19,6 +19,7 @@ from fsdpkit.finetune import lora as adapters
 from fsdpkit.finetune.errors import FinetuneError
 from fsdpkit.finetune.freeze import ParamCounts, set_trainable
 from fsdpkit.init import Initializer
+from fsdpkit.loss.router import router_spec
 from fsdpkit.models.accessors import is_norm
 from fsdpkit.precision import Precision
 from fsdpkit.sharding.blocks import choose_blocks
@@ -41,6 +42,8 @@ class Finetune:
     """The initializer ``shard`` runs (base through ``base_view``, then adapters)."""
     peft_config: object = None
     """The ``peft.LoraConfig`` (None without LoRA)."""
+    moe_note: str | None = None
+    """Under LoRA, what of a mixture-of-experts model is and is not adapted."""
 
     @property
     def active(self) -> bool:
@@ -69,6 +72,8 @@ class Finetune:
         parts.append(self.counts.describe())
         if self.base_dtype is not None:
             parts.append(f"frozen base stored in {str(self.base_dtype).removeprefix('torch.')}")
+        if self.moe_note:
+            parts.append(self.moe_note)
         return "; ".join(parts)
 
 
@@ -159,6 +164,27 @@ def prepare(
         base_dtype=dtype,
         init=init,
         peft_config=config,
+        moe_note=_moe_note(model) if cfg.lora.rank else None,
+    )
+
+
+def _moe_note(model: nn.Module) -> str | None:
+    """[Note: LoRA on mixture-of-experts models]
+    peft's adapters wrap linear layers. transformers 5 keeps a family's routed experts
+    as fused 3-D parameters (``experts.gate_up_proj``: experts x 2 ffn x dim) and its
+    router as a bare weight, so "all-linear" adapts attention (and a shared expert's
+    linears where the family has one) and leaves routers and routed experts frozen.
+    The run says so in its first lines; ``lora.trainable`` trains them fully."""
+    spec = router_spec(model)
+    if spec is None:
+        return None
+    routers = sum(isinstance(m, spec.recorder) for m in model.modules())
+    fused = [n for n, p in model.named_parameters() if p.dim() == 3]
+    return (
+        f"mixture of experts: the {routers} router(s) ({spec.recorder.__name__}) and the "
+        f"{len(fused)} fused expert weight(s) (e.g. {fused[0] if fused else '-'}) are not "
+        "linear layers, so they get no adapters and stay frozen (lora.trainable trains "
+        "them fully)"
     )
 
 
