@@ -177,7 +177,7 @@ def test_too_little_sft_data_is_one_paragraph(tmp_path: Path) -> None:
 
 
 def _models() -> dict[str, torch.nn.Module]:
-    from fsdpkit.init import init_weights
+    from fsdpkit import init_weights
     from fsdpkit.models.llama import Llama, LlamaConfig
     from fsdpkit.testing.hf import tiny_config
 
