@@ -203,10 +203,9 @@ def _probe(rank: int, world: int, dataset: str, work: str, kind: str) -> dict[st
     import torch
     import torch.nn.functional as F
 
-    from fsdpkit import shard
+    from fsdpkit import init_weights, shard
     from fsdpkit.config import RunConfig
     from fsdpkit.data import open_training_data
-    from fsdpkit.init import init_weights
     from fsdpkit.loss.sft import sft_loss
     from fsdpkit.models.llama import Llama, LlamaConfig
     from fsdpkit.sharding.mesh import build_mesh

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from fsdpkit import init_weights
 from fsdpkit.config import DataConfig
 from fsdpkit.data import PackedLoader, build_tokenizer, load_token_stream, split_tokens
-from fsdpkit.init import init_weights
 from fsdpkit.models.llama import Llama, preset
 
 KERNELS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}

@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
-from fsdpkit import RunConfig, build_mesh, clip_grad_norm, shard
-from fsdpkit.init import init_weights
+from fsdpkit import RunConfig, build_mesh, clip_grad_norm, init_weights, shard
 from fsdpkit.models.llama import Llama, preset
 from fsdpkit.testing import run_ranks
 

@@ -9,8 +9,7 @@ import math
 import torch
 from torch import nn
 
-from fsdpkit import meta_params
-from fsdpkit.init import init_weights
+from fsdpkit import init_weights, meta_params
 from support import MLPNet
 
 VOCAB = 256

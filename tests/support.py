@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from fsdpkit import init_weights
 from fsdpkit.doctor.facts import compile_toolchain
-from fsdpkit.init import init_weights
 from fsdpkit.models.accessors import is_norm
 from fsdpkit.models.llama import Llama, LlamaConfig
 from fsdpkit.sharding import clip_grad_norm, gradient_sync

@@ -97,7 +97,7 @@ def loader(spec: Spec, *, rank: int, world: int) -> Any:
 
 def build_model(spec: Spec, *, device: str = "cpu") -> nn.Module:
     """The full model with fsdpkit's deterministic weights (what a user would load)."""
-    from fsdpkit.init import init_weights
+    from fsdpkit import init_weights
     from fsdpkit.models.llama import Llama, preset
 
     with torch.device(device):

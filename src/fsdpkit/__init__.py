@@ -1,8 +1,8 @@
 """fsdpkit: correct, fast FSDP2 training for models that don't fit on one device."""
 
 from fsdpkit.config import ConfigError, RunConfig
-from fsdpkit.init import init_weights
 from fsdpkit.models.buffers import meta_params
+from fsdpkit.models.hf_init import init_weights
 from fsdpkit.sharding import (
     BlockDetectionError,
     ShardPlan,

@@ -60,16 +60,26 @@ def init_buffers(model: nn.Module) -> None:
         hook()
 
 
-def init_weights(model: nn.Module, *, seed: int) -> None:
-    """Initialize a materialized, unsharded model in place.
-
-    Gives exactly the values that ``fsdpkit.shard`` produces for a meta-device model
-    with the same seed, at any world size.
-    """
+def default_init(model: nn.Module, *, seed: int) -> None:
+    """fsdpkit's per-parameter init of every parameter of a model, sharded or not
+    ([Note: per-parameter init]): the rule for a model that is not a transformers
+    ``PreTrainedModel``. The public entry point, which picks the rule for any model, is
+    ``fsdpkit.init_weights`` (fsdpkit.models.hf_init)."""
     with torch.no_grad():
         for name, p in model.named_parameters():  # tied parameters once, first name
             value = initial_value(model, name=name, shape=p.shape, seed=seed, dtype=p.dtype)
-            p.copy_(value.to(p.device))
+            copy_full_value(p, value)
+
+
+def run_init(model: nn.Module, *, init: Initializer | None, seed: int) -> None:
+    """Fill every parameter with ``init(model)``, or fsdpkit's per-parameter init when
+    None, then the model's non-persistent buffers (``init_buffers``): the last step of
+    both ``fsdpkit.shard``'s materialization and ``fsdpkit.init_weights``."""
+    with torch.no_grad():
+        if init is None:
+            default_init(model, seed=seed)
+        else:
+            init(model)
         init_buffers(model)
 
 

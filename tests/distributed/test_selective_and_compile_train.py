@@ -17,9 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdpkit import build_mesh, shard
+from fsdpkit import build_mesh, init_weights, shard
 from fsdpkit.config import ActivationsConfig, RunConfig, TrainConfig
-from fsdpkit.init import init_weights
 from fsdpkit.loss.contract import next_token_loss
 from fsdpkit.testing import run_ranks
 from support import MLPNet, build, full_state, global_batches, needs_cxx, train

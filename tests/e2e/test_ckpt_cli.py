@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from fsdpkit import init_weights
 from fsdpkit.checkpoint import Checkpointer, ModelOptimizerState
 from fsdpkit.config import CheckpointConfig, ModelConfig, RunConfig
-from fsdpkit.init import init_weights
 from fsdpkit.models.llama import Llama, preset
 
 pytestmark = pytest.mark.e2e

@@ -99,3 +99,23 @@ def test_compile_without_a_cpu_compiler_fails_before_launch(tmp_path: Path) -> N
     assert "train.compile = false" in result.stderr and "Traceback" not in result.stderr
     assert "`fsdpkit doctor` runs the same check: 'compile'" in result.stderr
     assert not (tmp_path / "run").exists()  # refused before the run dir was made
+
+
+def test_sft_rows_too_long_for_seq_len_say_why_on_every_rank(tmp_path: Path) -> None:
+    """Every prompt is longer than a row (2 ranks, the default): each rank's error (the
+    launcher shows one,
+    not necessarily rank 0's) says how many examples were cut and dropped and which key
+    to raise, not only that zero rows are fewer than a step needs."""
+    import json
+
+    rows = [{"prompt": "p" * (40 + i), "completion": "done"} for i in range(6)]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    expect = [
+        "packs into 0 rows of data.seq_len 16",
+        "of 6 example(s), 6 are longer than data.seq_len + 1 = 17 tokens",
+        "6 were then dropped",
+        "raise data.seq_len",
+    ]
+    err = _fails(tmp_path, *FAST, f"data.path={path}", "data.seq_len=16", expect=expect)
+    assert "Traceback" not in err

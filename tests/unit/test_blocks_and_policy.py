@@ -98,7 +98,7 @@ def test_presets_have_published_sizes() -> None:
 
 
 def test_meta_and_normal_init_agree_and_flops_are_standard() -> None:
-    from fsdpkit.init import init_weights
+    from fsdpkit import init_weights
 
     a, b = Llama(SMALL), Llama(SMALL)
     init_weights(a, seed=1)

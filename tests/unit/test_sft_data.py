@@ -176,8 +176,32 @@ def test_too_little_sft_data_is_one_paragraph(tmp_path: Path) -> None:
         SFTLoader(data.train, seq_len=8, micro_batch_size=2, dp_rank=0, dp_world=2, seed=0)
 
 
+def test_rows_too_long_for_seq_len_say_why_on_every_rank() -> None:
+    """Three examples fit data.seq_len 9 + 1 after a cut, two keep no answer token: the
+    paragraph counts both, names the longest example and the key to raise, and every
+    rank builds the same one (the launcher reports whichever rank failed first)."""
+    examples = _examples([6, 30, 12]) + [
+        Example(ids=torch.arange(n).numpy(), train=(torch.arange(n) >= 15).numpy())
+        for n in (20, 41)
+    ]  # fmt: skip
+    rows, stats = pack(examples, seq_len=9, pad_id=0, packed=False)
+    assert (len(rows), stats.truncated, stats.dropped) == (3, 4, 2)
+    messages = set()
+    for rank in (0, 1):
+        with pytest.raises(DataError) as err:
+            SFTLoader(
+                rows, seq_len=9, micro_batch_size=1, dp_rank=rank, dp_world=2, seed=0, grad_accum=2
+            )
+        messages.add(str(err.value))
+    (text,) = messages
+    assert "packs into 3 rows of data.seq_len 9, fewer than one step needs" in text
+    assert "of 5 example(s), 4 are longer than data.seq_len + 1 = 10 tokens" in text
+    assert "2 were then dropped" in text
+    assert "The longest example has 41 tokens: raise data.seq_len (to 40" in text
+
+
 def _models() -> dict[str, torch.nn.Module]:
-    from fsdpkit.init import init_weights
+    from fsdpkit import init_weights
     from fsdpkit.models.llama import Llama, LlamaConfig
     from fsdpkit.testing.hf import tiny_config
 

@@ -97,12 +97,44 @@ class PackedRows:
         )
 
     def too_small(self, *, world: int, batch: int) -> DataError:
-        return DataError(
-            f"the SFT data packs into {len(self)} rows of data.seq_len {self.length - 1}, fewer "
-            f"than one step needs ({world} rank(s) x train.micro_batch_size x "
-            f"accumulation = {batch} per rank). Add examples, or lower train.micro_batch_size, "
-            "the world size or data.val_fraction."
+        """Too few rows for one step, and why: on every rank the same paragraph, from
+        the layout's stats, so the rank the launcher reports names the cause too."""
+        seq_len = self.length - 1
+        text = (
+            f"the SFT data packs into {len(self)} rows of data.seq_len {seq_len}, fewer than "
+            f"one step needs ({world} rank(s) x train.micro_batch_size x accumulation = "
+            f"{batch} per rank)"
         )
+        lost = self.stats.dropped + self.stats.truncated
+        if not lost:
+            return DataError(
+                f"{text}. Add examples, or lower train.micro_batch_size, the world size or "
+                "data.val_fraction."
+            )
+        return DataError(
+            f"{text}: {_cut(self.stats, length=self.length)} The longest example has "
+            f"{self._longest():,} tokens: raise data.seq_len (to {self._longest() - 1:,} to keep "
+            "every example whole), or add examples, or lower train.micro_batch_size, the "
+            "world size or data.val_fraction."
+        )
+
+    def _longest(self) -> int:
+        """Tokens of the longest example (read from the example ends, at error time)."""
+        stops = self._ends.all(0, len(self._ends))
+        return int(np.diff(stops, prepend=0).max()) if len(stops) else 0
+
+
+def _cut(stats: PackStats, *, length: int) -> str:
+    """What cutting examples to ``length`` tokens did, as a sentence."""
+    total = stats.examples + stats.dropped
+    text = f"of {total:,} example(s), {stats.truncated:,} are longer than data.seq_len + 1 = "
+    text += f"{length} tokens and were cut to it"
+    if stats.dropped:
+        text += (
+            f"; {stats.dropped:,} were then dropped: their prompt fills the row, so no "
+            "answer token is left to train on"
+        )
+    return text + "."
 
 
 Rows = PackedRows

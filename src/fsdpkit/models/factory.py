@@ -41,10 +41,10 @@ import torch
 from torch import nn
 
 from fsdpkit.config import ModelConfig
-from fsdpkit.init import Initializer, init_weights
+from fsdpkit.init import Initializer
 from fsdpkit.models import hf
 from fsdpkit.models.errors import ModelError
-from fsdpkit.models.hf_init import own_initializer
+from fsdpkit.models.hf_init import init_weights, own_initializer
 from fsdpkit.models.llama import Llama, LlamaConfig, preset
 
 OwnLoss = Callable[[nn.Module, Any], torch.Tensor]

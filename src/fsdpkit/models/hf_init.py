@@ -1,4 +1,6 @@
-"""A Hugging Face model's own initialization (``_init_weights``), on sharded parameters.
+"""A Hugging Face model's own initialization (``_init_weights``), on sharded parameters,
+and the one init rule every way into fsdpkit follows (``own_initializer``: ``shard``,
+``fsdpkit train``, and ``init_weights``, exported as ``fsdpkit.init_weights``).
 
 [Note: HF init on shards]
 transformers initializes a model by calling ``_init_weights(module)`` on every module,
@@ -33,7 +35,7 @@ import torch
 from torch import nn
 
 from fsdpkit.checkpoint.hf_convert import is_hf_model
-from fsdpkit.init import Initializer, copy_full_value, param_seed
+from fsdpkit.init import Initializer, copy_full_value, param_seed, run_init
 from fsdpkit.models.buffers import meta_buffers, stamp, unchanged
 
 
@@ -133,10 +135,32 @@ def own_initializer(module: nn.Module, *, seed: int) -> Initializer | None:
         return None
     if meta_buffers(module):
         recreate_hf_buffers(module, seed=seed)  # what is left is refused by the caller
-    shadow = copy.deepcopy(module)  # parameters on meta: no memory
+    shadow = meta_shadow(module)
 
     def init(model: nn.Module) -> None:
         names = [n for n, _ in model.named_parameters()]
         init_like_hf(model, shadow=shadow, names=names, seed=seed)
 
     return init
+
+
+def meta_shadow(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` with every parameter on meta (ties kept: the copy maps each
+    parameter object once), so a materialized model's shadow costs no parameter memory."""
+    memo: dict[int, object] = {
+        id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for p in module.parameters()
+    }
+    return copy.deepcopy(module, memo)
+
+
+def init_weights(model: nn.Module, *, seed: int) -> None:
+    """Initialize a model built on the CPU (not yet sharded) in place with the one init rule
+    of ``fsdpkit.shard`` and ``fsdpkit train`` (``own_initializer``): a transformers
+    ``PreTrainedModel`` its own ``_init_weights`` ([Note: HF init on shards]), any other
+    model fsdpkit's per-parameter init ([Note: per-parameter init]); then the model's
+    ``init_buffers()`` hook. The values equal what ``fsdpkit.shard`` gives the same model
+    built on the meta device with ``train.seed = seed``, at any world size: a script that
+    builds on the CPU and one that builds on meta train the same model."""
+    init = own_initializer(model, seed=seed)
+    run_init(model, init=init, seed=seed)

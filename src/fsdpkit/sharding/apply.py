@@ -143,9 +143,9 @@ def shard(
     the local shards allocated and initialized by ``init(model)`` when given (e.g.
     loading a Hugging Face directory), else by the model's own init, as ``fsdpkit
     train`` does (``fsdpkit.models.hf_init.own_initializer``: a transformers model's
-    ``_init_weights``, otherwise exactly what ``fsdpkit.init.init_weights`` gives the
-    unsharded model from ``cfg.train.seed``). Real buffers are kept; see [Note:
-    buffers of meta models].
+    ``_init_weights``, otherwise fsdpkit's per-parameter init), exactly what
+    ``fsdpkit.init_weights`` gives the same model built on the CPU with seed
+    ``cfg.train.seed``. Real buffers are kept; see [Note: buffers of meta models].
     """
     if init is None and is_meta(model):
         init = own_initializer(model, seed=cfg.train.seed)

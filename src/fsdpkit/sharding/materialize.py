@@ -12,19 +12,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fsdpkit.init import Initializer, copy_full_value, init_buffers, initial_value
+from fsdpkit.init import Initializer, run_init
+from fsdpkit.init import default_init as default_init  # re-exported: fsdpkit.finetune.prepare
 from fsdpkit.models.buffers import fresh_versions, kept_buffers, require_written, restore_buffers
 
 
 def is_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-
-
-def default_init(model: nn.Module, *, seed: int) -> None:
-    """fsdpkit's per-parameter init of every parameter ([Note: per-parameter init])."""
-    for name, param in model.named_parameters():
-        full = initial_value(model, name=name, shape=param.shape, seed=seed, dtype=param.dtype)
-        copy_full_value(param, full)
 
 
 def materialize(
@@ -46,10 +40,5 @@ def materialize(
                     module._buffers[key] = buf.to(buffer_device)
     fresh = fresh_versions(model, kept=kept)
     restore_buffers(model, kept)
-    with torch.no_grad():
-        if init is None:
-            default_init(model, seed=seed)
-        else:
-            init(model)
-        init_buffers(model)
+    run_init(model, init=init, seed=seed)
     require_written(model, fresh)
