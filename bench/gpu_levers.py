@@ -68,6 +68,20 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _without_nproc(argv: list[str]) -> list[str]:
+    """The arguments the workers get: ``--nproc N`` and ``--nproc=N`` are the launcher's."""
+    rest: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    return rest
+
+
 def main(argv: list[str] | None = None) -> int:
     p = levers.parser(__doc__ or "")
     p.add_argument("--nproc", type=int, default=0, help="GPUs to spawn torchrun on (0: all)")
@@ -80,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench/gpu_levers.py needs CUDA GPUs; on CPU run bench/levers.py.", file=sys.stderr)
         return 2
     nproc = args.nproc or torch.cuda.device_count()
-    rest = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--nproc")]
+    rest = _without_nproc(argv if argv is not None else sys.argv[1:])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", __file__, *rest]  # fmt: skip
     return subprocess.call(cmd)

@@ -155,3 +155,20 @@ def test_host_bytes_do_not_grow_with_a_text_corpus(tmp_path: Path) -> None:
     a = host_bytes(DataConfig(path=str(small)), micro_batch=4)
     b = host_bytes(DataConfig(path=str(big)), micro_batch=4)
     assert a == b < 8 << 20
+
+
+def test_an_unreadable_source_is_named_with_its_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = _corpus(tmp_path)
+    real = prepare_module.sha256_file
+
+    def flaky(path: Path) -> str:
+        if path.name == "f1.txt":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(prepare_module, "sha256_file", flaky)
+    with pytest.raises(DataError, match=r"f1\.txt \(Permission denied\)"):
+        prepare(DataConfig(), tmp_path / "ds", paths=[str(src)])
+    assert not (tmp_path / "ds").exists()  # nothing half-written is left as the dataset

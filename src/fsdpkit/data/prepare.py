@@ -206,12 +206,17 @@ def _build(
     try:
         dtype = token_dtype(int(tokenizer["vocab_size"]))
         hashes: dict[str, str] = {}
-        hasher = threading.Thread(target=_hash_all, args=(sources, hashes), daemon=True)
+        failed: list[str] = []
+        hasher = threading.Thread(target=_hash_all, args=(sources, hashes, failed), daemon=True)
         hasher.start()
         results = _run_units(cfg, plan, tmp=tmp, kind=kind, dtype=dtype, progress=progress)
         hasher.join()
-        if len(hashes) != len(sources):
-            raise DataError(f"could not hash every source of {out} (a file vanished?).")
+        if failed:
+            raise DataError(
+                f"could not read every source of {out} to record its sha256: {failed[0]}. "
+                "The manifest needs each source's hash to tell when the data changed; make "
+                "the file readable, or leave it out of data.path."
+            )
         for s in sources:
             s["sha256"] = hashes[s["path"]]
         manifest = _manifest(
@@ -240,11 +245,14 @@ def _name(cfg: DataConfig) -> str:
     return f"data.path ({cfg.path})" if cfg.path else "the built-in corpus"
 
 
-def _hash_all(sources: list[dict[str, Any]], into: dict[str, str]) -> None:
+def _hash_all(sources: list[dict[str, Any]], into: dict[str, str], failed: list[str]) -> None:
+    """Every source's sha256 into ``into``; the first unreadable one, with its OS error,
+    into ``failed`` (the caller's message names it)."""
     for s in sources:  # hashlib releases the GIL on large buffers: runs beside the workers
         try:
             into[s["path"]] = sha256_file(Path(s["path"]))
-        except OSError:
+        except OSError as err:
+            failed.append(f"{s['path']} ({err.strerror or err})")
             return
 
 
