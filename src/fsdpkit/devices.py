@@ -118,6 +118,19 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
+DEFAULT_MARGIN = 0.10
+"""Share of device memory kept free: allocator fragmentation and what no model sees (the
+caching allocator typically reserves 5-15% above what tensors use). The planner's
+default, kept with the device table so ``fsdpkit plan --help`` shows it cheaply."""
+
+
+def usable_bytes(device: Device, *, margin: float) -> int | None:
+    """Memory tensors may use: device memory minus the runtime reserve and the margin."""
+    if device.memory is None:
+        return None
+    return int((device.memory - device.runtime_reserve) * (1.0 - margin))
+
+
 def parse_size(text: str, *, what: str = "--device-mem") -> int:
     """``"80GiB"`` -> bytes. GB/MB are decimal, GiB/MiB binary, a bare number is bytes."""
     match = _SIZE.match(text)

@@ -15,11 +15,13 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+if TYPE_CHECKING:  # DTensor costs ~0.5 s to import; the planner reads this module without it
+    from torch.distributed.tensor import DTensor
 
 Initializer = Callable[[nn.Module], None]
 """Fills every parameter of a materialized (possibly sharded) model, replacing fsdpkit's
@@ -84,6 +86,8 @@ def run_init(model: nn.Module, *, init: Initializer | None, seed: int) -> None:
 
 
 def _local_slice(full: torch.Tensor, param: DTensor) -> torch.Tensor:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     shape, offset = compute_local_shape_and_global_offset(
         full.shape, param.device_mesh, param.placements
     )
@@ -94,6 +98,8 @@ def _local_slice(full: torch.Tensor, param: DTensor) -> torch.Tensor:
 def copy_full_value(param: torch.Tensor, full: torch.Tensor) -> None:
     """Set a (possibly sharded) parameter from its full, unsharded value: a DTensor
     keeps only this rank's slice."""
+    from torch.distributed.tensor import DTensor
+
     with torch.no_grad():
         if isinstance(param, DTensor):
             local = param.to_local()

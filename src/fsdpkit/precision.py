@@ -12,9 +12,12 @@ bytes per element; config validation and ``precision.mode = auto`` read the same
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy
+
+if TYPE_CHECKING:  # torch.distributed.fsdp costs ~0.7 s to import (DTensor, sympy)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 @dataclass(frozen=True)
@@ -44,10 +47,14 @@ class Precision:
         return self.param_dtype != torch.float32
 
     def policy(self) -> MixedPrecisionPolicy:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
         return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
 
     def norm_policy(self) -> MixedPrecisionPolicy:
         """Norm layers in fp32 that hand the rest of the block its compute dtype."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
         return MixedPrecisionPolicy(
             param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=self.param_dtype
         )

@@ -21,26 +21,57 @@ Exports to files others load (HF, peft, merged, torch) are ``fsdpkit.export``; s
 signals are ``fsdpkit.runtime.signals``.
 
 Security: nothing read from a checkpoint runs code ([Note: untrusted checkpoints]).
+
+Names are imported on first use ([Note: lazy package faces] in fsdpkit.lazy): the
+planner's ``staging`` rule and ``fsdpkit ckpt inspect`` do not import DCP's planners.
 """
 
-from fsdpkit.checkpoint.checkpointer import Checkpointer
-from fsdpkit.checkpoint.errors import CheckpointError
-from fsdpkit.checkpoint.hf_weights import load_hf_weights
-from fsdpkit.checkpoint.layout import (
-    Entry,
-    VerifyReport,
-    complete_entries,
-    list_entries,
-    read_meta,
-    step_dir_name,
-    verify,
-)
-from fsdpkit.checkpoint.retention import steps_to_delete
-from fsdpkit.checkpoint.staging import async_staging_bytes
-from fsdpkit.checkpoint.state import ModelOptimizerState, RankLocal, RNGState
-from fsdpkit.checkpoint.summary import inspect_checkpoint, list_run
-from fsdpkit.checkpoint.untrusted import UnsafeCheckpointError
+from typing import TYPE_CHECKING
 
+from fsdpkit.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from fsdpkit.checkpoint.checkpointer import Checkpointer
+    from fsdpkit.checkpoint.errors import CheckpointError
+    from fsdpkit.checkpoint.hf_weights import load_hf_weights
+    from fsdpkit.checkpoint.layout import (
+        Entry,
+        VerifyReport,
+        complete_entries,
+        list_entries,
+        read_meta,
+        step_dir_name,
+        verify,
+    )
+    from fsdpkit.checkpoint.retention import steps_to_delete
+    from fsdpkit.checkpoint.staging import async_staging_bytes
+    from fsdpkit.checkpoint.state import ModelOptimizerState, RankLocal, RNGState
+    from fsdpkit.checkpoint.summary import inspect_checkpoint, list_run
+    from fsdpkit.checkpoint.untrusted import UnsafeCheckpointError
+
+_HOMES = {
+    "Checkpointer": "fsdpkit.checkpoint.checkpointer",
+    "CheckpointError": "fsdpkit.checkpoint.errors",
+    "load_hf_weights": "fsdpkit.checkpoint.hf_weights",
+    **dict.fromkeys(
+        [
+            "Entry",
+            "VerifyReport",
+            "complete_entries",
+            "list_entries",
+            "read_meta",
+            "step_dir_name",
+            "verify",
+        ],
+        "fsdpkit.checkpoint.layout",
+    ),
+    "steps_to_delete": "fsdpkit.checkpoint.retention",
+    "async_staging_bytes": "fsdpkit.checkpoint.staging",
+    **dict.fromkeys(["ModelOptimizerState", "RankLocal", "RNGState"], "fsdpkit.checkpoint.state"),
+    "inspect_checkpoint": "fsdpkit.checkpoint.summary",
+    "list_run": "fsdpkit.checkpoint.summary",
+    "UnsafeCheckpointError": "fsdpkit.checkpoint.untrusted",
+}
 __all__ = [
     "CheckpointError",
     "Checkpointer",
@@ -61,3 +92,4 @@ __all__ = [
     "steps_to_delete",
     "verify",
 ]
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fsdpkit.checkpoint import CheckpointError, inspect_checkpoint, list_run, read_meta, verify
-from fsdpkit.export import export
+from fsdpkit.errors import UserError
 
 
 def _mb(n: int) -> str:
@@ -34,6 +33,8 @@ def _writer(info: dict[str, Any]) -> str:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from fsdpkit.checkpoint import inspect_checkpoint
+
     info = inspect_checkpoint(Path(args.path))
     if args.json:
         print(json.dumps(info, indent=2))
@@ -57,7 +58,9 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     path = Path(args.path)
     if not path.is_dir():
-        raise CheckpointError(f"{path} is not a directory; pass a checkpoint directory.")
+        raise UserError(f"{path} is not a directory; pass a checkpoint directory.")
+    from fsdpkit.checkpoint import verify
+
     report = verify(path, metadata=True)
     print(report.describe())
     for problem in report.problems:
@@ -68,7 +71,9 @@ def _verify(args: argparse.Namespace) -> int:
 def _list(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
-        raise CheckpointError(f"run directory {run_dir} does not exist; pass logging.run_dir.")
+        raise UserError(f"run directory {run_dir} does not exist; pass logging.run_dir.")
+    from fsdpkit.checkpoint import list_run
+
     rows = list_run(run_dir)
     if not rows:
         print(f"no checkpoints in {run_dir}")
@@ -88,6 +93,9 @@ _STATUS = {"complete": "complete", "incomplete": "partial", "unreadable": "unrea
 
 
 def _export(args: argparse.Namespace) -> int:
+    from fsdpkit.checkpoint import read_meta
+    from fsdpkit.export import export
+
     read_meta(Path(args.ckpt))  # a clear error first if it is not a checkpoint
     out = export(args.ckpt, args.out, fmt=args.format, dtype=args.dtype, merge=args.merge)
     how = f"{args.format}, adapters merged" if args.merge else args.format

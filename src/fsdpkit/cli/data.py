@@ -18,14 +18,15 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fsdpkit.config import DataConfig
-from fsdpkit.data import inspect_dataset, prepare
-from fsdpkit.data.sft import describe_schemas
+if TYPE_CHECKING:  # the library is imported by the command run, not by `fsdpkit --help`
+    from fsdpkit.config import DataConfig
 
 
 def _config(args: argparse.Namespace) -> DataConfig:
+    from fsdpkit.config import DataConfig
+
     tokenizer = None if args.tokenizer in (None, "byte") else args.tokenizer
     columns = [c for item in args.columns for c in item.split(",") if c]
     return dataclasses.replace(
@@ -42,6 +43,9 @@ def _config(args: argparse.Namespace) -> DataConfig:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    from fsdpkit.data import prepare
+    from fsdpkit.data.sft import describe_schemas
+
     out = Path(args.out)
     done = prepare(_config(args), out, paths=list(args.sources), rebuild=args.rebuild)
     m, c = done.manifest, done.manifest.counts
@@ -66,6 +70,8 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from fsdpkit.data import inspect_dataset
+
     info = inspect_dataset(Path(args.path), verify=args.verify, sources=True)
     if args.json:
         print(json.dumps(info.summary(), indent=2))

@@ -16,11 +16,13 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from fsdpkit import config as configuration
 from fsdpkit.cli.configargs import add_config_items, split_items
-from fsdpkit.doctor.api import NetworkOptions
 from fsdpkit.errors import UserError
+
+if TYPE_CHECKING:  # the library is imported by the command run, not by `fsdpkit --help`
+    from fsdpkit.doctor.api import NetworkOptions
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -55,6 +57,8 @@ def _network(args: argparse.Namespace) -> NetworkOptions | None:
         )
     if args.nnodes == 1 and not args.bandwidth and not args.rdzv_endpoint:
         return None
+    from fsdpkit.doctor.api import NetworkOptions
+
     return NetworkOptions(
         endpoint=args.rdzv_endpoint,
         nnodes=args.nnodes,
@@ -64,6 +68,7 @@ def _network(args: argparse.Namespace) -> NetworkOptions | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fsdpkit import config as configuration
     from fsdpkit.doctor import failed, format_report, report_dict, run_doctor
     from fsdpkit.planner.auto import auto_device
     from fsdpkit.runtime.distenv import default_nproc

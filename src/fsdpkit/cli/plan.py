@@ -19,16 +19,8 @@ import json
 import sys
 from typing import Any
 
-from fsdpkit import config as configuration
 from fsdpkit.cli.configargs import add_config_items, split_items
-from fsdpkit.devices import DEVICES, device_from
-from fsdpkit.planner import DEFAULT_MARGIN, plan
-from fsdpkit.planner.report import (
-    format_plan,
-    format_recommendation,
-    plan_dict,
-    recommendation_dict,
-)
+from fsdpkit.devices import DEFAULT_MARGIN, DEVICES, device_from
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -71,6 +63,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # here, not at the top: `fsdpkit --help` imports every command's module
+    from fsdpkit import config as configuration
+    from fsdpkit.planner import plan
+    from fsdpkit.planner.report import (
+        format_plan,
+        format_recommendation,
+        plan_dict,
+        recommendation_dict,
+    )
+
     path, overrides = split_items(args.items)
     cfg = configuration.load(path, overrides)
     device = device_from(name=args.device, memory=args.device_mem)

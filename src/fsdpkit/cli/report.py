@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fsdpkit.observe import write_report
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -35,6 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fsdpkit.observe import write_report
+
     page = write_report(args.run_dirs, out_dir=args.out)
     print(f"fsdpkit report: wrote {page}")
     return 0

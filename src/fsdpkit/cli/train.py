@@ -17,15 +17,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from fsdpkit import config as configuration
 from fsdpkit.cli.configargs import add_config_items, split_items
-from fsdpkit.config.toml import toml_value
 from fsdpkit.errors import UserError
-from fsdpkit.run.resolve import resolve
-from fsdpkit.runtime.distenv import bind_worker_lifetime, default_nproc, joined_env
-from fsdpkit.runtime.hangs import hang_timeout
-from fsdpkit.runtime.launch import SpawnOptions, spawn
+
+if TYPE_CHECKING:  # the library is imported by the command run, not by `fsdpkit --help`
+    from fsdpkit.config import RunConfig
+    from fsdpkit.run.resolve import Resolved
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -90,8 +89,13 @@ def _check_topology(args: argparse.Namespace, nproc: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fsdpkit.run.resolve import resolve
+    from fsdpkit.runtime.distenv import bind_worker_lifetime, default_nproc, joined_env
+
     if args.help_config:
-        print(configuration.describe())
+        from fsdpkit.config import describe
+
+        print(describe())
         return 0
     path, overrides = split_items(args.items)
     env = joined_env() if not args.slurm_script else None
@@ -109,10 +113,17 @@ def run(args: argparse.Namespace) -> int:
         _print_auto(resolved.auto_changes, note=resolved.auto_note)
     _check_capacity(resolved.config, nproc=nproc, nnodes=args.nnodes)
     _check_compile(resolved.config)
-    run_dir = Path(resolved.config.logging.run_dir)
+    return _launch(args, resolved, nproc=nproc)
+
+
+def _launch(args: argparse.Namespace, resolved: Resolved, *, nproc: int) -> int:
+    """Lock the run directory and spawn this node's workers."""
+    from fsdpkit.runtime.hangs import hang_timeout
+    from fsdpkit.runtime.launch import SpawnOptions, spawn
     from fsdpkit.runtime.rundir import check_run_dir
     from fsdpkit.runtime.runlock import acquire
 
+    run_dir = Path(resolved.config.logging.run_dir)
     check_run_dir(run_dir)
     opts = SpawnOptions(
         nproc=nproc,
@@ -134,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         return spawn(args.items, opts)
 
 
-def _check_capacity(cfg: configuration.RunConfig, *, nproc: int, nnodes: int) -> None:
+def _check_capacity(cfg: RunConfig, *, nproc: int, nnodes: int) -> None:
     from fsdpkit.devices import device_type, local_gpus
     from fsdpkit.runtime.capacity import capacity
 
@@ -145,7 +156,7 @@ def _check_capacity(cfg: configuration.RunConfig, *, nproc: int, nnodes: int) ->
     room.check_memory()
 
 
-def _check_compile(cfg: configuration.RunConfig) -> None:
+def _check_compile(cfg: RunConfig) -> None:
     """train.compile without inductor's toolchain fails before any worker starts (the
     doctor's check: fsdpkit.doctor.environment.check_compile)."""
     if not cfg.train.compile:
@@ -179,6 +190,8 @@ def _print_slurm_script(args: argparse.Namespace, nproc: int) -> int:
 
 
 def _print_auto(changes: dict[str, object], *, note: str | None) -> None:
+    from fsdpkit.config.toml import toml_value
+
     if note is not None:
         print(f"fsdpkit train: {note}")
         return

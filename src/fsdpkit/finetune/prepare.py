@@ -18,12 +18,11 @@ from fsdpkit.config import RunConfig
 from fsdpkit.finetune import lora as adapters
 from fsdpkit.finetune.errors import FinetuneError
 from fsdpkit.finetune.freeze import ParamCounts, set_trainable
-from fsdpkit.init import Initializer
+from fsdpkit.init import Initializer, default_init
 from fsdpkit.loss.router import router_spec
 from fsdpkit.models.accessors import is_norm
 from fsdpkit.precision import Precision
 from fsdpkit.sharding.blocks import choose_blocks
-from fsdpkit.sharding.materialize import default_init
 
 
 @dataclass(frozen=True)

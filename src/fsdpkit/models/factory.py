@@ -42,7 +42,6 @@ from torch import nn
 
 from fsdpkit.config import ModelConfig
 from fsdpkit.init import Initializer
-from fsdpkit.models import hf
 from fsdpkit.models.errors import ModelError
 from fsdpkit.models.hf_init import init_weights, own_initializer
 from fsdpkit.models.llama import Llama, LlamaConfig, preset
@@ -116,6 +115,7 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int, seed: int) -
 def _from_hf(
     path: str, *, vocab_size: int, seq_len: int, seed: int, init_missing: bool
 ) -> BuiltModel:
+    from fsdpkit.models import hf  # here: it imports DCP, which a built-in model never needs
 
     source = hf.read_hf_dir(path)
     hf.check_inputs(source, vocab_size=vocab_size, seq_len=seq_len)

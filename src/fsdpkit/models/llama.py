@@ -180,6 +180,16 @@ class RMSNorm(nn.Module):
         return (self.weight.float() * xf).to(x.dtype)
 
 
+def _on_meta() -> bool:
+    """Whether the model is being built under ``torch.device("meta")`` (the planner,
+    ``model.meta_init``). There ``nn.Embedding``'s ``normal_`` and ``arange`` run through
+    ``torch._refs``, whose first call imports ``torch._dynamo`` (~0.5 s of every
+    ``fsdpkit plan``), to compute values that materialization replaces anyway
+    (``param_init``, ``init_buffers``); so a meta build skips them. A CPU build computes
+    and draws exactly as before."""
+    return torch.get_default_device().type == "meta"
+
+
 def rope_tables(*, head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape (seq_len, head_dim) in HF's rotate-half layout."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -289,7 +299,8 @@ class LlamaBody(nn.Module):
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        weight = torch.empty(cfg.vocab_size, cfg.dim) if _on_meta() else None  # no normal_
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
 
@@ -307,7 +318,12 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        cos, sin = rope_tables(head_dim=cfg.head_dim, seq_len=cfg.max_seq_len, theta=cfg.rope_theta)
+        if _on_meta():  # values come from init_buffers() after materialization
+            cos, sin = (torch.empty(cfg.max_seq_len, cfg.head_dim) for _ in range(2))
+        else:
+            cos, sin = rope_tables(
+                head_dim=cfg.head_dim, seq_len=cfg.max_seq_len, theta=cfg.rope_theta
+            )
         # Non-persistent: not in the state dict, recomputed by init_buffers() after
         # meta-device materialization (garbage otherwise).
         self.register_buffer("rope_cos", cos, persistent=False)

@@ -6,10 +6,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from fsdpkit.checkpoint.staging import async_staging_bytes
 from fsdpkit.config import RunConfig
 from fsdpkit.data import host_bytes
-from fsdpkit.devices import Device
+from fsdpkit.devices import DEFAULT_MARGIN, Device, usable_bytes
 from fsdpkit.planner.analytic import analytic_memory
 from fsdpkit.planner.comm import comm_volume
 from fsdpkit.planner.errors import PlanError
@@ -17,17 +16,6 @@ from fsdpkit.planner.headmem import loss_buffer_peak
 from fsdpkit.planner.result import LossBuffers, MemoryPlan, Plan
 from fsdpkit.planner.scenario import Scenario, scenario
 from fsdpkit.planner.sizing import head_sizes
-
-DEFAULT_MARGIN = 0.10
-"""Share of device memory kept free: allocator fragmentation and what no model sees
-(the caching allocator typically reserves 5-15% above what tensors use)."""
-
-
-def usable_bytes(device: Device, *, margin: float) -> int | None:
-    """Memory tensors may use: device memory minus the runtime reserve and the margin."""
-    if device.memory is None:
-        return None
-    return int((device.memory - device.runtime_reserve) * (1.0 - margin))
 
 
 def decide_accum_sync(sc: Scenario, *, usable: int | None) -> Scenario:
@@ -83,7 +71,9 @@ def plan_scenario(
         other = analytic_memory(sc) if analytic else None
     else:
         memory = analytic_memory(sc)
-    if sc.async_checkpoint:
+    if sc.async_checkpoint:  # staging imports DTensor (~0.5 s), which a plan otherwise skips
+        from fsdpkit.checkpoint.staging import async_staging_bytes
+
         memory = replace(memory, staging_bytes=async_staging_bytes(memory.model_states))
     return Plan(
         scenario=sc,

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from fsdpkit.init import Initializer, run_init
-from fsdpkit.init import default_init as default_init  # re-exported: fsdpkit.finetune.prepare
 from fsdpkit.models.buffers import fresh_versions, kept_buffers, require_written, restore_buffers
 
 

@@ -7,8 +7,12 @@ calls the same functions, so a plan and a run cannot disagree on what they decid
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+if TYPE_CHECKING:  # FSDP2 is imported by shard(), not by the planner's rules below
+    from torch.distributed.fsdp import OffloadPolicy
 
 from fsdpkit import precision as presets
 from fsdpkit.config import ParallelConfig, PrecisionConfig
@@ -30,6 +34,8 @@ def resolve_precision(cfg: PrecisionConfig, *, device_type: str) -> Precision:
 
 def offload_policy(*, enabled: bool, device_type: str) -> OffloadPolicy:
     """CPU offload; pinned memory only where an accelerator exists (it fails without)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
     if not enabled:
         return OffloadPolicy()
     return CPUOffloadPolicy(pin_memory=device_type == "cuda")
