@@ -316,7 +316,8 @@ def check_planner(device: Device | None = None) -> list[Row]:
         err = (predicted - true) / true
         rows.append(Row("planner", f"plan vs max_memory_allocated: {name} (10%)",
                         f"measured {true / GiB:.2f} GiB, plan {predicted / GiB:.2f} GiB, "
-                        f"{err:+.1%} (before: {base / GiB:.2f} GiB)", abs(err) <= 0.10))  # fmt: skip
+                        f"{err:+.1%} (before: {base / GiB:.2f} GiB)",
+                        abs(err) <= 0.10))  # fmt: skip
     return rows
 
 

@@ -64,6 +64,9 @@ HF_MODELS = {
     "HQ": "qwen2",
     "HG": "gpt2",
     "HGe": "gemma",
+    # issue 36: mixture-of-experts families (4 experts, top 2; ffn is each expert's)
+    "HX": "mixtral",
+    "HQ3": "qwen3_moe",
 }
 HF_RUN = ["data.seq_len=128", "train.micro_batch_size=2"]
 
@@ -181,6 +184,11 @@ CASES = [
     Case("HG hf gpt2 full", 2, "HG", (FULL,)),
     Case("HG hf gpt2 full +AC", 2, "HG", (FULL, AC)),
     Case("HGe hf gemma full", 2, "HGe", (FULL,)),
+    # issue 36: MoE families, traced (experts' grouped GEMMs, the router loss's gathers)
+    Case("HX hf mixtral full", 2, "HX", (FULL,)),
+    Case("HX hf mixtral full +AC", 2, "HX", (FULL, AC)),
+    Case("HQ3 hf qwen3_moe full", 2, "HQ3", (FULL,)),
+    Case("HQ3 hf qwen3_moe full +AC", 2, "HQ3", (FULL, AC)),
     # issue 12: op-level selective checkpointing, beside none and full on the same model
     *(Case(f"ACT A {m}", 2, "A", (FULL, f"activations.mode={m}")) for m in ACT_MODES),
     Case("ACT A selective MHA", 2, "A", (FULL, SEL, "model.n_kv_heads=4")),

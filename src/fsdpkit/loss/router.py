@@ -169,7 +169,8 @@ class RouterLoss:
             shares = []
             for layer in logits:
                 chosen = torch.topk(layer.float(), self.spec.top_k, dim=-1).indices.reshape(-1)
-                counts = torch.bincount(chosen, minlength=self.spec.experts).float()
+                ones = torch.ones_like(chosen, dtype=torch.float32)  # not bincount: its size
+                counts = ones.new_zeros(self.spec.experts).index_add_(0, chosen, ones)  # is data's
                 shares.append(counts / counts.sum().clamp(min=1))
             return torch.cat(shares)
 

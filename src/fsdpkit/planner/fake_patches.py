@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch._subclasses import fake_impls
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp._fully_shard import _fully_shard as _fully_shard_module
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
@@ -132,9 +133,49 @@ def _untracked_dtensor_metadata() -> contextlib.AbstractContextManager[None]:
 
 
 @contextlib.contextmanager
+def _grouped_mm_any_dtype() -> Iterator[None]:
+    """[Note: grouped GEMMs under fake tensors]
+    transformers' mixture-of-experts layers run every expert in one ``torch._grouped_mm``
+    (``integrations/moe.py``), which torch runs in fp32 on CPU and in bf16 on GPUs; its
+    meta kernel, written from the CUDA kernel's checks, refuses anything but bf16, so a
+    traced fp32 step of a Mixtral or Qwen3-MoE stopped there. The output's size does
+    not depend on the offsets' values (one row per routed token, or one matrix per
+    expert for the weight gradient), so it is torch's own output rule
+    (``_create_grouped_mm_output_tensor``) without the dtype check, only for non-bf16
+    inputs; bf16 keeps torch's kernel."""
+    from torch import _meta_registrations
+
+    def applies(func: Any) -> bool:
+        return func is torch.ops.aten._grouped_mm.default
+
+    def output(mode: FakeTensorMode, func: Any, *args: Any, **kwargs: Any) -> Any:
+        a, b = args[0], args[1]
+        offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+        if a.dtype == torch.bfloat16:
+            return NotImplemented
+        with fake_impls.in_kernel_invocation_manager(mode):
+            out = _meta_registrations._create_grouped_mm_output_tensor(
+                a, b, offs, kwargs.get("out_dtype")
+            )
+        return FakeTensor(mode, out, a.fake_device)
+
+    entry = (applies, output)
+    fake_impls.op_implementations_checks.insert(0, entry)
+    try:
+        yield
+    finally:
+        fake_impls.op_implementations_checks.remove(entry)
+
+
+@contextlib.contextmanager
 def faithful_step() -> Iterator[None]:
     """The traced step allocates and masks as the real one: unpacked batches for
-    transformers' masks and the built-in Llama's alike, and DTensor's shape
-    bookkeeping kept out of the count (the three notes above)."""
-    with _unpacked_hf_batches(), _unpacked_positions(), _untracked_dtensor_metadata():
+    transformers' masks and the built-in Llama's alike, DTensor's shape bookkeeping
+    kept out of the count, and experts' grouped GEMMs in any dtype (the notes above)."""
+    with (
+        _unpacked_hf_batches(),
+        _unpacked_positions(),
+        _untracked_dtensor_metadata(),
+        _grouped_mm_any_dtype(),
+    ):
         yield

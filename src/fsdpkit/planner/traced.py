@@ -53,6 +53,7 @@ from fsdpkit.config import RunConfig, with_changes
 from fsdpkit.errors import UserError
 from fsdpkit.loss.contract import LossFn
 from fsdpkit.loss.head import ChunkedLoss
+from fsdpkit.loss.router import RouterLoss
 from fsdpkit.planner.analytic import late_free_spread
 from fsdpkit.planner.errors import PlanError, TraceError
 from fsdpkit.planner.fake_patches import faithful_step, real_meshes
@@ -181,7 +182,11 @@ def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
 
 def _grads_in_place(loss_fn: LossFn) -> LossFn:
     """A chunked loss that sums a tied head's gradient as the real run does (see the
-    module docstring), also inside context parallelism's slicing wrapper."""
+    module docstring), also inside context parallelism's slicing wrapper and the router
+    loss (in place there: its hooks on the trace's own model call that object)."""
+    if isinstance(loss_fn, RouterLoss):
+        loss_fn.inner = _grads_in_place(loss_fn.inner)
+        return loss_fn
     if isinstance(loss_fn, ContextParallelLoss):
         return dataclasses.replace(loss_fn, inner=_grads_in_place(loss_fn.inner))
     if isinstance(loss_fn, ChunkedLoss):
