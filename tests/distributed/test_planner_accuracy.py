@@ -1,7 +1,7 @@
 """The planner's predicted per-rank peak against the true peak of real CPU ranks.
 
 Three configurations of bench/plan_accuracy.py's matrix, two fine-tuning ones (LoRA;
-frozen leading blocks) and two model.hf ones (HF Llama, GPT-2) train real steps on 2
+frozen leading blocks) and three model.hf ones (HF Llama, GPT-2, Mixtral) train real steps on 2
 gloo ranks in one spawn; the true peak is c10's process-wide allocator count (see
 [Note: measuring CPU peaks]). The planner plans the quiet step, the one without a
 late-freed all-gather buffer ([Note: late frees]): the lowest of the measured steps.
@@ -55,9 +55,10 @@ STEPS = 3
 """Measured steady-state steps per configuration (the lowest is the quiet step)."""
 
 
-HF = {"hf llama +AC": ("llama", True), "hf gpt2": ("gpt2", False)}
-"""model.hf directories (issue 10): HF Llama is planned analytically too, GPT-2 is
-traced only."""
+HF = {"hf llama +AC": ("llama", True), "hf gpt2": ("gpt2", False), "hf mixtral": ("mixtral", False)}
+"""model.hf directories (issue 10): HF Llama is planned analytically too, GPT-2 and
+Mixtral (issue 36: grouped expert GEMMs, the router loss's gathered logits) are traced
+only."""
 TRACED_BOUND = 0.001
 """Traced plan vs the quiet step (measured worst 0.04%)."""
 ANALYTIC_BOUND = {"bf16 full": 0.015}

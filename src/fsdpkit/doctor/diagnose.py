@@ -15,6 +15,7 @@ from torch import nn
 from fsdpkit.config import RunConfig
 from fsdpkit.doctor.buffers import check_meta_buffers
 from fsdpkit.doctor.check import Check, fail, ok, skip
+from fsdpkit.doctor.experts import expert_checks
 from fsdpkit.doctor.model import plan_units, structure_checks
 from fsdpkit.errors import UserError
 from fsdpkit.models.factory import build_model
@@ -178,6 +179,7 @@ def model_checks(
             block_classes=cfg.parallel.block_classes,
             edge_units=cfg.parallel.edge_units,
         ),
+        *expert_checks(model, units, cfg),
         _safe_buffer_check(cfg, vocab=vocab, param_bytes=size // 3),
         *_plan_checks(cfg, world_size=world_size, device=device, trace=trace, vocab=vocab),
     ]

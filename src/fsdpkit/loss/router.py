@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdpkit.loss.contract import LossFn
+from fsdpkit.models.experts import expert_field
 from fsdpkit.models.hf_init import is_hf_model
 
 
@@ -86,9 +87,8 @@ def router_spec(model: nn.Module, *, coef: float | None = None) -> RouterSpec | 
         return None
     config = model.config  # type: ignore[union-attr]
     module = _modeling_module(model)
-    experts = _first(model, ("num_experts",)) or _first(
-        config, ("num_local_experts", "num_experts", "n_routed_experts")
-    )
+    field = expert_field(config)
+    experts = _first(model, ("num_experts",)) or (field[1] if field else None)
     top_k = _first(model, ("num_experts_per_tok",)) or _first(config, ("num_experts_per_tok",))
     family_coef = _first(model, ("router_aux_loss_coef",))
     if family_coef is None:

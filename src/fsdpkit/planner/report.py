@@ -9,6 +9,7 @@ import dataclasses
 from typing import Any
 
 from fsdpkit.config.toml import dotted_tables, dump_tables, toml_value
+from fsdpkit.models.experts import fmt_count
 from fsdpkit.planner.recommend import Candidate, Recommendation
 from fsdpkit.planner.result import CATEGORIES, PHASES, MemoryPlan, Plan
 from fsdpkit.planner.scenario import Scenario
@@ -46,12 +47,12 @@ def _mesh(sc: Scenario) -> str:
 
 def describe_scenario(sc: Scenario) -> str:
     m, n = sc.model, sc.num_params
-    params = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
+    params = f"{fmt_count(n)} params" if sc.experts is None else sc.experts.describe()
     n_blocks = len(sc.layout.blocks)
     shape = f"{m.n_layers} layers, d={m.dim}, vocab {m.vocab_size}" if m else f"{n_blocks} blocks"
     source = f"{sc.source}, " if sc.source else ""
     return (
-        f"{source}{params} params ({shape}); "
+        f"{source}{params} ({shape}); "
         f"{sc.world_size} ranks: {_mesh(sc)}, reshard_after_forward={sc.reshard_after_forward}; "
         f"{sc.precision}; {sc.micro_batch} x {sc.seq_len} tokens x {sc.grad_accum} accumulation; "
         f"{'selective ' if sc.ac_mode == 'selective' else ''}AC on "
@@ -216,6 +217,11 @@ def plan_dict(p: Plan) -> dict[str, Any]:
             "model": sc.model.to_dict() if sc.model is not None else None,
             "source": sc.source or None,
             "params": sc.num_params,
+            "experts": (
+                None
+                if sc.experts is None
+                else dataclasses.asdict(sc.experts) | {"active": sc.experts.active}
+            ),
             "device": dataclasses.asdict(sc.device),
         },
         "memory": dataclasses.asdict(p.memory),

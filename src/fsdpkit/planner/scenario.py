@@ -16,12 +16,14 @@ from fsdpkit.config import RunConfig, batch_split, parallel_dims, validate, vali
 from fsdpkit.data import is_dataset
 from fsdpkit.devices import Device
 from fsdpkit.errors import UserError
+from fsdpkit.models.experts import Experts
 from fsdpkit.models.factory import llama_shape
 from fsdpkit.models.hf import tokenizer_vocab_size, with_model_tokenizer
 from fsdpkit.models.llama import PRESETS, LlamaConfig
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.finetune_layout import finetune_layout, finetuned
 from fsdpkit.planner.layout import ModelLayout, Unit, llama_layout, units
+from fsdpkit.planner.moe import moe_notes
 from fsdpkit.planner.mparallel import check_layout, tp_layout, vocab_parallel
 from fsdpkit.planner.reference import reference_terms
 from fsdpkit.planner.user_models import BuiltPlanModel, planned_model
@@ -120,6 +122,8 @@ class Scenario:
     in the plan] in fsdpkit.planner.reference; 0: none)."""
     reference_forward: int = 0
     """What the reference's no-grad forward holds at its peak besides them."""
+    experts: Experts | None = None
+    """A mixture-of-experts model's routing and parameter census (None: dense)."""
 
     def edge(self, role: str) -> Unit | None:
         """The edge unit of ``role`` ("embedding", "norm", "head"), None if it is in the
@@ -294,6 +298,9 @@ def scenario(
     if dpo.rows_per_pair == 2:  # DPO's log-probs take full logits
         chunk = None
         notes += [dpo.note] if dpo.note else []
+    notes += moe_notes(
+        model.experts, model.router, dp=dims.dp, tokens=split.micro_batch * cfg.data.seq_len
+    )
     return Scenario(
         model=model.shape,
         world_size=world_size,
@@ -334,6 +341,7 @@ def scenario(
         vocab_parallel=split_vocab,
         reference_bytes=dpo.resident,
         reference_forward=dpo.forward,
+        experts=model.experts,
     )
 
 

@@ -62,7 +62,9 @@ from typing import Any
 from fsdpkit.config import RunConfig, with_changes
 from fsdpkit.errors import UserError
 from fsdpkit.loss.head import unsupported_reason
+from fsdpkit.loss.router import RouterSpec, router_spec
 from fsdpkit.models.accessors import input_vocab
+from fsdpkit.models.experts import Experts, experts_of
 from fsdpkit.models.factory import BuiltModel
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.planner.errors import PlanError
@@ -92,6 +94,10 @@ class BuiltPlanModel:
     chunked_why_not: str | None = None
     """Why the chunked loss cannot replace this model's loss (None: it can; the
     trainer's own rule, fsdpkit.loss.head.unsupported_reason)."""
+    experts: Experts | None = None
+    """Its routed experts (None: dense)."""
+    router: RouterSpec | None = None
+    """Its router loss as the trainer adds it (None: no router)."""
 
 
 def build_key(cfg: RunConfig, *, vocab: int | None, precision: str) -> tuple[object, ...]:
@@ -147,10 +153,11 @@ def _plan_model(cfg: RunConfig, *, vocab: int | None, precision: str) -> BuiltPl
     shape, why = _analytic_shape(hf_config, layout=layout, seq_len=cfg.data.seq_len)
     if shape is not None:
         layout = replace(layout, decoder_blocks=True, transformers_body=True)
+    experts = experts_of(model)
     if shape is not None:
         flops = shape.flops_per_token(cfg.data.seq_len)
-    else:  # 6 per parameter (fsdpkit.models.flops); its attention term needs the shape
-        flops = 6.0 * sum(p.numel() for p in model.parameters())
+    else:  # 6 per active parameter (fsdpkit.models.flops); attention needs the shape
+        flops = 6.0 * (experts.active if experts else sum(p.numel() for p in model.parameters()))
     custom = built.loss_fn is not None
     return BuiltPlanModel(
         layout=layout,
@@ -160,6 +167,8 @@ def _plan_model(cfg: RunConfig, *, vocab: int | None, precision: str) -> BuiltPl
         flops_per_token=flops,
         what=what,
         chunked_why_not=unsupported_reason(model, custom_loss=custom),
+        experts=experts,
+        router=router_spec(model, coef=cfg.model.router_aux_loss_coef),
     )
 
 

@@ -74,6 +74,7 @@ from torch.distributed.tensor.parallel import (
 from fsdpkit.config import RunConfig
 from fsdpkit.models.accessors import is_norm_class
 from fsdpkit.models.errors import ModelError
+from fsdpkit.models.experts import expert_field
 from fsdpkit.models.hf import read_hf_dir
 from fsdpkit.models.llama import Llama, preset
 from fsdpkit.sharding.context import check_cp_heads, heads_cp
@@ -136,24 +137,18 @@ def block_plan(model: nn.Module, *, tp: int) -> tuple[dict[str, str], str]:
     return _hf_block_plan(getattr(model, "config", None), name=type(model).__name__, tp=tp)
 
 
-EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-"""Config fields by which transformers' mixture-of-experts families count their experts."""
-
-
 def _experts(config: Any) -> str | None:
     """``"FIELD = N"`` where ``config`` describes a mixture-of-experts model, else None.
 
-    Read from the config, not from its ``base_model_tp_plan``: since transformers 5.25
-    Mixtral's and OLMoE's plans name only the attention projections (the experts moved
-    to ``base_model_ep_plan``), and Qwen2-MoE's / Qwen3-MoE's name a dense
-    ``mlp.gate_proj`` that their expert layers do not have. Such a plan would pass
-    the entry check and fail only once the model is built, after the processes start.
+    Read from the config (fsdpkit.models.experts), not from its ``base_model_tp_plan``:
+    since transformers 5.25 Mixtral's and OLMoE's plans name only the attention
+    projections (the experts moved to ``base_model_ep_plan``), and Qwen2-MoE's /
+    Qwen3-MoE's name a dense ``mlp.gate_proj`` that their expert layers do not have.
+    Such a plan would pass the entry check and fail only once the model is built,
+    after the processes start.
     """
-    for field in EXPERT_FIELDS:
-        count = getattr(config, field, None)
-        if isinstance(count, int) and not isinstance(count, bool) and count > 0:
-            return f"{field} = {count}"
-    return None
+    found = expert_field(config)
+    return f"{found[0]} = {found[1]}" if found else None
 
 
 def _hf_block_plan(config: Any, *, name: str, tp: int) -> tuple[dict[str, str], str]:

@@ -1,0 +1,81 @@
+"""What a plan says about a mixture-of-experts model, beyond its traced peak.
+
+[Note: routed activations in the plan]
+The traced step routes fake tokens, so its peak is one routing's. That is every
+routing's where the experts run as transformers' grouped (or batched) GEMMs: each MoE
+layer's expert inputs, intermediates and outputs are tokens x top_k rows however the
+router splits them (the per-expert group sizes change only the offsets), so the
+typical step (balanced or not) and the worst one (every token of a layer choosing the
+same experts) hold the
+same activation memory under FSDP. Measured on 2 gloo ranks by
+bench/moe_routing_memory.py (Mixtral and Qwen3-MoE, 4 experts, top 2): the median
+step peak and the trace are equal (0.00%) whether the busiest expert held 1.22-1.32x
+its balanced share or 2.0x (every token of a layer chose it, the worst top-2
+allows); the steps above the median (+0.8 to +1.2 MiB) fall at any load, balanced as
+well as collapsed: they are FSDP's late frees ([Note: late frees]), which the plan's
+reported spread covers, as on dense rows.
+With expert parallelism (issue 37) a rank's rows would follow the routing; there the
+bound has to be stated separately.
+
+The router loss (fsdpkit.loss.router) gathers every data rank's router logits, so its
+buffers grow with the data-parallel world: layers x dp x tokens x experts values per
+micro-batch on every rank, kept for backward when the loss counts. The traced peak
+includes them; the note gives their size so that a user planning a larger world sees
+the term that grows.
+"""
+
+from __future__ import annotations
+
+from fsdpkit.loss.router import RouterSpec
+from fsdpkit.models.experts import Experts, fmt_count
+
+ROUTING_FREE = ("grouped_mm", "batched_mm")
+"""transformers' experts kernels whose buffers do not depend on the routing."""
+LOGIT_BYTES = 4
+"""Bytes per gathered router value as the aux loss computes it (fp32 softmax)."""
+
+
+def moe_notes(
+    experts: Experts | None, router: RouterSpec | None, *, dp: int, tokens: int
+) -> tuple[str, ...]:
+    """The plan's notes for a MoE model (empty for a dense one); ``tokens`` per
+    micro-batch of one data-parallel rank."""
+    if experts is None:
+        return ()
+    rows = tokens * experts.top_k
+    notes = [
+        f"mixture of experts: memory and traffic count all {fmt_count(experts.total)} "
+        "parameters (FSDP shards, gathers and updates every expert), step time the "
+        f"{fmt_count(experts.active)} a token runs through",
+        _routed(experts, rows=rows, tokens=tokens),
+    ]
+    if router is not None and router.aux_fn is not None:
+        notes.append(_router_buffers(experts, router, dp=dp, tokens=tokens))
+    return tuple(notes)
+
+
+def _routed(experts: Experts, *, rows: int, tokens: int) -> str:
+    if experts.implementation in ROUTING_FREE:
+        return (
+            f"routed activations: each of the {experts.layers} MoE layers runs {rows} rows "
+            f"per micro-batch (tokens x top {experts.top_k}) as {experts.implementation} "
+            "GEMMs, whose buffers do not depend on the routing: the peak holds for balanced "
+            "and worst routing alike ([Note: routed activations in the plan])"
+        )
+    return (
+        f"routed activations: experts implementation {experts.implementation!r} sizes "
+        "each expert's buffers by its tokens; the plan traces one routing and does not "
+        f"bound the worst (every one of a layer's {tokens} tokens on one expert)"
+    )
+
+
+def _router_buffers(experts: Experts, router: RouterSpec, *, dp: int, tokens: int) -> str:
+    values = experts.layers * dp * tokens * experts.count
+    size = values * LOGIT_BYTES / 2**20
+    kept = "kept for backward" if router.coef else "freed at once (coefficient 0)"
+    return (
+        f"router loss: every rank gathers all {dp} data ranks' router logits, "
+        f"{experts.layers} layers x {dp} x {tokens} tokens x {experts.count} experts = "
+        f"{values:,} values ({size:.1f} MiB in fp32) per micro-batch, {kept}; this term "
+        "grows with the data-parallel world (in the traced peak)"
+    )
