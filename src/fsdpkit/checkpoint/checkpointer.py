@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from fsdpkit.checkpoint import commit
 from fsdpkit.checkpoint import resume as _resume
 from fsdpkit.checkpoint.errors import CheckpointError, save_failed
+from fsdpkit.checkpoint.gcpause import gc_paused
 from fsdpkit.checkpoint.layout import (
     checkpoints_root,
     list_entries,
@@ -234,7 +235,7 @@ class Checkpointer:
     def _write(self, job: _Job, state: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         try:
-            with quiet_single_process():
+            with quiet_single_process(), gc_paused():
                 dcp.save(state, storage_writer=job.writer, process_group=self._group)
         except BaseException as exc:  # DCP raises CheckpointException, a BaseException
             if isinstance(exc, KeyboardInterrupt | SystemExit):

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from fsdpkit.checkpoint.errors import CheckpointError, describe_failure
 from fsdpkit.checkpoint.frozen import FrozenBaseMismatch
+from fsdpkit.checkpoint.gcpause import gc_paused
 from fsdpkit.checkpoint.layout import (
     DCP_METADATA,
     complete_entries,
@@ -198,7 +199,7 @@ def load(
     )
     t0 = time.perf_counter()
     try:
-        with quiet_single_process():
+        with quiet_single_process(), gc_paused():
             dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
         reader.stats.load_s = time.perf_counter() - t0
     except (KeyboardInterrupt, SystemExit, FrozenBaseMismatch):
