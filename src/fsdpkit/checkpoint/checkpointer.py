@@ -25,7 +25,6 @@ outcome is broadcast, so every rank raises the same error or none (no rank hangs
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,7 +40,6 @@ from fsdpkit.checkpoint import resume as _resume
 from fsdpkit.checkpoint.errors import CheckpointError, save_failed
 from fsdpkit.checkpoint.gcpause import gc_paused
 from fsdpkit.checkpoint.layout import (
-    DELETING,
     checkpoints_root,
     list_entries,
     quiet_single_process,
@@ -67,23 +65,6 @@ class _Job:
     writer: ChecksumWriter
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds per step of the save (this rank): staging, write, checksum, fsync, commit."""
-
-
-def _set_aside(path: Path) -> Path:
-    """Rename a dropped checkpoint so that it is incomplete from now on (the original
-    path when the rename fails: it is then removed where it is)."""
-    aside = path.with_name(path.name + DELETING)
-    try:
-        remove_tree(aside)
-        path.rename(aside)
-    except OSError:
-        return path
-    return aside
-
-
-def _remove_all(paths: list[Path]) -> None:
-    for path in paths:
-        remove_tree(path)  # errors ignored: a failed delete never fails a save
 
 
 class Checkpointer:
@@ -113,9 +94,6 @@ class Checkpointer:
         self._group = dist.new_group(backend="gloo") if self._distributed else None
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[None] | None = None
-        self._cleanup: threading.Thread | None = None
-        """Rank 0's removal of checkpoints retention dropped ([Note: retention in the
-        background])."""
         self._last_step: int | None = None
         self._stager = Stager()
         self.last_blocking_s = 0.0
@@ -215,12 +193,6 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
-        self._join_cleanup()
-
-    def _join_cleanup(self) -> None:
-        cleanup, self._cleanup = self._cleanup, None
-        if cleanup is not None:
-            cleanup.join()
 
     def close(self) -> None:
         """``wait()``, then stop the background thread."""
@@ -347,12 +319,7 @@ class Checkpointer:
 
     def _apply_retention(self) -> None:
         """[Note: retention]; also removes leftovers of crashed saves (rank 0, no save
-        in flight at this point). [Note: retention in the background]: a dropped
-        checkpoint is renamed ``step-N.deleting`` here, which makes it incomplete at
-        once (resume never picks it; a later retention removes it as a leftover if this
-        process dies first), and its files are unlinked on a thread while training goes
-        on. Measured with bench/checkpoint_io.py (keep=1): the unlinks of the previous
-        checkpoint took ~0.1 s of a 0.5 s save, time every rank waited for rank 0."""
+        in flight at this point)."""
         entries = list_entries(self.root)
         doomed = set(
             steps_to_delete(
@@ -361,20 +328,11 @@ class Checkpointer:
                 keep_every=self.cfg.keep_every,
             )
         )
-        dropped = []
         for e in entries:
             leftover = not e.complete and e.path.name != step_dir_name(e.step)
-            if leftover:
+            if leftover or (e.complete and e.step in doomed):
                 log.info("checkpoint: removing %s", e.path.name)
                 remove_tree(e.path)  # errors ignored: a failed delete never fails a save
-            elif e.complete and e.step in doomed:
-                log.info("checkpoint: removing %s", e.path.name)
-                dropped.append(_set_aside(e.path))
-        if dropped:
-            self._cleanup = threading.Thread(
-                target=_remove_all, args=(dropped,), name="fsdpkit-ckpt-retention", daemon=True
-            )
-            self._cleanup.start()
 
     # ----------------------------------------------------------------------- resume
 

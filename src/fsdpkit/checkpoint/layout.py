@@ -36,9 +36,6 @@ from fsdpkit.checkpoint.untrusted import DCP_METADATA, read_metadata
 from fsdpkit.version import __version__
 
 META_FILE = "fsdpkit.json"
-DELETING = ".deleting"
-"""Suffix of a checkpoint that retention dropped and a thread is removing: incomplete
-by its name ([Note: retention in the background] in fsdpkit.checkpoint.checkpointer)."""
 FORMAT = "fsdpkit-checkpoint"
 VERSION = 1
 _NAME = re.compile(r"^step-(\d{8,})(\..+)?$")
