@@ -21,7 +21,7 @@ import torch
 from fsdpkit import build_mesh, make_grad_scaler, resolve_precision, shard
 from fsdpkit.config import RunConfig, load, mesh_shape
 from fsdpkit.loss.contract import next_token_loss
-from fsdpkit.sharding.grads import sync_mode
+from fsdpkit.sharding.policy import sync_mode
 from fsdpkit.testing import run_ranks
 from fsdpkit.trainable.optim import impl_kwargs, resolve_impl
 from fsdpkit.trainable.step import train_step

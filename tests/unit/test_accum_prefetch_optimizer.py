@@ -15,7 +15,7 @@ from fsdpkit.planner.auto import accum_sync_choice
 from fsdpkit.planner.recommend import recommend
 from fsdpkit.planner.scenario import scenario
 from fsdpkit.run.resolve import resolve
-from fsdpkit.sharding.grads import sync_mode
+from fsdpkit.sharding.policy import sync_mode
 from fsdpkit.trainable.optim import impl_kwargs, resolve_impl
 
 GiB = 2**30

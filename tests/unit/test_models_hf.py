@@ -105,7 +105,7 @@ def test_model_hf_config_conflicts_name_the_keys() -> None:
 
 def test_model_hf_directory_errors(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    from fsdpkit.models.hf import check_inputs, read_hf_dir
+    from fsdpkit.models.hf_dir import check_inputs, read_hf_dir
     from fsdpkit.testing.hf import write_tiny_model
 
     with pytest.raises(ModelError, match="does not exist"):

@@ -11,7 +11,7 @@ import pytest
 from torch import nn
 
 from fsdpkit.config import ConfigError, load, parallel_dims
-from fsdpkit.sharding.tensor import TensorParallelError, check_layout, check_model
+from fsdpkit.sharding.tensor_rules import TensorParallelError, check_layout, check_model
 from support import TINY, build
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdpkit.checkpoint.hf_weights import QuantizedCheckpointError, load_hf_weights
+from fsdpkit.checkpoint.hf_weights import load_hf_weights
+from fsdpkit.checkpoint.quantized import QuantizedCheckpointError
 from fsdpkit.config import ModelConfig, load
 from fsdpkit.errors import UserError
 from fsdpkit.models.factory import build_model

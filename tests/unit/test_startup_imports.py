@@ -51,7 +51,9 @@ def test_help_and_the_parser_import_no_torch() -> None:
 def test_plan_of_a_preset_imports_neither_dynamo_nor_the_checkpointer() -> None:
     """A 405B preset is planned from formulas on a meta model: no torch._dynamo (a meta
     nn.Embedding's normal_ and RoPE's arange imported it, ~0.5 s), no checkpoint
-    writer (the checkpoint face imported DCP's planners for the staging rule)."""
+    writer (the checkpoint face imported DCP's planners for the staging rule), and
+    neither DTensor (with sympy, ~0.5 s: the tp / cp rules lived beside the styles that
+    apply them), FSDP2 nor DCP (the HF directory checks lived beside the weight reader)."""
     code = (
         "import contextlib, io\n"
         "from fsdpkit.cli import main\n"
@@ -61,5 +63,11 @@ def test_plan_of_a_preset_imports_neither_dynamo_nor_the_checkpointer() -> None:
     )
     loaded = _loaded(code)
     assert "fsdpkit.planner.analytic" in loaded
-    for heavy in ("torch._dynamo", "fsdpkit.checkpoint.checkpointer"):
-        assert heavy not in loaded, heavy
+    heavy = (
+        "torch._dynamo",
+        "fsdpkit.checkpoint.checkpointer",
+        "torch.distributed.tensor",
+        "torch.distributed.fsdp",
+        "torch.distributed.checkpoint",
+    )
+    assert not [m for m in heavy if m in loaded]

@@ -15,16 +15,14 @@ from torch import nn
 from fsdpkit.config import load
 from fsdpkit.planner.layout import layout_of
 from fsdpkit.sharding import choose_blocks
-from fsdpkit.sharding.tensor import (
+from fsdpkit.sharding.tensor_rules import (
+    EXCLUDED,
     LLAMA_BLOCK,
     REPLICATED,
     TensorParallelError,
     block_plan,
     check_layout,
     check_model,
-)
-from fsdpkit.sharding.tensor_sequence import (
-    EXCLUDED,
     sequence_parallel_applies,
     sequence_parallel_block,
 )

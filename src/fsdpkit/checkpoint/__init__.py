@@ -14,6 +14,8 @@ Modules, each owning one thing:
     checkpointer  Checkpointer: save (sync/async), retention, resume
     resume        choose the checkpoint to resume from, precheck, load it
     hf_weights    load_hf_weights: HF safetensors into an already-sharded model
+    hf_convert    transformers' key conversions (fused experts) on the way in
+    quantized     quantized model directories, refused by their config.json
     fsdp1         FSDP1 checkpoints into an already-sharded model (``model.init_from``)
     summary       inspect / list data for the CLI
 

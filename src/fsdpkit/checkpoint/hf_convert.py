@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
 @dataclass
@@ -201,7 +200,11 @@ def _convert(
 
 def _experts_on_read(group: Group, param: torch.Tensor) -> Any | None:
     """transformers' shard-on-read for a group that stacks per-expert tensors along
-    dim 0 into one parameter split only along dim 0 (FSDP); None: read whole."""
+    dim 0 into one parameter split only along dim 0 (FSDP); None: read whole.
+    DTensor is imported here, not at the top: the planner reaches this module through
+    the models layer, and DTensor's import (~0.5 s) is most of a plan's start-up."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
     core = _transformers_loading()
     ops = getattr(group.converter, "operations", [])
     if not ops or not isinstance(ops[0], core.MergeModulelist) or ops[0].dim != 0:

@@ -19,7 +19,7 @@ from fsdpkit.doctor.experts import expert_checks
 from fsdpkit.doctor.model import plan_units, structure_checks
 from fsdpkit.errors import UserError
 from fsdpkit.models.factory import build_model
-from fsdpkit.models.hf import tokenizer_vocab_size
+from fsdpkit.models.hf_dir import tokenizer_vocab_size
 from fsdpkit.planner import PlanError, plan
 from fsdpkit.planner.report import fmt_bytes
 from fsdpkit.sharding import choose_blocks

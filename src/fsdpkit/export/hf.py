@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from fsdpkit.checkpoint.errors import CheckpointError
-from fsdpkit.models.hf import HF_FILES, HF_RUN_DIR
+from fsdpkit.models.hf_dir import HF_FILES, HF_RUN_DIR
 from fsdpkit.models.llama import LlamaConfig, preset
 
 log = logging.getLogger(__name__)

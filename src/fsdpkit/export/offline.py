@@ -36,7 +36,8 @@ from fsdpkit.export.hf import (
     hf_model_files,
     llama_config,
 )
-from fsdpkit.models.hf import construct, read_hf_dir
+from fsdpkit.models.hf import construct
+from fsdpkit.models.hf_dir import read_hf_dir
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 INDEX = "model.safetensors.index.json"

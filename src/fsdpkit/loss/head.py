@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
 
 from fsdpkit.data.batch import IGNORE_INDEX, SFTBatch
 from fsdpkit.errors import ConfigError
@@ -222,7 +221,11 @@ def vocab_shard(
 ) -> tuple[torch.Tensor, torch.Tensor | None, VocabShard | None]:
     """(weight, bias, None) for a whole head; for a head split by vocabulary over tp
     (a DTensor sharded on its rows, fsdpkit.sharding.tensor) its local rows, bias and
-    where they sit ([Note: vocabulary-parallel cross-entropy])."""
+    where they sit ([Note: vocabulary-parallel cross-entropy]). DTensor is imported
+    here, where a loss runs: the planner reads this module's rules, and DTensor's
+    import is most of a plan's start-up."""
+    from torch.distributed.tensor import DTensor, Shard
+
     if not isinstance(weight, DTensor):
         return weight, bias, None
     mesh = weight.device_mesh

@@ -43,6 +43,7 @@ from torch import nn
 from fsdpkit.config import ModelConfig
 from fsdpkit.init import Initializer
 from fsdpkit.models.errors import ModelError
+from fsdpkit.models.hf_dir import check_inputs, read_hf_dir
 from fsdpkit.models.hf_init import init_weights, own_initializer
 from fsdpkit.models.llama import Llama, LlamaConfig, preset
 
@@ -64,7 +65,7 @@ class BuiltModel:
     """How ``shard`` fills the parameters after materialization (None: fsdpkit's
     per-parameter init)."""
     hf: Any = None
-    """The ``fsdpkit.models.hf.HFSource`` of a ``model.hf`` model."""
+    """The ``fsdpkit.models.hf_dir.HFSource`` of a ``model.hf`` model."""
 
 
 def llama_shape(cfg: ModelConfig, *, vocab_size: int, seq_len: int) -> LlamaConfig:
@@ -117,8 +118,8 @@ def _from_hf(
 ) -> BuiltModel:
     from fsdpkit.models import hf  # here: it imports DCP, which a built-in model never needs
 
-    source = hf.read_hf_dir(path)
-    hf.check_inputs(source, vocab_size=vocab_size, seq_len=seq_len)
+    source = read_hf_dir(path)
+    check_inputs(source, vocab_size=vocab_size, seq_len=seq_len)
     module = hf.construct(source.config)
     return BuiltModel(
         module=module,

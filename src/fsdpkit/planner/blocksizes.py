@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdpkit.sharding.context import kv_repeat
+from fsdpkit.sharding.heads import kv_repeat
 
 ACT, TEMP, GRAD, LOGITS = "activations", "temporaries", "unsharded_grads", "logits_loss"
 XCHG = "exchange_buffers"
@@ -110,7 +110,7 @@ class Sizes:
     @property
     def nxe(self) -> int:
         """k or v as Ulysses's all-to-all sends it: kv heads that do not divide by cp are
-        repeated until they do first (fsdpkit.sharding.context.kv_repeat). Ring
+        repeated until they do first (fsdpkit.sharding.heads.kv_repeat). Ring
         attention sends none: ``nke``."""
         if self.cp == 1 or self.ring or self.kv_heads % self.cp == 0:
             return self.nke

@@ -28,7 +28,7 @@ from fsdpkit.models.accessors import input_embeddings, input_vocab, is_norm, out
 from fsdpkit.models.llama import DecoderLayer, Llama, LlamaConfig
 from fsdpkit.sharding import choose_blocks, unit_specs
 from fsdpkit.sharding.edges import edge_modules
-from fsdpkit.sharding.tensor_sequence import sequence_parallel_applies
+from fsdpkit.sharding.tensor_rules import sequence_parallel_applies
 from fsdpkit.sharding.units import block_specs
 
 Shape = tuple[int, int]
@@ -76,7 +76,7 @@ class ModelLayout:
     applies (fsdpkit.loss.head)."""
     plain_embedding: bool = True
     """The input embedding is a plain ``nn.Embedding``: with ``plain_head``, what lets
-    tensor parallelism split both by vocabulary (fsdpkit.sharding.tensor_edges.vocab_refusal)."""
+    tensor parallelism split both by vocabulary (fsdpkit.sharding.tensor_rules.vocab_refusal)."""
     embedding_rows: int = 0
     """The input embedding's rows (its vocabulary)."""
     edges: tuple[EdgeLayout, ...] = ()
@@ -86,7 +86,7 @@ class ModelLayout:
     splits them by name: fsdpkit.planner.mparallel)."""
     sequence_parallel: bool = False
     """Tensor parallelism would split its norms and residual stream by sequence (the
-    trainer's rule, fsdpkit.sharding.tensor_sequence.sequence_parallel_applies)."""
+    trainer's rule, fsdpkit.sharding.tensor_rules.sequence_parallel_applies)."""
     buffer_bytes: int = 0
     """The model's buffers, held for the whole run (the built-in Llama's RoPE tables,
     transformers' inverse frequencies)."""

@@ -67,9 +67,13 @@ from fsdpkit.errors import ConfigError
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.layout import ModelLayout, Shape
-from fsdpkit.sharding.context import heads_cp
-from fsdpkit.sharding.tensor import LLAMA_BLOCK, TensorParallelError, check_heads
-from fsdpkit.sharding.tensor_edges import vocab_refusal
+from fsdpkit.sharding.heads import heads_cp
+from fsdpkit.sharding.tensor_rules import (
+    LLAMA_BLOCK,
+    TensorParallelError,
+    check_heads,
+    vocab_refusal,
+)
 
 
 def _split(name: str, shape: Shape, tp: int) -> Shape:
@@ -99,7 +103,7 @@ def _split(name: str, shape: Shape, tp: int) -> Shape:
 
 def vocab_parallel(layout: ModelLayout, *, vocab: int, tp: int) -> bool:
     """Whether tensor parallelism splits the embedding and head by vocabulary (the
-    trainer's rule, fsdpkit.sharding.tensor_edges.vocab_refusal)."""
+    trainer's rule, fsdpkit.sharding.tensor_rules.vocab_refusal)."""
     return tp > 1 and (
         vocab_refusal(
             plain_embedding=layout.plain_embedding,
@@ -142,7 +146,7 @@ def check_layout(
     one paragraph naming the field. Heads divide by cp under Ulysses only (the
     trainer's ``heads_cp``). A model without a Llama shape (``model`` None: planned by
     tracing, [Note: planning any model]) is checked by the trainer's own rules instead:
-    on its config (fsdpkit.sharding.tensor.check_layout, called by the scenario) and
+    on its config (fsdpkit.sharding.tensor_rules.check_layout, called by the scenario) and
     when the trace builds it. (The world size, the node and data.seq_len are checked
     with the config: fsdpkit.config.dims.)"""
     if (tp == 1 and cp == 1) or model is None:

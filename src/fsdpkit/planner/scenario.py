@@ -18,7 +18,7 @@ from fsdpkit.devices import Device
 from fsdpkit.errors import UserError
 from fsdpkit.models.experts import Experts
 from fsdpkit.models.factory import llama_shape
-from fsdpkit.models.hf import tokenizer_vocab_size, with_model_tokenizer
+from fsdpkit.models.hf_dir import tokenizer_vocab_size, with_model_tokenizer
 from fsdpkit.models.llama import PRESETS, LlamaConfig
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.finetune_layout import finetune_layout, finetuned
@@ -27,9 +27,8 @@ from fsdpkit.planner.moe import moe_notes
 from fsdpkit.planner.mparallel import check_layout, tp_layout, vocab_parallel
 from fsdpkit.planner.reference import reference_terms
 from fsdpkit.planner.user_models import BuiltPlanModel, planned_model
-from fsdpkit.sharding.grads import SyncMode, sync_mode
-from fsdpkit.sharding.policy import reshard_after_forward
-from fsdpkit.sharding.tensor import check_layout as trainer_layout_check
+from fsdpkit.sharding.policy import SyncMode, reshard_after_forward, sync_mode
+from fsdpkit.sharding.tensor_rules import check_layout as trainer_layout_check
 from fsdpkit.trainable.optim import resolve_impl
 
 _UNCOUNTED_EXCHANGES = (

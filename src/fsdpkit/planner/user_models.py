@@ -69,7 +69,6 @@ from fsdpkit.models.factory import BuiltModel
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.layout import ModelLayout, layout_of
-from fsdpkit.trainable.build import build_unsharded
 
 ANALYTIC_HF_BLOCKS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer"}
 """HF model types whose decoder layer runs the ops of the analytic block model, and the
@@ -120,6 +119,9 @@ def built_for_plan(
     """The run's model as the trainer builds and prepares it ([Note: one builder], step
     1), on meta, in the planned precision. Its layout does not depend on the loss (the
     scenario plans train.chunked_loss), so the build keeps full logits."""
+    # here: the builder imports FSDP2 and DCP, which a preset's formulas never need
+    from fsdpkit.trainable.build import build_unsharded
+
     planned = with_changes(cfg, {"precision.mode": precision, "train.chunked_loss": "off"})
     return build_unsharded(planned, vocab_size=vocab or 1, device_type="cpu", shape=shape).built
 

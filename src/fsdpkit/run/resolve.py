@@ -20,7 +20,7 @@ from fsdpkit.config.io import load, with_changes
 from fsdpkit.config.schema import RunConfig
 from fsdpkit.config.validate import validate_for_world
 from fsdpkit.planner.auto import accum_sync_choice, auto_plan
-from fsdpkit.sharding.tensor import check_layout
+from fsdpkit.sharding.tensor_rules import check_layout
 
 
 @dataclass(frozen=True)

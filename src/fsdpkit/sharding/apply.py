@@ -40,8 +40,9 @@ from fsdpkit.models.hf_init import own_initializer
 from fsdpkit.sharding.activations import checkpoint_forward
 from fsdpkit.sharding.blocks import choose_blocks
 from fsdpkit.sharding.compile import compile_blocks, enable_async_tp
-from fsdpkit.sharding.context import CP_ATTENTION, apply_context_parallel, heads_cp
+from fsdpkit.sharding.context import apply_context_parallel
 from fsdpkit.sharding.edges import edge_modules
+from fsdpkit.sharding.heads import CP_ATTENTION, heads_cp
 from fsdpkit.sharding.materialize import is_meta, materialize
 from fsdpkit.sharding.mesh import cp_mesh, fsdp_mesh, tp_mesh
 from fsdpkit.sharding.policy import offload_policy, reshard_after_forward, resolve_precision

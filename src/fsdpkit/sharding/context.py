@@ -49,6 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdpkit.errors import ConfigError
 from fsdpkit.models.hf_init import is_hf_model
 from fsdpkit.models.llama import Attention, Llama, causal_attention, document_mask
+from fsdpkit.sharding.heads import check_cp_heads, kv_repeat
 from fsdpkit.sharding.ring import RingAttention, enable_ring
 
 HF_ATTENTION = "fsdpkit_context_parallel"
@@ -57,38 +58,6 @@ HF_ATTENTION = "fsdpkit_context_parallel"
 _EXCHANGE_ATTR = "_fsdpkit_context_parallel"
 """Attribute of a transformers attention module holding its ``UlyssesAttention`` or
 ``RingAttention``."""
-
-
-CP_ATTENTION = {
-    "ulysses": "Ulysses all-to-all",
-    "ring": "ring attention, head-tail chunks",
-}
-"""How each ``parallel.cp_attention`` splits attention, for the run's first lines."""
-
-
-def heads_cp(*, cp: int, attention: str) -> int:
-    """The cp degree every tp rank's heads must divide by: cp under Ulysses, which
-    splits heads over the cp ranks; 1 under ring attention, which keeps them whole."""
-    return 1 if attention == "ring" else cp
-
-
-def check_cp_heads(*, n_heads: int, cp: int, tp: int = 1) -> None:
-    """ConfigError unless every tensor-parallel rank's query heads divide by cp
-    ([Note: Ulysses context parallelism]); for validating a layout before launch."""
-    if n_heads % tp or (n_heads // tp) % cp:
-        raise ConfigError(
-            f"parallel.cp = {cp} must divide the attention heads on each rank: the model "
-            f"has {n_heads} query heads, {n_heads // max(tp, 1)} per rank at parallel.tp = "
-            f"{tp}, and context parallelism gives each cp rank an equal share of them "
-            "over the whole sequence. Choose a cp (and tp) whose product divides "
-            f"{n_heads}."
-        )
-
-
-def kv_repeat(*, q_heads: int, kv_heads: int, cp: int) -> int:
-    """The smallest repeat of the kv heads that divides by cp and into the q heads."""
-    rep = q_heads // kv_heads
-    return next(f for f in range(1, rep + 1) if rep % f == 0 and (kv_heads * f) % cp == 0)
 
 
 def sequence_to_heads(x: torch.Tensor, *, group: ProcessGroup, cp: int) -> torch.Tensor:

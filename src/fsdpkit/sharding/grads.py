@@ -26,21 +26,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-SyncMode = Literal["last", "every"]
-"""A resolved ``parallel.accum_sync`` (``auto`` is decided before the run starts)."""
-
-
-def sync_mode(accum_sync: str) -> SyncMode:
-    """The runtime's mode for a config value: ``auto`` left unresolved (no memory
-    budget was given, fsdpkit.planner.auto) means ``last``."""
-    return "every" if accum_sync == "every" else "last"
+from fsdpkit.sharding.policy import SyncMode
 
 
 @contextmanager

@@ -1,4 +1,5 @@
-"""From config sections to FSDP2 policies: precision, offload, resharding.
+"""From config sections to FSDP2 policies: precision, offload, resharding, gradient
+accumulation ([Note: accumulation modes] in fsdpkit.sharding.grads).
 
 The presets and strategies themselves live in ``fsdpkit.precision`` and
 ``fsdpkit.strategies``; this module applies them to a config and a device. The planner
@@ -7,7 +8,7 @@ calls the same functions, so a plan and a run cannot disagree on what they decid
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -74,3 +75,13 @@ def make_grad_scaler(
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     return ShardedGradScaler(device=device_type)
+
+
+SyncMode = Literal["last", "every"]
+"""A resolved ``parallel.accum_sync`` (``auto`` is decided before the run starts)."""
+
+
+def sync_mode(accum_sync: str) -> SyncMode:
+    """The runtime's mode for a config value: ``auto`` left unresolved (no memory
+    budget was given, fsdpkit.planner.auto) means ``last``."""
+    return "every" if accum_sync == "every" else "last"

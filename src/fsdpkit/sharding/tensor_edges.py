@@ -30,35 +30,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from fsdpkit.loss.head import output_head
 from fsdpkit.models.accessors import input_embeddings, output_embeddings
-
-
-def vocab_refusal(
-    *, plain_embedding: bool, plain_head: bool, vocab: int, embedding_rows: int, tp: int
-) -> str | None:
-    """Why the embedding and head stay whole over tp; None: both split by vocabulary
-    rows. The trainer and the planner ask this."""
-    if not plain_embedding:
-        return "the input embedding is not a plain nn.Embedding"
-    if not plain_head:
-        return "the output head is not a plain nn.Linear (a LoRA-wrapped head?)"
-    if vocab % tp or embedding_rows != vocab:
-        return f"the vocabulary ({vocab} rows) does not split evenly over tp = {tp}"
-    return None
-
-
-def vocab_parallel_refusal(model: nn.Module, *, tp: int) -> str | None:
-    """``vocab_refusal`` for ``model``'s embedding and head."""
-    embedding, head = input_embeddings(model), output_head(model)
-    rows = getattr(getattr(embedding, "weight", None), "shape", (0,))[0]
-    return vocab_refusal(
-        plain_embedding=type(embedding) is nn.Embedding,
-        plain_head=head is not None,
-        vocab=head.weight.shape[0] if head is not None else 0,
-        embedding_rows=rows,
-        tp=tp,
-    )
+from fsdpkit.sharding.tensor_rules import vocab_parallel_refusal
 
 
 def _edge_pair(model: nn.Module) -> tuple[nn.Module, nn.Module]:

@@ -31,7 +31,7 @@ from fsdpkit.runtime.runlock import RunLock, acquire
 from fsdpkit.runtime.signals import StopFlag, agreed_signal, describe_stop, install_stop_flag
 from fsdpkit.sharding.compile import compile_seconds
 from fsdpkit.sharding.context import local_attention
-from fsdpkit.sharding.grads import sync_mode
+from fsdpkit.sharding.policy import sync_mode
 from fsdpkit.train.generate import sample
 from fsdpkit.train.guards import check_finite
 from fsdpkit.train.progress import Progress

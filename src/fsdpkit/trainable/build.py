@@ -43,11 +43,11 @@ from fsdpkit.models.hf_init import is_hf_model
 from fsdpkit.models.llama import Llama, LlamaConfig
 from fsdpkit.precision import Precision
 from fsdpkit.sharding import ShardPlan, detect_blocks, resolve_precision, shard
-from fsdpkit.sharding.context import heads_cp
 from fsdpkit.sharding.context_batch import context_parallel_loss
+from fsdpkit.sharding.heads import heads_cp
 from fsdpkit.sharding.materialize import is_meta
 from fsdpkit.sharding.mesh import cp_mesh
-from fsdpkit.sharding.tensor import check_model
+from fsdpkit.sharding.tensor_rules import check_model
 from fsdpkit.trainable.optim import build_optimizer
 
 

@@ -32,7 +32,6 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from fsdpkit.config import TrainConfig
 
@@ -60,7 +59,10 @@ def impl_kwargs(impl: Impl) -> dict[str, Any]:
 
 def param_device_type(params: list[nn.Parameter]) -> str:
     """Where the optimizer step runs: the device of the (local shards of the)
-    parameters; the CPU with offload.params."""
+    parameters; the CPU with offload.params. (DTensor is imported here: the planner
+    reads ``resolve_impl`` and never builds an optimizer.)"""
+    from torch.distributed.tensor import DTensor
+
     if not params:
         return "cpu"
     p = params[0]

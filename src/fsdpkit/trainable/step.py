@@ -23,7 +23,8 @@ from torch import nn
 
 from fsdpkit.config import RunConfig, batch_split
 from fsdpkit.loss.contract import LossFn
-from fsdpkit.sharding.grads import SyncMode, clip_grad_norm_, micro_batch, sync_mode
+from fsdpkit.sharding.grads import clip_grad_norm_, micro_batch
+from fsdpkit.sharding.policy import SyncMode, sync_mode
 
 PHASES = ("forward", "backward", "optimizer step")
 """What ``mark`` is called with, in order, for each micro-batch (the last one only at
