@@ -10,6 +10,7 @@ Modules, each owning one thing:
     records       where a tensor's bytes sit inside a DCP item (no torch.load)
     untrusted     checksum-gated, restricted unpickling of ``.metadata``; safe planner
     retention     which complete checkpoints to delete (pure)
+    trash         dropped checkpoints set aside and removed on a thread
     state         Stateful adapters: model+optimizer, rank-local state, RNG streams
     checkpointer  Checkpointer: save (sync/async), retention, resume
     resume        choose the checkpoint to resume from, precheck, load it

@@ -19,7 +19,8 @@ buffers ([Note: staging buffers]) and a background thread writes those.  3. each
 sizes and crc32s (``.metadata``'s on rank 0) are gathered on rank 0.  4. rank 0 writes
 ``fsdpkit.json`` (fsync), renames to ``step-N`` and fsyncs the directory.  5. rank 0's
 outcome is broadcast, so every rank raises the same error or none (no rank hangs).
-6. rank 0 applies retention ([Note: retention]) while the others go on.
+6. rank 0 applies retention ([Note: retention]) while the others go on; dropped
+checkpoints are removed on a thread ([Note: retention in the background]).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from fsdpkit.checkpoint.layout import (
 from fsdpkit.checkpoint.retention import steps_to_delete
 from fsdpkit.checkpoint.staging import Stager
 from fsdpkit.checkpoint.state import state_info
+from fsdpkit.checkpoint.trash import Remover, set_aside
 from fsdpkit.checkpoint.writer import ChecksumWriter
 from fsdpkit.config import CheckpointConfig
 
@@ -95,6 +97,7 @@ class Checkpointer:
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[None] | None = None
         self._last_step: int | None = None
+        self._remover = Remover(self.root)
         self._stager = Stager()
         self.last_blocking_s = 0.0
         self.last_total_s = 0.0
@@ -193,6 +196,7 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
+        self._remover.join()
 
     def close(self) -> None:
         """``wait()``, then stop the background thread."""
@@ -328,11 +332,14 @@ class Checkpointer:
                 keep_every=self.cfg.keep_every,
             )
         )
+        self._remover.join()
         for e in entries:
             leftover = not e.complete and e.path.name != step_dir_name(e.step)
             if leftover or (e.complete and e.step in doomed):
                 log.info("checkpoint: removing %s", e.path.name)
-                remove_tree(e.path)  # errors ignored: a failed delete never fails a save
+                if not set_aside(e.path, root=self.root):
+                    remove_tree(e.path)  # errors ignored: a failed delete never fails a save
+        self._remover.start()
 
     # ----------------------------------------------------------------------- resume
 
