@@ -11,10 +11,12 @@ the time limit and preemption is [Note: SLURM stop and requeue].
   also arrives when a job is cancelled). Every rank saves the step it is on and exits
   128 + SIG (138 for SIGUSR1, 143 for SIGTERM) ([Note: agreeing to stop]).
 - ``scancel --signal=TERM`` / ``--signal=USR1`` (a preemption warning): the same.
-- With ``requeue``, a step that ended with one of those two codes had saved: the
-  script requeues its own job (``scontrol requeue $SLURM_JOB_ID``), which starts
-  again later under the same job id and resumes from that checkpoint
-  (``checkpoint.resume = auto``, the default).
+- With ``requeue``, a step that ended with one of those two codes and left a newer
+  complete checkpoint in the run dir than it started with: the script requeues its own
+  job (``scontrol requeue $SLURM_JOB_ID``), which starts again later under the same job
+  id and resumes from that checkpoint (``checkpoint.resume = auto``, the default). A
+  signal before the first step saves nothing, and a requeue would only repeat that (a
+  loop, found with ``--time=1 --grace=50``): the script says so and ends instead.
 - ``scontrol requeue`` from outside (an admin, a preempting scheduler): slurmd sends
   SIGTERM to every step, and waits KillWait before SIGKILL; the ranks save as above
   and the job comes back by itself. srun forwards the SIGTERM it gets to the same
@@ -158,29 +160,50 @@ def render(spec: JobSpec) -> str:
         "terminated=0",
         "trap 'terminated=1' TERM",
         'echo "fsdpkit slurm: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on '
-        '$SLURM_JOB_NODELIST"',
+        '${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-?}}"',
         "# MASTER_ADDR / MASTER_PORT default to the first node and 10000 + job id mod",
         "# 10000; export them here to choose others.",
+        *(_newest_line("before", spec.run_dir) if spec.requeue and spec.run_dir else []),
         f"srun --kill-on-bad-exit=1 {command}",
         "code=$?",
         "# A node that failed under the job: name it (srun's own lines may not).",
         'if [ "$code" -ne 0 ]; then',
-        '    down=$(sinfo -h -N -n "$SLURM_JOB_NODELIST" -t down,drain,fail,no_respond \\',
+        '    down=$(sinfo -h -N -n "${SLURM_JOB_NODELIST:-}" -t down,drain,fail,no_respond \\',
         """        -o '%N (%T: %E)' 2>/dev/null | sort -u | paste -sd ',' -)""",
         '    [ -n "$down" ] && echo "fsdpkit slurm: node(s) of this job down: $down"',
         "fi",
     ]
-    if spec.requeue:
-        codes = sorted(SAVED_CODES.values())
-        body += [
-            f"# {' or '.join(map(str, codes))}: a stop signal saved the current step; unless SLURM",
-            "# is ending the job itself (it requeues a requeued job), come back and resume.",
-            f'case "$terminated:$code" in {"|".join(f"0:{c}" for c in codes)})',
-            '    echo "fsdpkit slurm: step saved (exit $code): requeueing job $SLURM_JOB_ID"',
-            '    scontrol requeue "$SLURM_JOB_ID" ;;',
-            "esac",
-        ]
+    if spec.requeue and spec.run_dir is not None:
+        body += _requeue_lines(spec.run_dir)
     return "\n".join([*head, *body, "exit $code", ""])
+
+
+def _newest_line(var: str, run_dir: Path) -> list[str]:
+    """Shell: ``var`` = the newest complete checkpoint of the run ([Note: completion
+    marker]: zero-padded step directories holding fsdpkit.json)."""
+    pattern = shlex.quote(str(run_dir / "checkpoints")) + "/step-*[0-9]/fsdpkit.json"
+    return [f"{var}=$(ls -d {pattern} 2>/dev/null | sort | tail -n 1)"]
+
+
+def _requeue_lines(run_dir: Path) -> list[str]:
+    """Shell: requeue this job after a stop signal that saved a new checkpoint, unless
+    SLURM is ending the job itself ([Note: SLURM stop and requeue]). No new checkpoint
+    (the signal came before the first step): requeueing would only repeat that."""
+    codes = sorted(SAVED_CODES.values())
+    return [
+        f"# {' or '.join(map(str, codes))}: a stop signal; with a new checkpoint, come back and",
+        "# resume from it (unless SLURM is ending the job: it requeues a requeued job itself).",
+        *_newest_line("after", run_dir),
+        f'case "$terminated:$code" in {"|".join(f"0:{c}" for c in codes)})',
+        '    if [ -n "$after" ] && [ "$after" != "$before" ]; then',
+        '        echo "fsdpkit slurm: step saved (exit $code): requeueing job $SLURM_JOB_ID"',
+        '        scontrol requeue "$SLURM_JOB_ID"',
+        "    else",
+        '        echo "fsdpkit slurm: stopped (exit $code) with no new checkpoint: not requeueing'
+        ' (the signal came before a step finished: raise --time or lower --grace)"',
+        "    fi ;;",
+        "esac",
+    ]
 
 
 def write_and_submit(spec: JobSpec) -> tuple[Path, int]:

@@ -96,13 +96,19 @@ class SlurmCluster:
         return ["ip", "netns", "exec", self.net.switch, *argv]
 
     def run(
-        self, argv: Sequence[str], *, check: bool = True, timeout: float = 30, **kw: object
+        self,
+        argv: Sequence[str],
+        *,
+        check: bool = True,
+        timeout: float = 30,
+        cwd: Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> subprocess.CompletedProcess[str]:
         """A client command (sbatch, scontrol, ...) on the login node."""
-        env = self.env(kw.pop("env", None))  # type: ignore[arg-type]
         result = subprocess.run(
-            self.login(argv), env=env, capture_output=True, text=True, timeout=timeout, **kw
-        )  # type: ignore[call-overload]
+            self.login(argv), env=self.env(env), cwd=cwd, capture_output=True, text=True,
+            timeout=timeout,
+        )  # fmt: skip
         if check and result.returncode != 0:
             raise SlurmClusterError(
                 f"{' '.join(argv)} exited {result.returncode}: {result.stderr.strip()}"
