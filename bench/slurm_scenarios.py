@@ -44,16 +44,29 @@ def run(repeat: int) -> dict[str, Any]:
     return {"rows": rows, "pytest": summary, "counts": counts, "repeat": repeat}
 
 
-def _table(rows: list[dict[str, str]]) -> str:
+def _table(rows: list[dict[str, str]], *, repeat: int) -> str:
+    """One line per scenario (its first run); a repeated one says how many runs passed
+    (a run that failed records no row)."""
     lines = ["| scenario | what happens | how long | command |", "| --- | --- | --- | --- |"]
-    seen: set[str] = set()
+    runs: dict[str, list[dict[str, str]]] = {}
     for row in rows:
-        if row["scenario"] in seen:  # a repeated scenario: its first row
-            continue
-        seen.add(row["scenario"])
-        lines.append(f"| {row['scenario']} | {row['happens']} | {row['seconds']} | "
+        runs.setdefault(row["scenario"], []).append(row)
+    for name, mine in runs.items():
+        row = mine[0]
+        passed = f" ({len(mine)} of {repeat} runs passed)" if len(mine) > 1 else ""
+        lines.append(f"| {name} | {row['happens']} | {_spans(mine)}{passed} | "
                      f"`{row['command']}` |")  # fmt: skip
     return "\n".join(lines)
+
+
+def _spans(rows: list[dict[str, str]]) -> str:
+    """The first run's "how long" with each of its numbers as the span over all runs
+    (``saved 0.5-2.1 s ...``)."""
+    number = re.compile(r"\d+\.\d+")
+    columns = list(zip(*(map(float, number.findall(r["seconds"])) for r in rows), strict=True))
+    spans = iter(f"{min(c):.1f}" if min(c) == max(c) else f"{min(c):.1f}-{max(c):.1f}"
+                 for c in columns)  # fmt: skip
+    return number.sub(lambda _: next(spans), rows[0]["seconds"])
 
 
 def render(results: dict[str, Any]) -> str:
@@ -65,7 +78,7 @@ def render(results: dict[str, Any]) -> str:
         + f" pytest: {counts.get('passed', 0)} passed, {counts.get('failed', 0)} failed{runs}"
         + "; times from a machine other jobs were loading."
     )
-    return head + "\n\n" + _table(results["rows"]) + "\n"
+    return head + "\n\n" + _table(results["rows"], repeat=repeat) + "\n"
 
 
 def main() -> None:

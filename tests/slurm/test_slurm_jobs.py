@@ -151,12 +151,14 @@ def test_preemption_signal_saves_the_step_and_requeues(
     )
 
 
-@pytest.mark.parametrize("how", ["down", "crash"])
+@pytest.mark.parametrize("how", ["down", pytest.param("crash", marks=pytest.mark.slow)])
 def test_a_lost_node_ends_the_run_naming_it(
     slurm: SlurmCluster, reference: dict, tmp_path: Path, record, how: str
 ) -> None:
-    """The job (--requeue) ends its run, names the node, SLURM requeues it, and it
-    resumes from the newest checkpoint, which verifies, to the reference's losses."""
+    """The job (--requeue) ends its run, names the node, SLURM requeues it; the newest
+    checkpoint verifies. After a crash (slow: slurmctld notices a silent node ~20 s
+    later) the job is also run again: it resumes from that checkpoint to the
+    reference's losses."""
     run_dir = tmp_path / f"node-{how}"
     job = submit(slurm, run_dir, nodes=2, tasks=1, env=SLOW, more=("checkpoint.every=2",))
     wait_for_step(run_dir, 3)
@@ -186,18 +188,23 @@ def test_a_lost_node_ends_the_run_naming_it(
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert verify.returncode == 0, verify.stdout + verify.stderr
-    slurm.release(job)
-    done = slurm.wait(job)
-    assert done["JobState"] == "COMPLETED", f"{done}\n{job_log(run_dir, job)}"
-    assert losses(run_dir)[-3:] == reference["losses"][-3:]
+    if how == "crash":
+        slurm.release(job)
+        done = slurm.wait(job)
+        assert done["JobState"] == "COMPLETED", f"{done}\n{job_log(run_dir, job)}"
+        assert losses(run_dir)[-3:] == reference["losses"][-3:]
     what = "set DOWN (`scontrol update state=down`)" if how == "down" else (
         "crashed: every process on it SIGKILLed, slurmd included"
     )  # fmt: skip
     record(
         scenario=f"node 1 {what} mid-run",
         happens=f"the run ends and SLURM requeues the job; its log names fsdpk-node1; the "
-        f"newest checkpoint (step {steps[-1]}) verifies; the job resumes from it to the "
-        "same final losses",
+        f"newest checkpoint (step {steps[-1]}) verifies"
+        + (
+            "; run again, the job resumes from it to the same final losses (slow test)"
+            if how == "crash"
+            else ""
+        ),
         seconds=f"run over {ended:.1f} s after",
         command="scontrol update nodename=NODE state=down reason=..."
         if how == "down"
