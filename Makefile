@@ -30,7 +30,10 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/fsdpkit train
 
+# tests/slurm needs slurmctld, slurmd and munge: installed with apt-get as root when
+# missing (the SLURM tests skip, saying why, where this cannot be done).
 test: $(STAMP)
+	bash tests/slurm/install.sh
 	$(PY) -m pytest -q tests -m "not slow" --durations=25
 
 test-all: $(STAMP)

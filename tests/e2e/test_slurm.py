@@ -76,6 +76,7 @@ def test_slurm_script_runs_and_equals_a_spawned_run(tmp_path: Path) -> None:
         SLURM_NTASKS="2",
         SLURM_NNODES="1",
         SLURM_NODELIST=socket.gethostname(),
+        SLURM_JOB_NODELIST=socket.gethostname(),
         SLURM_TASKS_PER_NODE="2",
         SLURM_JOB_NUM_NODES="1",
     )

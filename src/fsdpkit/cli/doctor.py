@@ -55,9 +55,17 @@ def _network(args: argparse.Namespace) -> NetworkOptions | None:
             f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, the same on every node "
             "(an address of one node that all nodes can reach, and a free port)."
         )
+    from fsdpkit.doctor.api import NetworkOptions
+
+    if args.nnodes == 1 and not args.rdzv_endpoint:
+        from fsdpkit.doctor.slurmjob import network_options
+
+        found = network_options(os.environ)  # one srun task per node: SLURM's endpoint
+        if found is not None:
+            endpoint, nnodes, node_rank = found
+            return NetworkOptions(endpoint, nnodes, node_rank, timeout_s=args.timeout)
     if args.nnodes == 1 and not args.bandwidth and not args.rdzv_endpoint:
         return None
-    from fsdpkit.doctor.api import NetworkOptions
 
     return NetworkOptions(
         endpoint=args.rdzv_endpoint,

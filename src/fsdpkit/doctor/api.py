@@ -26,6 +26,7 @@ from fsdpkit.doctor.network import (
     exchange,
     parse_endpoint,
 )
+from fsdpkit.doctor.slurmjob import slurm_checks
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ def run_doctor(
         ),
         "environment",
     )
+    checks += _tag(slurm_checks(environ), "slurm")
     checks += _tag(dataset_checks(cfg), "data")
     checks += _tag(model_part, f"model (world size {world_size})")
     if network is not None:

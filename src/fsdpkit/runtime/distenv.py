@@ -174,7 +174,8 @@ def write_error(exc: BaseException, *, rank: int, user: bool) -> None:
         }
         (directory / f"rank-{rank}-attempt-{attempt}.json").write_text(json.dumps(record))
     elif rank == 0 or not user:
-        print(f"fsdpkit train: rank {rank}: error: {message}", file=sys.stderr, flush=True)
+        lost = None if user else slurm.lost_node(str(exc), os.environ)  # [Note: lost node]
+        print(f"fsdpkit train: rank {rank}: error: {lost or message}", file=sys.stderr, flush=True)
 
 
 def report_outcome(*, signum: int | None, note: str) -> None:

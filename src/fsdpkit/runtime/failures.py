@@ -190,13 +190,24 @@ def newest_checkpoint_note(run_dir: Path | None) -> str:
 _PEER = re.compile(r"by peer \[?([0-9A-Za-z:.%-]+?)\]?:(\d+)")
 
 
-def describe_lost_node(message: str, *, local_ranks: list[int], world_size: int) -> str:
+def lost_peer(message: str) -> str | None:
+    """The peer address in a lost-peer message's first line (gloo names it)."""
+    first = message.strip().splitlines()[0] if message.strip() else ""
+    peer = _PEER.search(first)
+    return peer.group(1) if peer else None
+
+
+def describe_lost_node(
+    message: str, *, local_ranks: list[int], world_size: int, name: str | None = None
+) -> str:
     """One paragraph for a node whose ranks failed only because a peer on another
-    node went away ([Note: lost node])."""
+    node went away ([Note: lost node]); ``name``: that node's host name, if known."""
     first = message.strip().splitlines()[0] if message.strip() else "?"
     peer = _PEER.search(first)
     others = sorted(set(range(world_size)) - set(local_ranks))
     where = f"the node at {peer.group(1)}" if peer else "another node of the job"
+    if peer and name:
+        where = f"node {name} at {peer.group(1)}"
     ranks = f" (ranks {', '.join(map(str, others))})" if others else ""
     said = f"connection closed by peer {peer.group(1)}:{peer.group(2)}" if peer else first[:200]
     return (

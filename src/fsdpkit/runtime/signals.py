@@ -11,7 +11,7 @@ per step and all ranks agree before acting.
 training group) at the same point of every step: if any rank was signalled, every
 rank learns the same signal number, saves the current step with
 ``Checkpointer.save(step, state, blocking=True)``, calls ``wait()`` and exits with
-``128 + signum`` (143 SIGTERM, 130 SIGINT, 129 SIGHUP), as a process ended by that
+``128 + signum`` (143 SIGTERM, 130 SIGINT, 129 SIGHUP, 138 SIGUSR1), as a process ended by that
 signal would. Without the all-reduce one rank would enter the save's collectives
 while the others enter the next step's all-gathers, and the job hangs until the
 collective timeout.
@@ -37,8 +37,11 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-"""Signals that stop a run at the next step boundary with a checkpoint."""
+from fsdpkit.runtime import slurm
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+"""Signals that stop a run at the next step boundary with a checkpoint (SIGUSR1: a
+scheduler's warning before the time limit, ``sbatch --signal=USR1@GRACE``; exit 138)."""
 
 
 class StopFlag:
@@ -50,6 +53,9 @@ class StopFlag:
         self.on_second: Callable[[int], None] | None = None
         """Called (in the handler) before a second signal ends the process; e.g. to say
         what happened."""
+        self.repeat_is_second = True
+        """Whether the first signal arriving again counts as a second one; not in a SLURM
+        task ([Note: repeated SLURM signals] in fsdpkit.runtime.slurm)."""
 
     def __call__(self) -> bool:
         return self.signum is not None
@@ -63,6 +69,8 @@ class StopFlag:
             silence_terminal()
         if self.signum is None:
             self.signum = signum
+            return
+        if signum == self.signum and not self.repeat_is_second:
             return
         if self.on_second is not None:
             self.on_second(signum)
@@ -95,6 +103,7 @@ def install_stop_flag(*, signals: tuple[int, ...] = STOP_SIGNALS) -> StopFlag:
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("install_stop_flag must be called from the main thread")
     flag = StopFlag()
+    flag.repeat_is_second = not slurm.in_task(os.environ)
     for sig in signals:
         signal.signal(sig, flag._handle)
     return flag
@@ -133,5 +142,9 @@ def any_rank(
 
 def describe_stop(signum: int) -> str:
     """``SIGINT (Ctrl-C)`` and friends, for messages."""
-    extra = {int(signal.SIGINT): " (Ctrl-C)", int(signal.SIGHUP): " (terminal closed)"}
+    extra = {
+        int(signal.SIGINT): " (Ctrl-C)",
+        int(signal.SIGHUP): " (terminal closed)",
+        int(signal.SIGUSR1): " (the time limit is near)",
+    }
     return signal.Signals(signum).name + extra.get(int(signum), "")
