@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 
 from fsdpkit.loss.head import output_head
 from fsdpkit.models.accessors import input_embeddings, output_embeddings
+from fsdpkit.sharding.pipeline_parts import StageInput, StageOutput
 
 
 def vocab_refusal(
@@ -49,28 +50,34 @@ def vocab_refusal(
 
 
 def vocab_parallel_refusal(model: nn.Module, *, tp: int) -> str | None:
-    """``vocab_refusal`` for ``model``'s embedding and head."""
-    embedding, head = input_embeddings(model), output_head(model)
+    """``vocab_refusal`` for ``model``'s embedding and head (those a pipeline stage
+    holds: [Note: stage modules] in fsdpkit.sharding.pipeline_parts)."""
+    embedding, head = _edge_pair(model)
+    plain = output_head(model) if head is not None else None
     rows = getattr(getattr(embedding, "weight", None), "shape", (0,))[0]
     return vocab_refusal(
-        plain_embedding=type(embedding) is nn.Embedding,
-        plain_head=head is not None,
-        vocab=head.weight.shape[0] if head is not None else 0,
-        embedding_rows=rows,
+        plain_embedding=embedding is None or type(embedding) is nn.Embedding,
+        plain_head=head is None or plain is not None,
+        vocab=plain.weight.shape[0] if plain is not None else rows,
+        embedding_rows=rows if embedding is not None else (plain.weight.shape[0] if plain else 0),
         tp=tp,
     )
 
 
-def _edge_pair(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+def _edge_pair(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
     """The input embedding and the output head, which every model split over tp has
-    (the tied-head and chunked-loss checks found them before)."""
+    (the tied-head and chunked-loss checks found them before); None for the one a
+    pipeline stage leaves to another stage (its ``StageInput`` / ``StageOutput``)."""
     embedding, head = input_embeddings(model), output_embeddings(model)
     if embedding is None or head is None:
         raise ValueError(
             f"{type(model).__name__} has no input embedding or no output head "
             "(get_input_embeddings / get_output_embeddings) for tensor parallelism to lay out."
         )
-    return embedding, head
+    return (
+        None if isinstance(embedding, StageInput) else embedding,
+        None if isinstance(head, StageOutput) else head,
+    )
 
 
 def _vocab_parallel(
@@ -82,14 +89,17 @@ def _vocab_parallel(
     reads the local rows: fsdpkit.loss.chunked_ce). A tied pair is one Shard(0)
     parameter, tied again after both are split."""
     embedding, head = _edge_pair(model)
-    tied = head.weight is embedding.weight
-    parallelize_module(
-        embedding, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=out)
-    )
-    parallelize_module(head, mesh, ColwiseParallel(input_layouts=into, output_layouts=Replicate()))
+    tied = head is not None and embedding is not None and head.weight is embedding.weight
+    if embedding is not None:
+        parallelize_module(
+            embedding, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=out)
+        )
+        embedding.register_forward_hook(_waited)
+    if head is not None:
+        style = ColwiseParallel(input_layouts=into, output_layouts=Replicate())
+        parallelize_module(head, mesh, style)
     if tied:
-        head.weight = embedding.weight
-    embedding.register_forward_hook(_waited)
+        head.weight = embedding.weight  # type: ignore[union-attr]
 
 
 def _waited(_module: nn.Module, _args: Any, output: Any) -> Any:
@@ -108,19 +118,20 @@ def _whole(model: nn.Module, *, mesh: DeviceMesh, out: Shard | Replicate) -> Non
     """Under sequence parallelism, an embedding and head kept whole: the embedding's
     output laid out ``out``; the head gets the whole sequence."""
     embedding, head = _edge_pair(model)
-    if out != Replicate():
+    if out != Replicate() and embedding is not None:
         parallelize_module(
             embedding,
             mesh,
             PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=out),
         )
-    parallelize_module(
-        head,
-        mesh,
-        PrepareModuleInput(
-            input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
-        ),
-    )
+    if head is not None:
+        parallelize_module(
+            head,
+            mesh,
+            PrepareModuleInput(
+                input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
+            ),
+        )
 
 
 _SPLIT = "_fsdpkit_sequence_shard"
@@ -171,9 +182,17 @@ def edges(
         _whole(model, mesh=mesh, out=out)
     if not sequence_parallel:
         return refusal
+    embedding, head = _edge_pair(model)  # a pipeline stage splits or gathers at its own ends only
+    if first_block is not None and embedding is None:  # a later stage of a transformers model
+        gather = PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True
+        )  # its body reads the sequence's length off the embedding's output: whole, as on stage 0
+        entry = input_embeddings(model)
+        assert entry is not None  # _edge_pair found it
+        parallelize_module(entry, mesh, gather)
     if first_block is not None:
         first_block.register_forward_pre_hook(_split_sequence(mesh), with_kwargs=True)
-    # the final norm on the sequence shard (a plain tensor out of a transformers body)
-    norm = SequenceParallel(use_local_output=first_block is not None)
-    parallelize_module(model.get_submodule("model.norm"), mesh, norm)
+    if head is not None:  # the final norm on the sequence shard (a plain tensor out of HF)
+        norm = SequenceParallel(use_local_output=first_block is not None)
+        parallelize_module(model.get_submodule("model.norm"), mesh, norm)
     return refusal

@@ -33,7 +33,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
-from fsdpkit.models.accessors import is_norm_class
+from fsdpkit.models.accessors import is_norm_class, output_embeddings
+from fsdpkit.sharding.pipeline_parts import StageOutput
 
 ATTENTION, MLP = "self_attn", "mlp"
 """The two children of a block whose inputs sequence parallelism gathers."""
@@ -64,9 +65,17 @@ def sequence_parallel_applies(model: nn.Module, *, blocks: list[nn.Module]) -> b
         bool(blocks)
         and model_type not in EXCLUDED
         and isinstance(final, nn.Module)
-        and is_norm_class(final)
+        and (is_norm_class(final) or _norm_on_a_later_stage(model, final))
         and all(sequence_parallel_block(b) for b in blocks)
     )
+
+
+def _norm_on_a_later_stage(model: nn.Module, final: nn.Module) -> bool:
+    """A pipeline stage before the last: its final norm is an ``nn.Identity`` and its head
+    a ``StageOutput`` ([Note: stage modules]); the last stage holds the real norm, so
+    every stage decides as the whole model does."""
+    head = output_embeddings(model)
+    return isinstance(final, nn.Identity) and isinstance(head, StageOutput)
 
 
 class GatherSequence(ParallelStyle):
