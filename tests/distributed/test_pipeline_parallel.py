@@ -15,6 +15,7 @@ loss) are slow-marked and run in the same way.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from fsdpkit.train.loop import run
 from fsdpkit.train.session import build_session
 from support import full_state
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))  # factories (spawned ranks inherit)
 pytestmark = pytest.mark.distributed
 
 TOL = 1e-5
@@ -61,8 +63,11 @@ LAYOUTS: dict[str, list[str]] = {
         "parallel.pp_split=params",
     ],
     "pp2-hybrid": ["parallel.pp=2", "parallel.strategy=hybrid", "parallel.shard_degree=1"],
+    "factory-mlp-pp2xdp2": ["parallel.pp=2"],
 }
-"""Layout name -> its overrides; "hf-" layouts train a transformers Llama directory."""
+"""Layout name -> its overrides; "hf-" layouts train a transformers Llama directory,
+"factory-" ones a ``model.factory`` model without HF's accessors (residual-MLP blocks,
+its embedding and head found as the one nn.Embedding and nn.Linear outside them)."""
 FAST = ("pp2xdp2-1f1b",)
 SINGLE_DP = ("pp4", "pp2xtp2", "pp2xcp2")
 """Layouts with one data-parallel rank: they evaluate the one process's batches."""
@@ -82,6 +87,10 @@ def _metrics(run_dir: Path) -> dict[str, list[float]]:
 
 
 def _overrides(name: str, tmp: Path) -> list[str]:
+    shape = ("model.preset", "model.dim", "model.n_", "model.ffn", "model.tie")
+    common = [*[o for o in BASE if not o.startswith(shape)], *BATCH]
+    if name.startswith("factory-"):
+        return [*common, "model.factory=factories:token_mlp"]
     if not name.startswith("hf-"):
         return [*BASE, *BATCH]
     from fsdpkit.testing.hf import write_tiny_model
@@ -89,8 +98,7 @@ def _overrides(name: str, tmp: Path) -> list[str]:
     model = tmp / "hf-llama"
     if not model.exists():
         write_tiny_model(model, arch="llama", layers=4)
-    shape = ("model.preset", "model.dim", "model.n_", "model.ffn", "model.tie")
-    return [*[o for o in BASE if not o.startswith(shape)], *BATCH, f"model.hf={model}"]
+    return [*common, f"model.hf={model}"]
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +108,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _reference(refs: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    kind = "hf" if name.startswith("hf-") else "llama"
+    kind = name.split("-")[0] if name.startswith(("hf-", "factory-")) else "llama"
     if kind not in refs:
         tmp: Path = refs["tmp"]
         run_dir = tmp / f"ref-{kind}"

@@ -105,11 +105,13 @@ class ModelEnds:
 
 
 def model_ends(model: nn.Module, *, blocks: Sequence[nn.Module]) -> ModelEnds:
-    """The embedding, final norm, head and blocks of ``model``; ConfigError when a
-    pipeline cannot split it (no embedding or head, a tied pair, parameters outside
+    """The embedding, final norm, head and blocks of ``model`` (HF's accessors, else the
+    one ``nn.Embedding`` and the one ``nn.Linear`` outside the blocks); ConfigError when
+    a pipeline cannot split it (no embedding or head, a tied pair, parameters outside
     them)."""
     names = {id(m): n for n, m in model.named_modules()}
-    embedding, head = input_embeddings(model), output_embeddings(model)
+    embedding = input_embeddings(model) or _only(model, nn.Embedding, outside=blocks)
+    head = output_embeddings(model) or _only(model, nn.Linear, outside=blocks)
     if embedding is None or head is None or not blocks:
         raise ConfigError(
             f"parallel.pp: {type(model).__name__} has no detectable input embedding "
@@ -131,6 +133,14 @@ def model_ends(model: nn.Module, *, blocks: Sequence[nn.Module]) -> ModelEnds:
         head=names[id(head)],
         blocks=tuple(names[id(b)] for b in blocks),
     )
+
+
+def _only(model: nn.Module, kind: type, *, outside: Sequence[nn.Module]) -> nn.Module | None:
+    """The one module of ``kind`` outside the blocks (a factory model without HF's
+    accessors: its embedding, its head), or None."""
+    inside = {id(m) for b in outside for m in b.modules()}
+    found = [m for m in model.modules() if isinstance(m, kind) and id(m) not in inside]
+    return found[0] if len(found) == 1 else None
 
 
 def _refuse_loose(model: nn.Module, owners: Sequence[nn.Module]) -> None:
