@@ -29,6 +29,8 @@ def decide_accum_sync(sc: Scenario, *, usable: int | None) -> Scenario:
     if not sc.accum_auto:
         return sc
     last = sc.with_(accum_auto=False, accum_sync="last")
+    if sc.pp > 1:  # torch's schedules accumulate without sync ([Note: FSDP inside a stage])
+        return last
     formulas = sc.analytic_why_not is None and sc.model is not None
     if usable is None or sc.grad_accum == 1 or sc.shard == 1 or not formulas:
         return last
