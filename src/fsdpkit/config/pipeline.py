@@ -114,6 +114,8 @@ def _unsupported(cfg: RunConfig) -> list[tuple[str, str]]:
         found.append(("lora.rank / model.freeze", "frozen bases are not split into stages yet"))
     if cfg.offload.params:
         found.append(("offload.params = true", "not run with pipeline stages yet"))
+    if cfg.model.init_from:
+        found.append(("model.init_from", "its weights are not read into pipeline stages yet"))
     if p.accum_sync == "every":
         found.append(
             ("parallel.accum_sync = every", "each stage reduces its gradients once a step")

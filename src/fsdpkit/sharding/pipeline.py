@@ -306,7 +306,8 @@ def shard_pipeline(
     precision = resolve_precision(cfg.precision, device_type=device.type)
     stages, plans = [], []
     for s, part in parts.items():
-        plans.append(shard(part, stage_cfg, mesh=mesh, init=init))
+        made = shard(part, stage_cfg, mesh=mesh, init=init)  # the model's own block choice:
+        plans.append(replace(made, block_reason=choice.reason))  # not "set by block_classes"
         own = [blocks[b] for b in split.blocks[s]]
         stage = StageModule(part, stage=s, last=s == last, loss_fn=loss_fn, blocks=own)
         fully_shard(stage, mesh=fsdp_mesh(mesh), mp_policy=precision.policy())
