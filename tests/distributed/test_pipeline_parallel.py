@@ -64,10 +64,13 @@ LAYOUTS: dict[str, list[str]] = {
     ],
     "pp2-hybrid": ["parallel.pp=2", "parallel.strategy=hybrid", "parallel.shard_degree=1"],
     "factory-mlp-pp2xdp2": ["parallel.pp=2"],
+    "sft-hf-llama-pp2xcp2": ["parallel.pp=2", "parallel.cp=2"],
 }
 """Layout name -> its overrides; "hf-" layouts train a transformers Llama directory,
 "factory-" ones a ``model.factory`` model without HF's accessors (residual-MLP blocks,
-its embedding and head found as the one nn.Embedding and nn.Linear outside them)."""
+its embedding and head found as the one nn.Embedding and nn.Linear outside them), "sft-"
+ones packed chat rows (examples/sft_tiny.jsonl) on a transformers Llama with a chat
+template."""
 FAST = ("pp2xdp2-1f1b",)
 SINGLE_DP = ("pp4", "pp2xtp2", "pp2xcp2")
 """Layouts with one data-parallel rank: they evaluate the one process's batches."""
@@ -91,6 +94,15 @@ def _overrides(name: str, tmp: Path) -> list[str]:
     common = [*[o for o in BASE if not o.startswith(shape)], *BATCH]
     if name.startswith("factory-"):
         return [*common, "model.factory=factories:token_mlp"]
+    if name.startswith("sft-"):
+        from fsdpkit.testing.hf import write_tiny_model
+
+        chat = tmp / "hf-llama-chat"
+        if not chat.exists():
+            write_tiny_model(chat, arch="llama", layers=4, chat=True)
+        rows = Path(__file__).parents[2] / "examples" / "sft_tiny.jsonl"
+        sft = [f"model.hf={chat}", f"data.path={rows}", "data.seq_len=128"]
+        return [*[o for o in common if not o.startswith("data.seq_len")], *sft]
     if not name.startswith("hf-"):
         return [*BASE, *BATCH]
     from fsdpkit.testing.hf import write_tiny_model
@@ -108,7 +120,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _reference(refs: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    kind = name.split("-")[0] if name.startswith(("hf-", "factory-")) else "llama"
+    kind = name.split("-")[0] if name.startswith(("hf-", "factory-", "sft-")) else "llama"
     if kind not in refs:
         tmp: Path = refs["tmp"]
         run_dir = tmp / f"ref-{kind}"

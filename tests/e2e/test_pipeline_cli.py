@@ -69,3 +69,18 @@ def test_bad_pipeline_layout_is_one_paragraph_before_any_worker(
     assert "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()  # no worker, no run directory
     assert time.monotonic() - started < 60
+
+
+def test_a_model_that_changes_the_hidden_state_at_a_cut_is_refused(tmp_path: Path) -> None:
+    """[Note: stage boundaries]: the second stage would scale what it receives again;
+    its first forward stops the run with one paragraph (exit 2), every rank ended."""
+    started = time.monotonic()
+    run = fsdpkit(
+        "train", *COMMON[:2], "model.factory=factories:scaled_embedding", "parallel.pp=2",
+        "train.steps=2", "data.seq_len=32", "data.max_bytes=200000", "train.micro_batch_size=1",
+        "train.global_batch_size=4", f"logging.run_dir={tmp_path / 'run'}", cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "ScaledEmbedding's forward changes the input embedding's output" in run.stderr
+    assert "Traceback" not in run.stderr
+    assert time.monotonic() - started < 120

@@ -27,8 +27,9 @@ same ids, positions and context-parallel slice as one process would:
 A stage hands over the model's whole state only where the model's forward passes the
 embedding's output unchanged to its first block, each block's output to the next, and
 the last block's output to the final norm. Two checks on every forward enforce that
-at the cuts (a family that scales the embedding inside its body, like Gemma's
-sqrt(d), would otherwise apply the scale again on every stage): on a stage with a
+at the cuts (a model that scales the embedding's output in its own forward would
+otherwise apply the scale again on every stage; transformers' Gemma scales inside its
+embedding module, which only the first stage runs): on a stage with a
 ``StageInput``, its first block must receive exactly the tensor the ``StageInput``
 returned; on a stage with a ``StageOutput``, the head must receive the last block's
 output (or a full view of it). A model that breaks either is refused by name.
@@ -47,6 +48,7 @@ stage before it computes (torch's UNSHARD / RESHARD actions).
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -78,14 +80,18 @@ from fsdpkit.sharding.pipeline_parts import (
 from fsdpkit.sharding.pipeline_split import StageSplit, stage_split
 from fsdpkit.sharding.policy import resolve_precision
 
-warnings.filterwarnings(
-    "ignore",
-    message=r"FSDP2-wrapped module \(FSDPStageModule\) returned a view tensor",
-    category=UserWarning,
-)
-"""A stage before the last returns the hidden state its head read: under transformers a
-full slice of the last block's output (a view). Nothing writes into it in place; the
-next op is the send to the next stage (or the backward)."""
+
+def _quiet_views(unit: str) -> None:
+    """A stage before the last returns the hidden state its head read: under
+    transformers a full slice of the last block's output (a view), which FSDP2 warns
+    about for the stage module's unit and the stage's root. Nothing writes into it in
+    place; the next op is the send to the next stage (or the backward)."""
+    for name in (unit, "FSDPStageModule"):
+        warnings.filterwarnings(
+            "ignore",
+            message=rf"FSDP2-wrapped module \({re.escape(name)}\) returned a view tensor",
+            category=UserWarning,
+        )
 
 
 class StageBoundaryError(UserError, ValueError):
@@ -99,6 +105,11 @@ class _StageDone(Exception):
     def __init__(self, hidden: torch.Tensor) -> None:
         super().__init__("pipeline stage output")
         self.hidden = hidden
+
+
+def _named(module: nn.Module) -> str:
+    """The model's own class name (FSDP2 renames the class FSDP<name>)."""
+    return type(module).__name__.removeprefix("FSDP")
 
 
 def _hidden_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -135,6 +146,7 @@ class StageModule(nn.Module):
         self._check_boundaries(blocks)
         if not last:
             part.register_forward_hook(self._done)
+            _quiet_views(type(part).__name__)
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         index = self.micro_batch if self.micro_batch is not None else 0
@@ -163,7 +175,7 @@ class StageModule(nn.Module):
         self.exit.seen, self._last = None, None
         if seen is None or not _same(seen, last):
             raise StageBoundaryError(
-                f"pipeline stage {self.stage}: {type(self.part).__name__}'s output head does "
+                f"pipeline stage {self.stage}: {_named(self.part)}'s output head does "
                 "not read its last block's output (the forward changes the hidden state "
                 "after the blocks, or never calls the head), so the stage has no hidden "
                 "state to send on. fsdpkit cannot cut this model into pipeline stages; "
@@ -189,7 +201,7 @@ class StageModule(nn.Module):
         entered, self._entered = self._entered, None
         if entered is not None and _hidden_of(args, kwargs) is not entered:
             raise StageBoundaryError(
-                f"pipeline stage {self.stage}: {type(self.part).__name__}'s forward changes the "
+                f"pipeline stage {self.stage}: {_named(self.part)}'s forward changes the "
                 "input embedding's output before its first block (e.g. scales it), so a "
                 "stage that receives hidden states would change them again. fsdpkit "
                 "cannot cut this model into pipeline stages; use parallel.pp = 1."
