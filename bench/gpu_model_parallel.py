@@ -15,7 +15,9 @@ Parts (``--only train,attention``):
   -> the training loop, what ``fsdpkit train`` runs) under ``torchrun`` at N GPUs on
   llama3-1b, seq 8192, bf16 (fp32 reduce), global batch N sequences, micro-batch cap
   1, every setting identical but the layout: FSDP only; tp2 (+ sequence parallel);
-  cp2 (Ulysses); cp2 (``parallel.cp_attention=ring``); tp2 x cp2 (N >= 4); tp2
+  cp2 (Ulysses); cp2 (``parallel.cp_attention=ring``); pp2 with 1F1B (issue 38, not
+  run on a GPU yet: the model untied and 4 micro-batches of 1 per rank, so its tokens/s
+  is not FSDP only's batch); tp2 x cp2 (N >= 4); tp2
   compiled (``train.compile=true``); tp2 compiled with async TP
   (``parallel.async_tp=true``: fsdpkit sets inductor's ``_micro_pipeline_tp`` before
   compiling the blocks), so inductor fuses each
@@ -63,6 +65,10 @@ TRAIN = [
 ]  # fmt: skip
 """About 1.2B parameters, bf16 compute with fp32 reduce, 8192 tokens per sequence."""
 COMPILED = ["parallel.tp=2", "parallel.cp=1", "train.compile=true"]
+PIPELINE = [
+    "parallel.tp=1", "parallel.cp=1", "parallel.pp=2", "model.tie_embeddings=false",
+    "train.grad_accum=4",
+]  # fmt: skip
 RING = "parallel.cp_attention=ring"
 """fsdpkit's switch to torch's ring attention (fsdpkit.sharding.ring)."""
 PARTS = ("train", "attention")
@@ -75,6 +81,9 @@ def train_rows(gpus: int) -> dict[str, tuple[str, list[str], bool]]:
         "tp": ("tp2 (+ sequence parallel)", ["parallel.tp=2", "parallel.cp=1"], False),
         "cp": ("cp2 (Ulysses)", ["parallel.tp=1", "parallel.cp=2"], False),
         "cp-ring": ("cp2 (ring attention)", ["parallel.tp=1", "parallel.cp=2", RING], False),
+        # issue 38, not run on a GPU yet: the model untied (embedding and head on different
+        # stages), 4 micro-batches per step (1F1B needs at least pp)
+        "pp": ("pp2, 1F1B (untied, 4 micro-batches of 1; unrun)", PIPELINE, False),
     }
     if gpus >= 4:
         rows["tpcp"] = ("tp2 x cp2", ["parallel.tp=2", "parallel.cp=2"], False)

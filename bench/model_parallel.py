@@ -17,6 +17,12 @@ sequences per step with a per-rank micro-batch cap of 2, the built-in corpus):
 - tp2 x cp2: ``parallel.tp=2 parallel.cp=2`` (1 data rank: 2 micro-batches of 2);
 - FSDP only again: the A/A control.
 
+``--pp`` (or ``bench/model_parallel_pp.py``) runs the pipeline rows of issue 38 instead
+(bench/results/model_parallel_pp.json,
+the same model untied, micro-batches of 1 sequence): FSDP only; pp2 x dp2 with 1F1B and
+with Interleaved1F1B (2 stages per rank); pp4 (1F1B, 4 micro-batches); pp2 x tp2; FSDP
+only again (the A/A control).
+
 Each run goes through the library's own build path (``fsdpkit.run.resolve`` ->
 ``build_session`` -> the training loop, what ``fsdpkit train`` runs in each worker) on
 4 spawned gloo ranks, so the bench can read each rank's resident set right after the
@@ -49,14 +55,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 import results_io
 from peerlib.stats import ratio
 
-NAME = "model_parallel"
+NAME, PP_NAME = "model_parallel", "model_parallel_pp"
 WORLD, SKIP, GLOBAL_BATCH = 4, 2, 4
 MODEL = [
     "model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4",
     "precision.mode=fp32", f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=2",
 ]  # fmt: skip
-# row key -> (label, layout overrides)
-ROWS: dict[str, tuple[str, list[str]]] = {
+Rows = dict[str, tuple[str, list[str]]]
+"""Row key -> (label, layout overrides)."""
+ROWS: Rows = {
     "fsdp": ("FSDP only (shard 4)", ["parallel.tp=1", "parallel.cp=1"]),
     "tp": ("dp2 x tp2 (+ sequence parallel)", ["parallel.tp=2", "parallel.cp=1"]),
     "cp": ("dp2 x cp2 (Ulysses)", ["parallel.tp=1", "parallel.cp=2"]),
@@ -66,6 +73,19 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     ),
     "tpcp": ("tp2 x cp2", ["parallel.tp=2", "parallel.cp=2"]),
     "fsdp-B": ("FSDP only again (A/A control)", ["parallel.tp=1", "parallel.cp=1"]),
+}
+PP_MODEL = [*MODEL, "model.tie_embeddings=false", "train.micro_batch_size=1"]
+"""The pipeline rows' model: untied (the embedding and the head on different stages)."""
+PP_ROWS: Rows = {
+    "fsdp": ("FSDP only (shard 4)", []),
+    "pp2": ("pp2 x dp2, 1F1B", ["parallel.pp=2"]),
+    "pp2-i": (
+        "pp2 x dp2, Interleaved1F1B",
+        ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"],
+    ),
+    "pp4": ("pp4, 1F1B", ["parallel.pp=4"]),
+    "pp2-tp2": ("pp2 x tp2, 1F1B", ["parallel.pp=2", "parallel.tp=2"]),
+    "fsdp-B": ("FSDP only again (A/A control)", []),
 }
 
 
@@ -99,12 +119,15 @@ def _rank(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
     return {"built_mib": built, "peak_mib": peak, "layout": layout}
 
 
-def _one(key: str, *, steps: int, seq: int, cache: Path, tmp: Path, tag: str) -> dict[str, Any]:
+def _one(
+    key: str, *, rows: Rows, steps: int, seq: int, cache: Path, tmp: Path, tag: str
+) -> dict[str, Any]:
     from fsdpkit.testing import run_ranks
 
     run_dir = tmp / f"{key}-{tag}"
+    model = PP_MODEL if rows is PP_ROWS else MODEL
     overrides = [
-        *MODEL, *ROWS[key][1], f"data.seq_len={seq}", f"train.steps={steps}",
+        *model, *rows[key][1], f"data.seq_len={seq}", f"train.steps={steps}",
         f"data.cache_dir={cache}", f"logging.run_dir={run_dir}", "train.eval_every=0",
         "train.sample_tokens=0", "checkpoint.resume=never", "logging.progress=none",
         "logging.report=false",
@@ -122,17 +145,19 @@ def _one(key: str, *, steps: int, seq: int, cache: Path, tmp: Path, tag: str) ->
     }
 
 
-def measure(args: argparse.Namespace) -> tuple[dict[str, list[dict[str, Any]]], list[float]]:
+def measure(
+    args: argparse.Namespace, rows: Rows
+) -> tuple[dict[str, list[dict[str, Any]]], list[float]]:
     """{row: [one dict per round]} in A B C D E A' order, and the 1-minute load after
     each round."""
-    out: dict[str, list[dict[str, Any]]] = {k: [] for k in ROWS}
+    out: dict[str, list[dict[str, Any]]] = {k: [] for k in rows}
     loads = []
     with TemporaryDirectory(prefix="model-parallel-") as scratch:
         tmp = Path(scratch)
-        shape = {"seq": args.seq, "cache": tmp / "data", "tmp": tmp}
+        shape = {"rows": rows, "seq": args.seq, "cache": tmp / "data", "tmp": tmp}
         _one("fsdp", steps=1, tag="prepare", **shape)  # the corpus cache, not timed
         for rnd in range(args.rounds):
-            for key in ROWS:
+            for key in rows:
                 t0 = time.monotonic()
                 got = _one(key, steps=args.steps, tag=str(rnd), **shape)
                 got["wall_s"] = round(time.monotonic() - t0, 1)
@@ -152,11 +177,11 @@ def _median_of(runs: list[dict[str, Any]], field: str) -> float:
     return statistics.median(max(r[field]) for r in runs)
 
 
-def rows_of(measured: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+def rows_of(measured: dict[str, list[dict[str, Any]]], spec: Rows = ROWS) -> list[dict[str, Any]]:
     base = measured["fsdp"]
     base_tps = [r["tokens_per_s"] for r in base]
     rows = []
-    for key, (label, layout) in ROWS.items():
+    for key, (label, layout) in spec.items():
         runs = measured[key]
         tps = [r["tokens_per_s"] for r in runs]
         peak, built = _median_of(runs, "peak_mib"), _median_of(runs, "built_mib")
@@ -183,7 +208,7 @@ def rows_of(measured: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -191,34 +216,37 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--quick", action="store_true", help="1 round of 4 steps")
+    parser.add_argument("--pp", action="store_true", help="the pipeline rows (issue 38)")
     parser.add_argument(
         "--render-docs",
         metavar="FILE",
         type=Path,
         help="only rewrite FILE's model_parallel block from bench/results/model_parallel.json",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    name, rows, model = (PP_NAME, PP_ROWS, PP_MODEL) if args.pp else (NAME, ROWS, MODEL)
     if args.render_docs:
-        results_io.render_into(args.render_docs.resolve(), NAME, render(results_io.read(NAME)))
+        text = render(results_io.read(name))
+        results_io.render_into(args.render_docs.resolve(), name, text)
         return
     if args.quick:
         args.rounds, args.steps = 1, 4
     os.environ["OMP_NUM_THREADS"] = "1"
     settings = {"world": WORLD, "seq": args.seq, "steps": args.steps, "skip": SKIP,
-                "rounds": args.rounds, "model": MODEL}  # fmt: skip
+                "rounds": args.rounds, "model": model}  # fmt: skip
     t0 = time.monotonic()
-    measured, loads = measure(args)
+    measured, loads = measure(args, rows)
     minutes = round((time.monotonic() - t0) / 60, 2)
     flags = f"--rounds {args.rounds} --steps {args.steps} --seq {args.seq}"
     results_io.write(
-        NAME,
-        command=f"python bench/model_parallel.py {flags}",
+        name,
+        command=f"python bench/{name}.py {flags}",
         settings=settings,
         minutes=minutes,
         load_1min_per_round=loads,
-        rows=rows_of(measured),
+        rows=rows_of(measured, rows),
     )
-    print(render(results_io.read(NAME)))
+    print(render(results_io.read(name)))
 
 
 def _settings(results: dict[str, Any]) -> str:
@@ -237,8 +265,9 @@ def _settings(results: dict[str, Any]) -> str:
 def render(results: dict[str, Any]) -> str:
     """The docs block (the lead's docs/parallelism.md holds exactly this between the
     markers; tests/unit/test_bench_docs.py checks it)."""
+    pipeline = any(r["key"].startswith("pp") for r in results["rows"])
     lines = [
-        results_io.provenance(results, NAME),
+        results_io.provenance(results, PP_NAME if pipeline else NAME),
         "",
         _settings(results),
         "",
@@ -255,7 +284,8 @@ def render(results: dict[str, Any]) -> str:
             f"{r['built_mib']:,.0f} MiB | {r['step_mib']:,.0f} MiB | {r['step_ratio']:.2f} | "
             f"{r['max_loss_diff']:.1e} |"
         )
-    lines += ["", _speed(results), "", _memory(results)]
+    memory = _memory_pp(results) if pipeline else _memory(results)
+    lines += ["", _speed(results, pipeline=pipeline), "", memory]
     return "\n".join(lines) + "\n"
 
 
@@ -263,7 +293,7 @@ def _row(results: dict[str, Any], key: str) -> dict[str, Any]:
     return next(r for r in results["rows"] if r["key"] == key)
 
 
-def _speed(results: dict[str, Any]) -> str:
+def _speed(results: dict[str, Any], *, pipeline: bool = False) -> str:
     """What the tokens/s column shows: each layout judged by the A/A control's own
     spread (a layout whose every round lies outside it differs by more than noise)."""
     mid, low, high = _row(results, "fsdp-B")["ratio"]
@@ -287,12 +317,37 @@ def _speed(results: dict[str, Any]) -> str:
         f"its per-round ratios {low:.2f}-{high:.2f}. {verdict}"
         "What it measures is gloo on 2 CPU cores, not what the layouts cost on GPUs: 4 "
         "processes time-share 2 cores and gloo runs every collective on the compute thread, so "
-        "nothing overlaps, and each collective a layout adds (tensor parallelism: an "
-        "all-gather and a reduce-scatter around every attention and MLP; Ulysses: 4 "
-        "all-to-alls per layer; ring: the key / value exchange and, in backward, the "
-        "gradients' rotation per layer) is paid in full. bench/gpu_model_parallel.py measures the "
-        "layouts with NCCL, async TP and torch's ring attention on a machine with 2 or "
-        "more GPUs."
+        "nothing overlaps, and each collective a layout adds "
+        + (_PIPELINE_COST if pipeline else _MODEL_PARALLEL_COST)
+    )
+
+
+_MODEL_PARALLEL_COST = (
+    "(tensor parallelism: an all-gather and a reduce-scatter around every attention and "
+    "MLP; Ulysses: 4 all-to-alls per layer; ring: the key / value exchange and, in "
+    "backward, the gradients' rotation per layer) is paid in full. "
+    "bench/gpu_model_parallel.py measures the layouts with NCCL, async TP and torch's ring "
+    "attention on a machine with 2 or more GPUs."
+)
+_PIPELINE_COST = (
+    "is paid in full; a pipeline's stages also wait for each other (its bubble: a stage "
+    "idles until the previous one sends, 1F1B over 2 stages and 2 micro-batches idles a "
+    "third of the step) while on 2 cores the waiting rank's time goes to the others. "
+    "bench/gpu_model_parallel.py's pp2 row (prepared, not yet run) measures pp with NCCL."
+)
+
+
+def _memory_pp(results: dict[str, Any]) -> str:
+    """What the memory columns show for the pipeline rows."""
+    fsdp, pp2, pp4 = (_row(results, k) for k in ("fsdp", "pp2", "pp4"))
+    return (
+        "Memory: after the build a pipeline rank holds only its stage's blocks (and the "
+        "embedding or the head), so the step part is the column to read: "
+        f"{fsdp['step_mib']:.0f} MiB for FSDP only, x{pp2['step_ratio']:.2f} at pp2 x dp2 "
+        f"(half the blocks per rank, FSDP over 2 ranks, 2 micro-batches) and "
+        f"x{pp4['step_ratio']:.2f} at pp4 (a quarter of the blocks, no FSDP, 4 "
+        "micro-batches of which the first stage keeps 4 in flight under 1F1B). The loss "
+        "column shows the pipelines train the same numbers as FSDP only."
     )
 
 

@@ -86,6 +86,9 @@ class Result:
 def _planned(c: Case) -> tuple[int | None, int | None, Any]:
     """(analytic peak, traced peak, the memory plan quoted): the traced plan, with the
     analytic one riding along where the formulas cover the model."""
+    if c.config().parallel.pp > 1:  # pipelines are planned analytically, rank by rank
+        analytic = plan(c.config(), world_size=c.world, trace=False)
+        return analytic.memory.peak.bytes, None, analytic.memory
     traced = plan(c.config(), world_size=c.world, trace=True)
     other = traced.other
     return (

@@ -126,6 +126,21 @@ MODELS["A"] = [  # issue 12: activations dominate (seq 512, 4 blocks, GQA)
     "model.ffn_dim=688", "model.vocab_size=2048", "data.seq_len=512",
     "train.micro_batch_size=2",
 ]  # fmt: skip
+MODELS["P"] = [  # issue 38: pipeline stages (4 untied blocks, 8 micro-batches of 1)
+    "model.dim=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
+    "model.ffn_dim=344", "model.vocab_size=1024", "model.tie_embeddings=false",
+    "data.seq_len=64", "train.micro_batch_size=1", "train.global_batch_size=8",
+]  # fmt: skip
+PP_LAYOUTS = (  # planned analytically per pipeline rank; the row is the highest peak
+    ("1F1B pp2 x dp2", ("parallel.pp=2",)),
+    ("Interleaved1F1B pp2 x dp2", ("parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B")),
+    ("GPipe pp2 x dp2", ("parallel.pp=2", "parallel.pp_schedule=GPipe")),
+    ("ZBVZeroBubble pp2 x dp2", ("parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble")),
+    ("1F1B pp4", ("parallel.pp=4",)),
+    ("1F1B pp2 x tp2", ("parallel.pp=2", "parallel.tp=2")),
+    ("1F1B pp2 x cp2", ("parallel.pp=2", "parallel.cp=2")),
+    ("1F1B pp2 x dp2 +AC", ("parallel.pp=2", "activations.mode=full")),
+)
 SEL, ACT_MODES = "activations.mode=selective", ("none", "selective", "full")
 MP_LAYOUTS = (  # model A's 2 kv heads split over tp 2; tp 4 needs 4 (MHA)
     ("dp2 x tp2", ("parallel.tp=2",)),
@@ -267,6 +282,8 @@ CASES = [
         for name, layout in MP_LAYOUTS
         if name in ("dp2 x tp2", "tp2 x cp2")
     ),
+    # issue 38: pipeline parallelism ([Note: pipeline plans]), world 4
+    *(Case(f"PP P {name}", 4, "P", (FULL, *layout)) for name, layout in PP_LAYOUTS),
 ]
 QUICK = [c for c in CASES if c.world == 2 and c.name in ("S full +AC", "S grad_op", "T bf16 full")]
 """The subset tests/distributed/test_planner_accuracy.py checks."""

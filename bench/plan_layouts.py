@@ -1,5 +1,6 @@
-"""Plans of issue 23 with tensor and context parallelism: FSDP alone against the layout
-``fsdpkit plan --recommend`` picks, and torchtitan's published memory for the same shapes.
+"""Plans of issue 23 with tensor and context parallelism and of issue 38 with pipeline
+parallelism: FSDP alone against the layout ``fsdpkit plan --recommend`` picks, and
+torchtitan's published memory for the same shapes.
 
     .venv/bin/python bench/plan_layouts.py                  # ~1 min, analytic plans only
     .venv/bin/python bench/plan_layouts.py --render-docs    # docs/planner.md's table
@@ -18,6 +19,7 @@ Writes bench/results/plan_layouts.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 import results_io
@@ -28,6 +30,11 @@ from fsdpkit.devices import parse_device
 from fsdpkit.planner import plan, recommend
 
 NAME = "plan_layouts"
+PP405 = [
+    "model.preset=llama3-405b", "data.seq_len=8192", "parallel.tp=8", "parallel.pp=8",
+    "parallel.pp_split=params", "train.global_batch_size=256",
+]  # fmt: skip
+BIG_BATCH = ["model.preset=llama3-405b", "data.seq_len=8192", "train.global_batch_size=512"]
 ISSUE = ["precision.mode=bf16", "activations.mode=full", "train.micro_batch_size=1"]
 TORCHTITAN = "benchmarks/llama3_h100_202412_torchtitan.md"
 
@@ -61,12 +68,24 @@ ROWS: list[tuple[str, list[str], int, str | None]] = [
     ("llama3-70b 8192 x 16: FSDP 32 x tp 8 (torchtitan's 2D run)",
      ["model.preset=llama3-70b", "data.seq_len=8192", "train.micro_batch_size=16",
       "parallel.tp=8"], 256, "71.9 (Table 4)"),
+    # issue 38: torchtitan's 3D run, FSDP 8 x tp 8 x pp 8, global batch 256 (32 micro-batches
+    # of 1 per data-parallel rank); 126 blocks do not split into 8 equal stages
+    ("llama3-405b 8192: FSDP 8 x tp 8 x pp 8, 1F1B (torchtitan's 3D run)",
+     [*PP405, "parallel.pp_schedule=1F1B"], 512, "82.5 (Table 5)"),
+    ("llama3-405b 8192: FSDP 8 x tp 8 x pp 8, Interleaved1F1B (torchtitan's 3D run)",
+     [*PP405, "parallel.pp_schedule=Interleaved1F1B"], 512, "72.7 (Table 5)"),
 ]  # fmt: skip
 RECOMMENDED = [
-    ("llama3-70b 32768: recommended", ["model.preset=llama3-70b", "data.seq_len=32768"], 8),
-    ("llama3-8b 131072: recommended", ["model.preset=llama3-8b", "data.seq_len=131072"], 8),
-    ("llama3-405b 8192: recommended", ["model.preset=llama3-405b", "data.seq_len=8192"], 512),
-]
+    ("llama3-70b 32768: recommended", ["model.preset=llama3-70b", "data.seq_len=32768"], 8, None),
+    ("llama3-8b 131072: recommended", ["model.preset=llama3-8b", "data.seq_len=131072"], 8, None),
+    ("llama3-405b 8192: recommended", ["model.preset=llama3-405b", "data.seq_len=8192"], 512, None),
+    # issue 38: a global batch pipelines can split into micro-batches; the network between
+    # nodes at h100's 400 Gb/s per GPU, and at 50 Gb/s Ethernet per GPU
+    ("llama3-405b 8192, 512 sequences a step: recommended",
+     [*BIG_BATCH], 512, None),
+    ("llama3-405b 8192, 512 sequences a step, 50 Gb/s per GPU between nodes: recommended",
+     [*BIG_BATCH], 512, 6.25),
+]  # fmt: skip
 GiB = 2**30
 
 
@@ -87,12 +106,29 @@ def _row(label: str, overrides: list[str], world: int, published: str | None) ->
         "exchange_gib": round(peak.breakdown.get("exchange_buffers", 0) / GiB, 2),
         "tp_cp_traffic_gib": round((p.comm.tp_exchange + p.comm.cp_exchange) / GiB, 1),
         "torchtitan_gib": published,
+        "pipeline": _pipeline(p),
     }
 
 
-def _recommended(label: str, overrides: list[str], world: int) -> dict[str, Any]:
+def _pipeline(p: Any) -> str | None:
+    """A pipelined plan's schedule, bubble and p2p traffic ([Note: pipeline plans])."""
+    pipe = p.pipeline
+    if pipe is None:
+        return None
+    return (
+        f"{pipe.schedule}, {pipe.micro_batches} micro-batches: bubble {pipe.bubble:.0%}, "
+        f"p2p {pipe.p2p_bytes / GiB:.1f} GiB/step, highest peak on pp rank {pipe.worst.rank}"
+    )
+
+
+def _recommended(
+    label: str, overrides: list[str], world: int, inter_gbps: float | None
+) -> dict[str, Any]:
     cfg = load(None, [*ISSUE, *overrides])
-    rec = recommend(cfg, world_size=world, device=parse_device("h100"))
+    device = parse_device("h100")
+    if inter_gbps is not None:  # a slower network between nodes than h100's default
+        device = dataclasses.replace(device, inter_gbps=inter_gbps)
+    rec = recommend(cfg, world_size=world, device=device)
     assert rec.best is not None, label
     changes = {k: v for k, v in rec.best.changes.items() if v is not None}
     row = _row(
@@ -137,6 +173,8 @@ def render(results: dict[str, Any]) -> str:
             f"{-r['headroom_gib']:.2f} GiB over"
         )  # fmt: skip
         label = r["label"]
+        if r.get("pipeline"):
+            label += f" ({r['pipeline']})"
         if "changes" in r:
             label += ": " + ", ".join(f"`{k}={toml_value(v)}`" for k, v in r["changes"].items())
         lines.append(

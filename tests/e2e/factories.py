@@ -96,3 +96,19 @@ def asleep_inside_a_step(seconds: float) -> None:
 
 def hanging() -> nn.Module:
     return Hanging(vocab=256)
+
+
+class ScaledEmbedding(MLPNet):
+    """Scales its embedding's output in its own forward, between the embedding and the
+    first block: pipeline stages cannot hand its hidden states over ([Note: stage
+    boundaries])."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) * 8.0
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)  # type: ignore[no-any-return]
+
+
+def scaled_embedding() -> nn.Module:
+    return ScaledEmbedding(vocab=256)

@@ -23,6 +23,7 @@ RENDERED = {
     "data_scale", "optimizer_step", "step_overhead", "finetune_memory", "hf_load_memory",
     "loss_compile", "checkpoint_io", "plan_accuracy", "model_parallel", "dpo_memory",
     "slurm_scenarios",
+    "model_parallel_pp",
 }  # fmt: skip
 """Benches whose tables the docs quote: each must have a block and a results file."""
 

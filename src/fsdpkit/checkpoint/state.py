@@ -79,6 +79,16 @@ class ModelOptimizerState(Stateful):
     Saved keys are ``model.<fqn>`` (the module's own names, e.g. HF Llama names; tied
     aliases once, see [Note: tied weights]) and ``optim.state.<fqn>.<exp_avg|...>`` /
     ``optim.param_groups...``; DCP reshards on load.
+
+    [Note: optimizer groups across stages]
+    ``optim.param_groups.<i>.params`` lists the names of group ``i``'s parameters, a
+    value DCP stores once (one rank's copy: [Note: rank-local state]). A pipeline rank
+    holds only its stages' parameters, so its list is not the other ranks', and a load
+    at another layout would find its parameters in no group of the stored copy (their
+    groups left without ``lr`` or ``betas``). With ``group_names`` (the whole model's
+    names per group, fsdpkit.trainable.optim.group_names) every rank saves the whole
+    model's lists, which are what a run without pp saves too; loading matches each
+    parameter by name, so a checkpoint moves between any pp degrees and none.
     """
 
     def __init__(
@@ -87,12 +97,16 @@ class ModelOptimizerState(Stateful):
         optimizer: torch.optim.Optimizer | None,
         *,
         trainable_only: bool = False,
+        group_names: list[list[str]] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.trainable_only = trainable_only
         """Only parameters with ``requires_grad`` (``checkpoint.adapters_only``): the
         frozen base is left out on save and left as it is on load."""
+        self.group_names = group_names
+        """The whole model's parameter names per optimizer group, where ``model`` holds
+        only some of them (a pipeline rank: [Note: optimizer groups across stages])."""
 
     def _options(self) -> StateDictOptions:
         return StateDictOptions(
@@ -105,6 +119,8 @@ class ModelOptimizerState(Stateful):
             out: dict[str, Any] = {MODEL_KEY: model_sd}
         else:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
+            if self.group_names is not None:
+                _whole_groups(optim_sd, self.group_names)
             out = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
         for alias in tied_aliases(self.model):
             model_sd.pop(alias, None)
@@ -125,6 +141,20 @@ class ModelOptimizerState(Stateful):
             optim_state_dict=state_dict[OPTIM_KEY],
             options=self._options(),
         )
+
+
+def _whole_groups(optim_sd: dict[str, Any], names: list[list[str]]) -> None:
+    """Each group's ``params`` as the whole model's names ([Note: optimizer groups
+    across stages])."""
+    groups = optim_sd["param_groups"]
+    if len(groups) != len(names):
+        raise CheckpointError(
+            f"this rank's optimizer has {len(groups)} parameter groups, the model's "
+            f"{len(names)}: a pipeline stage without parameters of some group cannot "
+            "save a checkpoint other layouts load."
+        )
+    for group, whole in zip(groups, names):
+        group["params"] = list(whole)
 
 
 class RankLocal(Stateful):

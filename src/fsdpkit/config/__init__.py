@@ -10,7 +10,8 @@ Modules, each owning one job:
     toml      the one TOML writer
     docs      ``--help-config`` text
     batch     ``batch_split``: a step's sequences over ranks and micro-batches
-    dims      ``parallel_dims``: the ranks as replicate x shard x cp x tp
+    dims      ``parallel_dims``: the ranks as pp x replicate x shard x cp x tp
+    pipeline  torch's pipelining schedules: stages per rank, micro-batches they need
 """
 
 from fsdpkit.config.batch import BatchSplit, batch_split

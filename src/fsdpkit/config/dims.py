@@ -1,11 +1,14 @@
-"""The parallel dimensions of a run: how its ranks split into replicas, shard groups,
-context-parallel and tensor-parallel groups, decided once from the config and the
-world size.
+"""The parallel dimensions of a run: how its ranks split into pipeline stages,
+replicas, shard groups, context-parallel and tensor-parallel groups, decided once from
+the config and the world size.
 
 [Note: parallel dimensions]
-A run's ranks form one mesh of shape (replicate, shard, cp, tp), tp fastest (so a
-tensor-parallel group is consecutive ranks, inside one node):
+A run's ranks form one mesh of shape (pp, replicate, shard, cp, tp), tp fastest (so a
+tensor-parallel group is consecutive ranks, inside one node) and pp slowest (so the
+pipeline stages are the axis that crosses nodes: only activations pass between them):
 
+- ``pp`` ranks hold consecutive stages of the model's blocks and see the same batches
+  (fsdpkit.sharding.pipeline); everything below is repeated inside each stage;
 - ``tp`` ranks split every block's matmuls and see the same batch;
 - ``cp`` ranks split every sequence of the same batch;
 - ``replicate x shard`` are the data-parallel ranks: each reads its own batches
@@ -34,6 +37,7 @@ class ParallelDims:
     shard: int
     cp: int = 1
     tp: int = 1
+    pp: int = 1
 
     @property
     def dp(self) -> int:
@@ -42,6 +46,11 @@ class ParallelDims:
 
     @property
     def world(self) -> int:
+        return self.pp * self.stage_world
+
+    @property
+    def stage_world(self) -> int:
+        """Ranks of one pipeline stage (the whole world without pp)."""
         return self.dp * self.cp * self.tp
 
     @property
@@ -56,8 +65,12 @@ class ParallelDims:
 
     def dp_rank(self, rank: int) -> int:
         """The data-parallel index of global ``rank`` (which batches it reads): ranks
-        that differ only in their cp or tp coordinate read the same ones."""
-        return rank // (self.cp * self.tp)
+        that differ only in their pp, cp or tp coordinate read the same ones."""
+        return (rank % self.stage_world) // (self.cp * self.tp)
+
+    def pp_rank(self, rank: int) -> int:
+        """The pipeline coordinate of global ``rank`` (which stages it holds)."""
+        return rank // self.stage_world
 
     def describe(self) -> str:
         parts = [f"{n} {d}" for n, d in self.named() if d > 1 or n == "shard"]
@@ -65,6 +78,7 @@ class ParallelDims:
 
     def named(self) -> list[tuple[str, int]]:
         return [
+            ("pp", self.pp),
             ("replicate", self.replicate),
             ("shard", self.shard),
             ("cp", self.cp),
@@ -76,8 +90,19 @@ def parallel_dims(cfg: RunConfig, *, world_size: int, local_world_size: int) -> 
     """The run's dimensions at ``world_size`` ranks (``local_world_size`` per node);
     a ConfigError naming the field when they cannot be formed."""
     p = cfg.parallel
-    if p.tp < 1 or p.cp < 1:
-        raise ConfigError(f"parallel.tp and parallel.cp must be >= 1, got tp={p.tp}, cp={p.cp}.")
+    if p.tp < 1 or p.cp < 1 or p.pp < 1:
+        raise ConfigError(
+            f"parallel.tp, parallel.cp and parallel.pp must be >= 1, got tp={p.tp}, "
+            f"cp={p.cp}, pp={p.pp}."
+        )
+    if p.pp > 1 and world_size % (p.pp * p.tp * p.cp):
+        raise ConfigError(
+            f"parallel.pp x parallel.tp x parallel.cp = {p.pp} x {p.tp} x {p.cp} does not "
+            f"divide the world size {world_size}: each of the pp pipeline stages gets world "
+            "/ pp ranks, split again by tp and cp. Choose degrees whose product divides "
+            f"{world_size}."
+        )
+    world_size //= p.pp  # the rest describes one stage's ranks
     model_ranks = p.tp * p.cp
     if world_size % model_ranks:
         raise ConfigError(
@@ -100,8 +125,8 @@ def parallel_dims(cfg: RunConfig, *, world_size: int, local_world_size: int) -> 
             f"a seq_len that is a multiple of {model_ranks}."
         )
     dp = world_size // model_ranks
-    local_dp = max(local_world_size // model_ranks, 1)
+    local_dp = max(min(local_world_size, world_size) // model_ranks, 1)
     replicate, shard = strategy(p.strategy).mesh_shape(
         world_size=dp, shard_degree=p.shard_degree or local_dp
     )
-    return ParallelDims(replicate=replicate, shard=shard, cp=p.cp, tp=p.tp)
+    return ParallelDims(replicate=replicate, shard=shard, cp=p.cp, tp=p.tp, pp=p.pp)

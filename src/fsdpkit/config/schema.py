@@ -23,6 +23,16 @@ ACMode = Literal["none", "full", "every", "selective"]
 Schedule = Literal["cosine", "constant", "linear"]
 AccumSync = Literal["auto", "last", "every"]
 OptimizerImpl = Literal["auto", "for-loop", "foreach", "fused"]
+PipelineSchedule = Literal[
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+]
+PipelineSplit = Literal["blocks", "params"]
 
 
 @dataclass(frozen=True)
@@ -219,6 +229,19 @@ class ParallelConfig:
     causal chunks (data.seq_len a multiple of 2 x cp; causal rows only, so SFT needs
     data.pack = false; heads need not divide by cp). CUDA uses torch's kernels, CPU an
     fsdpkit adapter to torch's CPU kernel. See docs/parallelism.md."""
+    pp: int = 1
+    """Pipeline-parallel degree: the blocks split into consecutive stages over pp rank
+    groups (the outermost mesh axis: only activations cross it), FSDP, tp and cp inside
+    each stage; embedding on the first stage, final norm, head and loss on the last; the
+    step's accumulation micro-batches run parallel.pp_schedule. See docs/parallelism.md."""
+    pp_schedule: PipelineSchedule = "1F1B"
+    """torch's pipelining schedule: GPipe, 1F1B (one stage per rank), Interleaved1F1B,
+    LoopedBFS, InterleavedZeroBubble (looped virtual stages), ZBVZeroBubble, DualPipeV (V)."""
+    pp_stages_per_rank: int | None = None
+    """Stages per pipeline rank (stages = pp x this); empty = 1 for GPipe / 1F1B, else 2."""
+    pp_split: PipelineSplit = "blocks"
+    """blocks: the same number of blocks per stage (must divide them); params: contiguous
+    stages with the fewest parameters on the largest (embedding first, head last)."""
     async_tp: bool = False
     """Async tensor parallelism (CUDA, with train.compile and parallel.tp > 1): inductor
     micro-pipelines each tensor-parallel all-gather / reduce-scatter with the matmul

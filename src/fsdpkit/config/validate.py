@@ -10,6 +10,7 @@ from typing import Any
 
 from fsdpkit.config.batch import batch_split
 from fsdpkit.config.dims import parallel_dims
+from fsdpkit.config.pipeline import check_micro_batches, validate_pipeline
 from fsdpkit.config.schema import DataConfig, ModelConfig, RunConfig
 from fsdpkit.errors import ConfigError
 from fsdpkit.precision import PRESETS
@@ -69,6 +70,7 @@ def validate(cfg: RunConfig) -> None:
     _validate_logging(cfg)
     _validate_async_tp(cfg)
     _validate_cp_attention(cfg)
+    validate_pipeline(cfg)
 
 
 def _validate_async_tp(cfg: RunConfig) -> None:
@@ -337,7 +339,8 @@ def mesh_shape(cfg: RunConfig, *, world_size: int, local_world_size: int) -> tup
 def validate_for_world(cfg: RunConfig, *, world_size: int, local_world_size: int) -> None:
     """Checks that depend on the world size, run before any process group starts."""
     dims = parallel_dims(cfg, world_size=world_size, local_world_size=local_world_size)
-    batch_split(cfg.train, dp_world=dims.dp)
+    split = batch_split(cfg.train, dp_world=dims.dp)
+    check_micro_batches(cfg, dp=dims.dp, micro_batches=split.grad_accum)
     shard = dims.fsdp_shard
     raf = cfg.parallel.reshard_after_forward
     if isinstance(raf, int) and not isinstance(raf, bool) and shard % raf:

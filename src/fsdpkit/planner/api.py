@@ -29,6 +29,8 @@ def decide_accum_sync(sc: Scenario, *, usable: int | None) -> Scenario:
     if not sc.accum_auto:
         return sc
     last = sc.with_(accum_auto=False, accum_sync="last")
+    if sc.pp > 1:  # torch's schedules accumulate without sync ([Note: FSDP inside a stage])
+        return last
     formulas = sc.analytic_why_not is None and sc.model is not None
     if usable is None or sc.grad_accum == 1 or sc.shard == 1 or not formulas:
         return last
@@ -59,6 +61,8 @@ def plan_scenario(
     sc = decide_accum_sync(sc, usable=usable)
     other: MemoryPlan | None = None
     analytic = sc.analytic_why_not is None and sc.model is not None
+    if sc.pp > 1:  # [Note: pipeline plans]
+        return _pipeline(sc, cfg=cfg, trace=trace, usable=usable, margin=margin, start=start)
     if trace is None and not analytic:  # [Note: planning any model]: trace the rest
         trace = True
         sc = sc.with_(notes=(*sc.notes, f"planned by tracing: {sc.analytic_why_not}"))
@@ -87,6 +91,42 @@ def plan_scenario(
         other=other,
         loss=loss_buffers(sc) if analytic else None,
         data_host_bytes=_data_host_bytes(cfg, sc),
+    )
+
+
+def _pipeline(
+    sc: Scenario,
+    *,
+    cfg: RunConfig | None,
+    trace: bool | None,
+    usable: int | None,
+    margin: float,
+    start: float,
+) -> Plan:
+    """A pipelined run's plan: the pipeline rank with the highest peak (every rank must
+    fit), every rank's figures in ``Plan.pipeline``."""
+    from fsdpkit.planner.pipeline import pipeline_plan
+
+    if cfg is None or trace or sc.analytic_why_not is not None or sc.model is None:
+        why = sc.analytic_why_not or "a traced plan was asked for"
+        raise PlanError(
+            f"parallel.pp: pipelined runs are planned analytically, stage by stage, "
+            f"which this one cannot be ({why}). Plan it with parallel.pp = 1 for the "
+            "memory of the whole model on one stage, or measure a few real steps."
+        )
+    pipe = pipeline_plan(cfg, sc)
+    worst = pipe.worst
+    return Plan(
+        scenario=sc,
+        memory=worst.memory,
+        comm=worst.comm,
+        device_bytes=sc.device.memory,
+        usable_bytes=usable,
+        margin=margin,
+        fits=None if usable is None else worst.memory.peak.bytes <= usable,
+        elapsed_s=time.perf_counter() - start,
+        data_host_bytes=_data_host_bytes(cfg, sc),
+        pipeline=pipe,
     )
 
 

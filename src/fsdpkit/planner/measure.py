@@ -15,6 +15,7 @@ from fsdpkit.models.accessors import input_vocab
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.sharding.mesh import build_mesh
 from fsdpkit.trainable.build import build_unsharded, shard_trainable
+from fsdpkit.trainable.pipeline_step import pipeline_step
 from fsdpkit.trainable.step import step_options, synthetic_batches, train_step
 
 
@@ -42,7 +43,12 @@ def _step_peaks(
     # the trainer's own mesh: (replicate, shard, cp, tp) of [Note: parallel dimensions]
     dims = parallel_dims(cfg, world_size=world_size, local_world_size=world_size)
     mesh = build_mesh(
-        replicate=dims.replicate, shard=dims.shard, cp=dims.cp, tp=dims.tp, device_type="cpu"
+        replicate=dims.replicate,
+        shard=dims.shard,
+        cp=dims.cp,
+        tp=dims.tp,
+        pp=dims.pp,
+        device_type="cpu",
     )
     vocab = shape.vocab_size if shape is not None else 1  # model.hf / factory: its own
     unsharded = build_unsharded(cfg, vocab_size=vocab, device_type="cpu", shape=shape)
@@ -53,6 +59,10 @@ def _step_peaks(
     batches = synthetic_batches(cfg, dp_world=dims.dp, vocab_size=vocab, generator=gen)
 
     def step() -> None:
+        if run.pipeline is not None:  # [Note: the pipelined step]
+            clip = cfg.train.grad_clip
+            pipeline_step(run.pipeline, run.model, run.optimizer, batches, max_norm=clip)
+            return
         train_step(run.model, run.optimizer, batches, loss_fn=run.loss_fn, **step_options(cfg))
 
     step()  # creates the AdamW states

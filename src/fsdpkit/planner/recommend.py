@@ -43,6 +43,7 @@ from fsdpkit.planner.blockmem import block_matmuls
 from fsdpkit.planner.comm import comm_volume
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.layouts import Layout, LayoutTry, choose, layout_groups
+from fsdpkit.planner.pipeline import PIPELINE_GRID, pipeline_cost, pipeline_degrees
 from fsdpkit.planner.result import Plan
 from fsdpkit.planner.scenario import Scenario, run_vocab_size, scenario
 from fsdpkit.planner.states import model_states
@@ -143,12 +144,15 @@ def _reshards(strategy: dict[str, object], world: int, per_node: int) -> list[ob
     return options
 
 
-def _micro_changes(cfg: RunConfig, *, world: int) -> list[dict[str, object]]:
+def _micro_changes(
+    cfg: RunConfig, *, world: int, smallest: bool = False
+) -> list[dict[str, object]]:
     """Micro-batch choices that keep the global batch ([Note: batch split]): with
     train.global_batch_size set only the per-rank cap changes, else the product
-    micro x accumulation per rank stays."""
+    micro x accumulation per rank stays. The four largest micro-batches, or with
+    ``smallest`` the two smallest (the most micro-batches: a pipeline's smallest bubble)."""
     total = batch_split(cfg.train, dp_world=world).per_rank
-    micros = divisors(total)[-4:]
+    micros = divisors(total)[:2] if smallest else divisors(total)[-4:]
     if cfg.train.global_batch_size is not None:
         return [{"train.micro_batch_size": m} for m in micros]
     return [{"train.micro_batch_size": m, "train.grad_accum": total // m} for m in micros]
@@ -199,17 +203,21 @@ def step_cost(sc: Scenario) -> StepCost:
         recompute += compute * m.vocab_size * m.dim / max(m.matmul_params(), 1) / 3
     if m is not None and sc.tp > 1:  # the head is not split over tp: every tp rank runs it
         recompute += compute * m.vocab_size * m.dim / max(m.matmul_params(), 1) * (sc.tp - 1)
+    compute_share, traffic_share, p2p = pipeline_cost(sc)  # [Note: pipeline in the recommender]
+    compute, recompute = compute * compute_share, recompute * compute_share
     shard_link = dev.intra_gbps if sc.shard * sc.tp <= sc.ranks_per_node else dev.inter_gbps
-    replica_link = dev.intra_gbps if sc.world_size <= sc.ranks_per_node else dev.inter_gbps
+    stage = sc.world_size // sc.pp
+    replica_link = dev.intra_gbps if stage <= sc.ranks_per_node else dev.inter_gbps
     c = comm_volume(sc)
-    comm = (c.all_gather + c.reduce_scatter) / (shard_link * 1e9)
-    comm += c.all_reduce / (replica_link * 1e9) + c.calls * LATENCY_S
+    comm = (c.all_gather + c.reduce_scatter) / (shard_link * 1e9) * traffic_share
+    comm += c.all_reduce / (replica_link * 1e9) * traffic_share + c.calls * LATENCY_S
     offload = 0.0
     if sc.offload and dev.kind == "gpu":
         local = sum(model_states(sc).values())
         offload = c.host_transfer / (dev.host_gbps * 1e9) + local / (HOST_MEMORY_GBPS * 1e9)
     cp_link = dev.intra_gbps if sc.tp * sc.cp <= sc.ranks_per_node else dev.inter_gbps
     exchange = c.tp_exchange / (dev.intra_gbps * 1e9) + c.cp_exchange / (cp_link * 1e9)
+    exchange = exchange * traffic_share + p2p / (dev.inter_gbps * 1e9)
     return StepCost(compute, recompute, comm, offload, exchange)
 
 
@@ -332,15 +340,17 @@ def recommend(
     tries: list[LayoutTry] = []
     found: dict[tuple[int, int], list[Candidate]] = {}
     searched = 0
+    bound = False  # a fitting layout waited on its traffic: the step time chooses
     for group in groups:
         for tp, cp, attention in group:
             options = _layout_options(cfg, layout=(tp, cp, attention), search=search)
             searched += len(options)
             found[(tp, cp)] = _planned_options(options, search, top=top)
             tries.append(_try((tp, cp, attention), found[(tp, cp)]))
-        if any(t.fits for t in tries):
+        bound = bound or (any(t.fits for t in tries) and _traffic_bound(found))
+        if any(t.fits for t in tries) and not _traffic_bound(found):
             break
-    chosen = choose(tries)
+    chosen = _fastest_group(found) if bound else choose(tries)
     pool = [c for (tp, cp), cs in found.items() if tp * cp == chosen for c in cs]
     candidates = [c for cs in found.values() for c in cs]
     fitting = sorted((c for c in pool if c.fits), key=_rank_key)
@@ -363,6 +373,28 @@ def recommend(
     )
 
 
+def _fastest(found: dict[tuple[int, int], list[Candidate]]) -> Candidate | None:
+    """The fastest candidate found so far that fits without CPU offload."""
+    fitting = [c for cs in found.values() for c in cs if c.fits and not c.config.offload.params]
+    return min(fitting, key=_rank_key, default=None)
+
+
+def _traffic_bound(found: dict[tuple[int, int], list[Candidate]]) -> bool:
+    """Whether the fastest fitting candidate so far waits on its collectives (they
+    take longer than its compute): then larger tp groups, with pp across the nodes,
+    compete on step time ([Note: pipeline in the recommender])."""
+    best = _fastest(found)
+    return best is not None and best.cost.comm_s > best.cost.compute_s + best.cost.recompute_s
+
+
+def _fastest_group(found: dict[tuple[int, int], list[Candidate]]) -> int | None:
+    """tp x cp of the fastest fitting candidate."""
+    best = _fastest(found)
+    if best is None:
+        return None
+    return best.plan.scenario.tp * best.plan.scenario.cp
+
+
 def _shape(cfg: RunConfig, given: _Option | None, search: _Search) -> LlamaConfig | None:
     """The Llama shape the layouts are searched for (None: not a Llama-shaped model the
     analytic planner knows, planned at tp = cp = 1 only)."""
@@ -382,6 +414,10 @@ def _layout_options(cfg: RunConfig, *, layout: Layout, search: _Search) -> list[
     dp = search.world // (tp * cp)
     per_node = max(min(search.per_node, search.world) // (tp * cp), 1)
     grid = _grid(cfg, world=dp, per_node=per_node, gpu=search.device.kind == "gpu")
+    for pp in pipeline_degrees(world=search.world, per_node=min(search.per_node, search.world)):
+        micros = _micro_changes(cfg, world=dp // pp, smallest=True)
+        staged = {"parallel.pp": pp, "parallel.pp_split": "params"}
+        grid += [staged | g | m for g in PIPELINE_GRID for m in micros]
     options = (_option(cfg, fixed | changes, search) for changes in grid)
     return [o for o in options if o is not None]
 

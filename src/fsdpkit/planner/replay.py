@@ -42,6 +42,8 @@ from fsdpkit.planner.states import leading_frozen_units, model_states
 from fsdpkit.sharding.policy import effective_reshard
 
 COLL, UNSH = "collective_buffers", "unsharded_params"
+CPU_RNG_STATE = 5056
+"""Bytes of ``torch.get_rng_state()`` (the Mersenne Twister's state), torch 2.13."""
 
 
 @functools.cache
@@ -103,6 +105,10 @@ class Step:
         self.dead = leading_frozen_units(sc)
         self.selective = sc.ac_mode == "selective"
         self.rope, self.kept_embedding = rope_held(sc), kept_embedding(sc)
+        # [Note: the checkpoint's RNG state] torch's checkpoint saves the CPU generator's
+        # state (a 5056-byte tensor) per checkpointed block until its recompute: device
+        # memory on CPU ranks, where it adds up over a pipeline's micro-batches in flight
+        self.rng_state = CPU_RNG_STATE if not gpu else 0
 
     # ------------------------------------------------------------ unit mechanics
 
@@ -263,6 +269,8 @@ class Step:
             keep = not ckpt and j >= self.dead
             selective = ckpt and self.selective and j >= self.dead
             led.apply_summary(_forward_summary(s, keep, selective))
+            if ckpt and j >= self.dead:
+                led.add(ACT, self.rng_state)
             if j < self.dead:  # nothing needs a gradient yet: the input dies here
                 led.add(ACT, -s.nde)
         self.reshard_after_forward(u, self.reshard_of(u))
@@ -374,6 +382,8 @@ class Step:
             grads = full and not in_place
             summary = _backward_summary(s, ckpt, self.sdpa_workspace, grads, self.selective)
             led.apply_summary(summary)
+            if ckpt:
+                led.add(ACT, -self.rng_state)
         if not full:
             led.add(GRAD, u.grads_numel * s.e)
         if j == self.dead:  # the last block backward that reads RoPE's cos / sin

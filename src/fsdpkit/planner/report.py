@@ -10,6 +10,7 @@ from typing import Any
 
 from fsdpkit.config.toml import dotted_tables, dump_tables, toml_value
 from fsdpkit.models.experts import fmt_count
+from fsdpkit.planner.pipeline_report import pipeline_dict, pipeline_lines
 from fsdpkit.planner.recommend import Candidate, Recommendation
 from fsdpkit.planner.result import CATEGORIES, PHASES, MemoryPlan, Plan
 from fsdpkit.planner.scenario import Scenario
@@ -36,13 +37,14 @@ def _mesh(sc: Scenario) -> str:
         mesh = f"{sc.strategy} {sc.replicate} replicas x shard {sc.shard}"
     else:
         mesh = f"{sc.strategy} shard over {sc.shard}"
+    stages = f"pp {sc.pp} x " if sc.pp > 1 else ""
     if sc.tp == 1 and sc.cp == 1:
-        return mesh
+        return f"{stages}{mesh}"
     sp = " (sequence parallel)" if sc.sequence_parallel else ""
     ring = " (ring attention)" if sc.cp_attention == "ring" else ""
     parts = [f"cp {sc.cp}{ring}" if sc.cp > 1 else "", f"tp {sc.tp}{sp}" if sc.tp > 1 else ""]
     folded = ", cp folded into the shard group" if sc.cp > 1 else ""
-    return f"{' x '.join(p for p in parts if p)} x {sc.dp} data-parallel ({mesh}{folded})"
+    return f"{stages}{' x '.join(p for p in parts if p)} x {sc.dp} data-parallel ({mesh}{folded})"
 
 
 def describe_scenario(sc: Scenario) -> str:
@@ -118,6 +120,7 @@ def format_plan(p: Plan) -> str:
         _states_line(mem, sc),
         _loss_line(p),
         _comm_line(p),
+        *pipeline_lines(p),
     ]
     if mem.host_bytes:
         lines.append(f"host memory per rank (CPU offload): {fmt_bytes(mem.host_bytes)}")
@@ -234,6 +237,7 @@ def plan_dict(p: Plan) -> dict[str, Any]:
         "elapsed_s": p.elapsed_s,
         "loss": dataclasses.asdict(p.loss) if p.loss is not None else None,
         "data_host_bytes": p.data_host_bytes,
+        "pipeline": pipeline_dict(p),
     }
     if p.other is not None:
         out["analytic"] = dataclasses.asdict(p.other)

@@ -7,6 +7,7 @@ Plain frozen dataclasses (``asdict``-able for ``--json``); the planner fills the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from fsdpkit.planner.scenario import Scenario
 
@@ -125,6 +126,10 @@ class Plan:
     """Host memory one rank's data path holds while training (fsdpkit.data.host_bytes:
     mapped shards hold nothing per token; SFT rows a few bytes each); 0 without a
     config."""
+    pipeline: Any = None
+    """Under parallel.pp: every pipeline rank's memory and traffic and the schedule's
+    bubble (fsdpkit.planner.pipeline.PipelinePlan); ``memory`` and ``comm`` are then
+    the rank with the highest peak's. None without pp."""
 
     @property
     def headroom(self) -> int | None:

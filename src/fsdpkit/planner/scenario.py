@@ -123,6 +123,9 @@ class Scenario:
     """What the reference's no-grad forward holds at its peak besides them."""
     experts: Experts | None = None
     """A mixture-of-experts model's routing and parameter census (None: dense)."""
+    pp: int = 1
+    """Pipeline ranks (parallel.pp): ``units`` are the whole model's; fsdpkit.planner.
+    pipeline plans each rank's stages ([Note: pipeline plans])."""
 
     def edge(self, role: str) -> Unit | None:
         """The edge unit of ``role`` ("embedding", "norm", "head"), None if it is in the
@@ -172,8 +175,8 @@ class Scenario:
 
     @property
     def dp(self) -> int:
-        """Data-parallel ranks: world / (tp x cp)."""
-        return self.world_size // (self.tp * self.cp)
+        """Data-parallel ranks: world / (pp x tp x cp)."""
+        return self.world_size // (self.pp * self.tp * self.cp)
 
     def with_(self, **changes: object) -> Scenario:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -341,6 +344,7 @@ def scenario(
         reference_bytes=dpo.resident,
         reference_forward=dpo.forward,
         experts=model.experts,
+        pp=dims.pp,
     )
 
 

@@ -26,8 +26,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -86,7 +88,9 @@ def gradient_sync(
         yield
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float, *, foreach: bool = True) -> torch.Tensor:
+def clip_grad_norm_(
+    model: nn.Module, max_norm: float, *, foreach: bool = True, across: Any = None
+) -> torch.Tensor:
     """Clip to ``max_norm`` (0 = measure only); the global L2 norm of all gradients
     across every shard and replica, as a 0-d tensor (no host sync).
 
@@ -94,7 +98,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, *, foreach: bool = True) 
     weights and replicated norms on the data x tp mesh, the embedding and head on the
     data mesh alone) are normed per group, each group's norm made whole over its
     mesh, then combined: DTensor cannot stack norms of different meshes, and
-    miscounts mixed placements (``_by_mesh``). ``foreach=False`` computes per-tensor
+    miscounts mixed placements (``_by_mesh``). ``across``: a process group whose ranks
+    hold *different* parameters (the pipeline stages): the squared norms are summed
+    over it, so every rank clips by the whole model's norm ([Note: the pipelined
+    step] in fsdpkit.trainable.pipeline_step). ``foreach=False`` computes per-tensor
     norms: the same memory on real tensors, but fake-tensor tracing (the planner)
     counts a copy of every gradient for the foreach kernels on DTensors."""
     params: list[torch.Tensor] = [p for p in model.parameters() if p.grad is not None]
@@ -102,7 +109,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, *, foreach: bool = True) 
         return torch.zeros(())
     limit = max_norm if max_norm > 0 else float("inf")
     groups = _by_mesh(params)
-    if len(groups) == 1:
+    if len(groups) == 1 and across is None:
         total = torch.nn.utils.clip_grad_norm_(params, limit, foreach=foreach)
         return total.full_tensor() if isinstance(total, DTensor) else total
     _quiet_redistribute()
@@ -113,6 +120,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, *, foreach: bool = True) 
         )
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = torch.linalg.vector_norm(torch.stack(norms))
+    if across is not None:
+        squared = total.square()
+        dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=across)
+        total = squared.sqrt()
     for group in groups:
         torch.nn.utils.clip_grads_with_norm_(group, limit, total, foreach=foreach)
     return total

@@ -32,6 +32,7 @@ def build_mesh(
     replicate: int = 1,
     cp: int = 1,
     tp: int = 1,
+    pp: int = 1,
     device_type: str | None = None,
     world_size: int | None = None,
 ) -> DeviceMesh:
@@ -42,18 +43,19 @@ def build_mesh(
     ``shard`` defaults to world_size / (replicate x cp x tp). With ``cp`` or ``tp`` > 1
     the mesh has the named axes of [Note: parallel dimensions] ("replicate" only when
     > 1, "shard" always, then "cp", "tp" where > 1). The process group must be
-    initialized. DTensor's caches are dropped first ([Note: equal meshes]).
+    initialized. DTensor's caches are dropped first ([Note: equal meshes]). With ``pp``
+    > 1 a "pp" axis comes first and the rest describes each stage's world / pp ranks.
     """
     forget_meshes()
     world = world_size if world_size is not None else dist.get_world_size()
-    if cp < 1 or tp < 1 or world % (cp * tp):
+    if min(cp, tp, pp) < 1 or world % (pp * cp * tp):
         raise MeshError(
-            f"mesh cp={cp} x tp={tp} must be >= 1 and divide the world size {world} "
-            "(parallel.cp, parallel.tp)."
+            f"mesh pp={pp} x cp={cp} x tp={tp} must be >= 1 and divide the world size {world} "
+            "(parallel.pp, parallel.cp, parallel.tp)."
         )
-    if cp * tp > 1:
+    if pp * cp * tp > 1:
         return _model_parallel_mesh(
-            shard=shard, replicate=replicate, cp=cp, tp=tp, world=world, device_type=device_type
+            shard=shard, replicate=replicate, cp=cp, tp=tp, pp=pp, world=world, dev=device_type
         )
     if replicate < 1 or (shard is not None and shard < 1):
         raise MeshError(f"mesh degrees must be >= 1, got replicate={replicate}, shard={shard}")
@@ -97,19 +99,19 @@ def forget_meshes() -> None:
 
 
 def _model_parallel_mesh(
-    *, shard: int | None, replicate: int, cp: int, tp: int, world: int, device_type: str | None
+    *, shard: int | None, replicate: int, cp: int, tp: int, pp: int, world: int, dev: str | None
 ) -> DeviceMesh:
-    """The N-D mesh of [Note: parallel dimensions]."""
-    dp = world // (cp * tp)
+    """The N-D mesh of [Note: parallel dimensions] ("pp" first where > 1)."""
+    dp = world // (pp * cp * tp)
     shard = shard if shard is not None else dp // max(replicate, 1)
     if replicate < 1 or shard < 1 or replicate * shard != dp:
         raise MeshError(
             f"mesh replicate={replicate} x shard={shard} must multiply to the {dp} "
-            f"data-parallel ranks (world {world} / (cp {cp} x tp {tp}))."
+            f"data-parallel ranks (world {world} / (pp {pp} x cp {cp} x tp {tp}))."
         )
-    named = [("replicate", replicate), ("shard", shard), ("cp", cp), ("tp", tp)]
+    named = [("pp", pp), ("replicate", replicate), ("shard", shard), ("cp", cp), ("tp", tp)]
     kept = [(n, d) for n, d in named if d > 1 or n == "shard"]
-    dev = device_type or local_device_type()
+    dev = dev or local_device_type()
     mesh = init_device_mesh(
         dev, tuple(d for _, d in kept), mesh_dim_names=tuple(n for n, _ in kept)
     )
@@ -123,10 +125,10 @@ def _names(mesh: DeviceMesh) -> tuple[str, ...]:
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh FSDP2 shards over: the whole mesh without tp/cp axes, else its data
-    axes with cp folded into the shard axis."""
+    """The mesh FSDP2 shards over: the whole mesh without tp/cp/pp axes, else its data
+    axes with cp folded into the shard axis (one stage's, under pp)."""
     names = _names(mesh)
-    if "tp" not in names and "cp" not in names:
+    if "tp" not in names and "cp" not in names and "pp" not in names:
         return mesh
     shard = "shard_cp" if "cp" in names else "shard"
     with warnings.catch_warnings():
@@ -144,3 +146,8 @@ def tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
 def cp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     """The context-parallel axis, or None."""
     return mesh["cp"] if "cp" in _names(mesh) else None
+
+
+def pp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The pipeline axis (this rank's pipeline group), or None."""
+    return mesh["pp"] if "pp" in _names(mesh) else None

@@ -30,20 +30,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from fsdpkit.models.accessors import input_embeddings, output_embeddings
-from fsdpkit.sharding.tensor_rules import vocab_parallel_refusal
-
-
-def _edge_pair(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """The input embedding and the output head, which every model split over tp has
-    (the tied-head and chunked-loss checks found them before)."""
-    embedding, head = input_embeddings(model), output_embeddings(model)
-    if embedding is None or head is None:
-        raise ValueError(
-            f"{type(model).__name__} has no input embedding or no output head "
-            "(get_input_embeddings / get_output_embeddings) for tensor parallelism to lay out."
-        )
-    return embedding, head
+from fsdpkit.models.accessors import input_embeddings
+from fsdpkit.sharding.tensor_rules import edge_pair, vocab_parallel_refusal
 
 
 def _vocab_parallel(
@@ -54,15 +42,18 @@ def _vocab_parallel(
     logits gathered over the vocabulary, which the chunked loss never asks for (it
     reads the local rows: fsdpkit.loss.chunked_ce). A tied pair is one Shard(0)
     parameter, tied again after both are split."""
-    embedding, head = _edge_pair(model)
-    tied = head.weight is embedding.weight
-    parallelize_module(
-        embedding, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=out)
-    )
-    parallelize_module(head, mesh, ColwiseParallel(input_layouts=into, output_layouts=Replicate()))
+    embedding, head = edge_pair(model)
+    tied = head is not None and embedding is not None and head.weight is embedding.weight
+    if embedding is not None:
+        parallelize_module(
+            embedding, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=out)
+        )
+        embedding.register_forward_hook(_waited)
+    if head is not None:
+        style = ColwiseParallel(input_layouts=into, output_layouts=Replicate())
+        parallelize_module(head, mesh, style)
     if tied:
-        head.weight = embedding.weight
-    embedding.register_forward_hook(_waited)
+        head.weight = embedding.weight  # type: ignore[union-attr]
 
 
 def _waited(_module: nn.Module, _args: Any, output: Any) -> Any:
@@ -80,20 +71,21 @@ def _waited(_module: nn.Module, _args: Any, output: Any) -> Any:
 def _whole(model: nn.Module, *, mesh: DeviceMesh, out: Shard | Replicate) -> None:
     """Under sequence parallelism, an embedding and head kept whole: the embedding's
     output laid out ``out``; the head gets the whole sequence."""
-    embedding, head = _edge_pair(model)
-    if out != Replicate():
+    embedding, head = edge_pair(model)
+    if out != Replicate() and embedding is not None:
         parallelize_module(
             embedding,
             mesh,
             PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=out),
         )
-    parallelize_module(
-        head,
-        mesh,
-        PrepareModuleInput(
-            input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
-        ),
-    )
+    if head is not None:
+        parallelize_module(
+            head,
+            mesh,
+            PrepareModuleInput(
+                input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
+            ),
+        )
 
 
 _SPLIT = "_fsdpkit_sequence_shard"
@@ -144,9 +136,17 @@ def edges(
         _whole(model, mesh=mesh, out=out)
     if not sequence_parallel:
         return refusal
+    embedding, head = edge_pair(model)  # a pipeline stage splits or gathers at its own ends only
+    if first_block is not None and embedding is None:  # a later stage of a transformers model
+        gather = PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True
+        )  # its body reads the sequence's length off the embedding's output: whole, as on stage 0
+        entry = input_embeddings(model)
+        assert entry is not None  # _edge_pair found it
+        parallelize_module(entry, mesh, gather)
     if first_block is not None:
         first_block.register_forward_pre_hook(_split_sequence(mesh), with_kwargs=True)
-    # the final norm on the sequence shard (a plain tensor out of a transformers body)
-    norm = SequenceParallel(use_local_output=first_block is not None)
-    parallelize_module(model.get_submodule("model.norm"), mesh, norm)
+    if head is not None:  # the final norm on the sequence shard (a plain tensor out of HF)
+        norm = SequenceParallel(use_local_output=first_block is not None)
+        parallelize_module(model.get_submodule("model.norm"), mesh, norm)
     return refusal

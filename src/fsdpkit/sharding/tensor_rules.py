@@ -17,12 +17,13 @@ from torch import nn
 
 from fsdpkit.config import RunConfig
 from fsdpkit.loss.head import output_head
-from fsdpkit.models.accessors import input_embeddings, is_norm_class
+from fsdpkit.models.accessors import input_embeddings, is_norm_class, output_embeddings
 from fsdpkit.models.errors import ModelError
 from fsdpkit.models.experts import expert_field
 from fsdpkit.models.hf_dir import read_hf_dir
 from fsdpkit.models.llama import Llama, preset
 from fsdpkit.sharding.heads import check_cp_heads, heads_cp
+from fsdpkit.sharding.pipeline_parts import StageInput, StageOutput
 
 LLAMA_BLOCK: dict[str, str] = {
     "self_attn.q_proj": "colwise",
@@ -233,9 +234,17 @@ def sequence_parallel_applies(model: nn.Module, *, blocks: list[nn.Module]) -> b
         bool(blocks)
         and model_type not in EXCLUDED
         and isinstance(final, nn.Module)
-        and is_norm_class(final)
+        and (is_norm_class(final) or _norm_on_a_later_stage(model, final))
         and all(sequence_parallel_block(b) for b in blocks)
     )
+
+
+def _norm_on_a_later_stage(model: nn.Module, final: nn.Module) -> bool:
+    """A pipeline stage before the last: its final norm is an ``nn.Identity`` and its head
+    a ``StageOutput`` ([Note: stage modules] in fsdpkit.sharding.pipeline_parts); the
+    last stage holds the real norm, so every stage decides as the whole model does."""
+    head = output_embeddings(model)
+    return isinstance(final, nn.Identity) and isinstance(head, StageOutput)
 
 
 def vocab_refusal(
@@ -253,13 +262,31 @@ def vocab_refusal(
 
 
 def vocab_parallel_refusal(model: nn.Module, *, tp: int) -> str | None:
-    """``vocab_refusal`` for ``model``'s embedding and head."""
-    embedding, head = input_embeddings(model), output_head(model)
+    """``vocab_refusal`` for ``model``'s embedding and head (those a pipeline stage
+    holds: [Note: stage modules] in fsdpkit.sharding.pipeline_parts)."""
+    embedding, head = edge_pair(model)
+    plain = output_head(model) if head is not None else None
     rows = getattr(getattr(embedding, "weight", None), "shape", (0,))[0]
     return vocab_refusal(
-        plain_embedding=type(embedding) is nn.Embedding,
-        plain_head=head is not None,
-        vocab=head.weight.shape[0] if head is not None else 0,
-        embedding_rows=rows,
+        plain_embedding=embedding is None or type(embedding) is nn.Embedding,
+        plain_head=head is None or plain is not None,
+        vocab=plain.weight.shape[0] if plain is not None else rows,
+        embedding_rows=rows if embedding is not None else (plain.weight.shape[0] if plain else 0),
         tp=tp,
+    )
+
+
+def edge_pair(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    """The input embedding and the output head, which every model split over tp has
+    (the tied-head and chunked-loss checks found them before); None for the one a
+    pipeline stage leaves to another stage (its ``StageInput`` / ``StageOutput``)."""
+    embedding, head = input_embeddings(model), output_embeddings(model)
+    if embedding is None or head is None:
+        raise ValueError(
+            f"{type(model).__name__} has no input embedding or no output head "
+            "(get_input_embeddings / get_output_embeddings) for tensor parallelism to lay out."
+        )
+    return (
+        None if isinstance(embedding, StageInput) else embedding,
+        None if isinstance(head, StageOutput) else head,
     )

@@ -38,6 +38,7 @@ from fsdpkit.train.progress import Progress
 from fsdpkit.train.session import Session, write_run_dir
 from fsdpkit.train.summary import RunSummary
 from fsdpkit.train.telemetry import device_peak_flops, peak_memory_kind, peak_memory_mib
+from fsdpkit.trainable.pipeline_step import pipeline_eval, pipeline_step
 from fsdpkit.trainable.step import train_step
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,12 @@ def _step(s: Session, probe: HangProbe) -> tuple[float, float, dict[str, float]]
     step's LR before calling this."""
     with record_function(DATA_NAME):  # the profiler's "data" category
         batches = [b.to(s.device, non_blocking=True) for b in s.loader.next_step()]
+    if s.pipeline is not None:  # [Note: the pipelined step]
+        result = pipeline_step(
+            s.pipeline, s.model, s.optimizer, batches, max_norm=s.cfg.train.grad_clip
+        )
+        s.scheduler.step()
+        return _global_mean(result.loss), float(result.grad_norm), {}
     result = train_step(
         s.model,
         s.optimizer,
@@ -83,6 +90,8 @@ def evaluate(s: Session) -> float | None:
     """Mean validation loss over the fixed validation batches of every rank."""
     if not s.val:
         return None
+    if s.pipeline is not None:
+        return _global_mean(pipeline_eval(s.pipeline, [t.to(s.device) for t in s.val]))
     s.model.eval()
     total = torch.zeros((), device=s.device)
     for tokens in s.val:
@@ -346,7 +355,8 @@ def _train(s: Session, *, obs: Observer, stop: StopFlag, probe: HangProbe) -> Ru
         f"{s.split.global_batch} {'pairs' if cfg.train.objective == 'dpo' else 'sequences'} "
         f"per step ({s.split.grad_accum} x {s.split.micro_batch} per rank)"
     )
-    for note in (s.finetune.describe() if s.finetune else None, s.data_note, s.loss_note):
+    pipe = s.pipeline.describe() if s.pipeline is not None else None
+    for note in (pipe, s.finetune.describe() if s.finetune else None, s.data_note, s.loss_note):
         if note:
             progress.message(note)
     if resumed is not None:
@@ -359,7 +369,9 @@ def _train(s: Session, *, obs: Observer, stop: StopFlag, probe: HangProbe) -> Ru
     if note := obs.close():
         progress.message(note)
     progress.close()
-    if s.llama is not None and cfg.train.sample_tokens and s.state.step == cfg.train.steps:
+    if s.pipeline is not None and cfg.train.sample_tokens:
+        progress.message("train.sample_tokens: no sample under parallel.pp (not supported)")
+    elif s.llama is not None and cfg.train.sample_tokens and s.state.step == cfg.train.steps:
         # every cp rank runs the same whole window: no sequence exchange
         local = local_attention(s.model) if cfg.parallel.cp > 1 else contextlib.nullcontext()
         with local:

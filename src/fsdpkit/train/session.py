@@ -73,13 +73,21 @@ class Session:
     """The same as data, for metrics.jsonl (fsdpkit.data.TrainingData.record)."""
     loss_note: str | None = None
     """Why ``train.chunked_loss = auto`` kept full logits (None: it did not)."""
+    pipeline: Any = None
+    """Under parallel.pp: this rank's stages and schedule (fsdpkit.sharding.pipeline);
+    ``model`` is the rank's view of its parameters. None without pp."""
 
     def app_state(self) -> dict[str, Any]:
         """What a checkpoint holds (DCP Statefuls)."""
 
         only = self.cfg.checkpoint.adapters_only
         state: dict[str, Any] = {
-            "app": ModelOptimizerState(self.model, self.optimizer, trainable_only=only),
+            "app": ModelOptimizerState(
+                self.model,
+                self.optimizer,
+                trainable_only=only,
+                group_names=self.pipeline.group_names if self.pipeline is not None else None,
+            ),
             "scheduler": self.scheduler,
             "trainer": self.state,
             "rng": RankLocal(RNGState()),
@@ -158,6 +166,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         shard=dims.shard,
         cp=dims.cp,
         tp=dims.tp,
+        pp=dims.pp,
         device_type=env.device_type,
     )
     run = shard_trainable(unsharded, cfg, mesh=mesh, device=device)
@@ -205,6 +214,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         data_note=data.note,
         data_record=data.record,
         loss_note=run.loss_note,
+        pipeline=run.pipeline,
     )
 
 

@@ -5,4 +5,6 @@ Modules:
             group), prepared for fine-tuning, sharded, its loss and its optimizer
     optim   the AdamW kernels and the learning-rate schedule
     step    one optimizer step: the function ``fsdpkit train`` runs and the planner traces
+    pipeline_build  ``build``'s step 2 under ``parallel.pp``: the rank's stages
+    pipeline_step   a pipelined optimizer step and evaluation
 """

@@ -76,6 +76,10 @@ class Trainable:
     llama: LlamaConfig | None
     """The built-in model's shape (None for model.hf and factory models)."""
     loss_note: str | None = None
+    pipeline: Any = None
+    """Under parallel.pp: this rank's stages and their schedule
+    (fsdpkit.sharding.pipeline.Pipeline); ``model`` is then the rank's view of its
+    parameters ([Note: stage modules]). None without pp."""
 
 
 def build_unsharded(
@@ -137,6 +141,8 @@ def shard_trainable(
         require_buffer_source(model)
     else:  # fully_shard moves the shards; this only puts buffers in place
         model.to(device)
+    if cfg.parallel.pp > 1:
+        return _pipelined(unsharded, cfg, mesh=mesh, device=device)
     plan = shard(model, cfg, mesh=mesh, init=unsharded.finetune.init)
     if cfg.model.init_from and fake is None:
         init_from(model, Path(cfg.model.init_from))
@@ -158,6 +164,26 @@ def shard_trainable(
         finetune=unsharded.finetune,
         llama=unsharded.built.llama,
         loss_note=_notes(unsharded, loss_fn),
+    )
+
+
+def _pipelined(
+    unsharded: Unsharded, cfg: RunConfig, *, mesh: Any, device: torch.device
+) -> Trainable:
+    """Step 2 under ``parallel.pp``: this rank's stages (fsdpkit.trainable.pipeline_build)."""
+    from fsdpkit.trainable.pipeline_build import build_pipeline
+
+    built = build_pipeline(unsharded, cfg, mesh=mesh, device=device)
+    return Trainable(
+        model=built.view,
+        loss_fn=built.loss_fn,
+        optimizer=build_optimizer(built.view, cfg.train, grad_scaler=unsharded.precision.scaler),
+        plan=built.pipeline.plans[0],
+        precision=unsharded.precision,
+        finetune=unsharded.finetune,
+        llama=unsharded.built.llama,
+        loss_note=_notes(unsharded, built.loss_fn),
+        pipeline=built.pipeline,
     )
 
 

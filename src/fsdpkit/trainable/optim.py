@@ -70,17 +70,31 @@ def param_device_type(params: list[nn.Parameter]) -> str:
     return local.device.type
 
 
+def decay_groups(params: list[nn.Parameter]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """The trainable parameters with weight decay (matrices) and without (1-D: norms,
+    biases), in model order: the optimizer's two groups."""
+    decay = [p for p in params if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in params if p.requires_grad and p.ndim < 2]
+    return decay, no_decay
+
+
+def group_names(model: nn.Module) -> list[list[str]]:
+    """The parameter names of each of ``build_optimizer``'s (non-empty) groups for
+    ``model``: a pipelined run's checkpoint lists the whole model's, so that any layout
+    finds its parameters' groups ([Note: optimizer groups across stages] in
+    fsdpkit.checkpoint.state)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = decay_groups(list(model.parameters()))
+    return [[names[id(p)] for p in group] for group in groups if group]
+
+
 def build_optimizer(
     model: nn.Module, cfg: TrainConfig, *, grad_scaler: bool = False
 ) -> torch.optim.AdamW:
     """AdamW on the trainable parameters (frozen ones get no state), with the kernel
     ``train.optimizer_impl`` resolves to for where the parameters live and whether a
     gradient scaler steps it."""
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+    decay, no_decay = decay_groups(list(model.parameters()))
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -1,0 +1,183 @@
+"""Which blocks each pipeline stage holds, and which rank holds each stage: the one
+rule the trainer and the planner share (no process group, no torch modules).
+
+[Note: stage split]
+A model under ``parallel.pp`` is cut into ``stages = pp x stages_per_rank``
+consecutive runs of its blocks ([Note: block detection] in fsdpkit.sharding.blocks);
+the input embedding goes with the first stage, the final norm, the output head and
+the loss with the last. ``parallel.pp_split``:
+
+- ``blocks``: every stage the same number of blocks (which ``stages`` must divide):
+  the compute of a decoder's blocks is equal, so the stages are balanced but for the
+  embedding (a lookup) and the head + loss (2 x d x V FLOPs per token, one block's
+  worth for d = 4096, V = 128k: the last stage is the slowest);
+- ``params``: contiguous stages, each at least one block, minimizing the parameters of
+  the largest stage, the embedding counted on the first and the head on the last
+  (what bounds one stage's weights, gradients and optimizer state).
+
+Stage ``s`` runs on pipeline rank ``stage_rank(s)`` ([Note: pipeline schedules] in
+fsdpkit.config.pipeline). The run's first lines print the split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fsdpkit.config.pipeline import SCHEDULES, stage_rank, stages_per_rank
+from fsdpkit.config.schema import RunConfig
+from fsdpkit.errors import ConfigError
+from fsdpkit.models.hf_dir import read_hf_dir
+from fsdpkit.models.llama import preset
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """The blocks of every stage and the rank of every stage ([Note: stage split])."""
+
+    blocks: tuple[tuple[int, ...], ...]
+    """Block indices (forward order) of each stage."""
+    ranks: tuple[int, ...]
+    """The pipeline rank holding each stage."""
+    params: tuple[int, ...] = ()
+    """Parameters of each stage (embedding on the first, head and final norm on the
+    last), when the split was computed from a model."""
+
+    @property
+    def stages(self) -> int:
+        return len(self.blocks)
+
+    def local(self, pp_rank: int) -> list[int]:
+        """The stages ``pp_rank`` holds, in stage order."""
+        return [s for s, r in enumerate(self.ranks) if r == pp_rank]
+
+    def describe(self) -> str:
+        """One line per pipeline rank: its stages and their blocks."""
+        lines = []
+        for rank in sorted(set(self.ranks)):
+            parts = [self._stage(s) for s in self.local(rank)]
+            lines.append(f"pp rank {rank}: " + "; ".join(parts))
+        return "\n".join(lines)
+
+    def _stage(self, s: int) -> str:
+        first, last = self.blocks[s][0], self.blocks[s][-1]
+        what = f"blocks {first}-{last}" if last > first else f"block {first}"
+        if s == 0:
+            what = "embedding + " + what
+        if s == self.stages - 1:
+            what += " + norm, head, loss"
+        size = f" ({self.params[s] / 1e6:.2f}M params)" if self.params else ""
+        return f"stage {s}: {what}{size}"
+
+
+def equal_blocks(n_blocks: int, stages: int) -> tuple[tuple[int, ...], ...]:
+    """``stages`` runs of ``n_blocks / stages`` blocks (ConfigError unless it divides)."""
+    if n_blocks % stages:
+        raise ConfigError(
+            f"the model's {n_blocks} blocks do not split evenly into {stages} pipeline "
+            f"stages (parallel.pp x stages per rank) with parallel.pp_split = blocks. Use "
+            f"a pp (or parallel.pp_stages_per_rank) whose stage count divides {n_blocks}, "
+            "or parallel.pp_split = params (contiguous stages of unequal length)."
+        )
+    per = n_blocks // stages
+    return tuple(tuple(range(s * per, (s + 1) * per)) for s in range(stages))
+
+
+def balanced_blocks(
+    weights: Sequence[int], stages: int, *, first: int = 0, last: int = 0
+) -> tuple[tuple[int, ...], ...]:
+    """Contiguous runs of at least one block minimizing the largest run's weight, then
+    the sum of the runs' squared weights (the most even of the optimal splits), with
+    ``first`` added to the first run and ``last`` to the last (dynamic programming over
+    cut points)."""
+    n = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    worst = (float("inf"), float("inf"))
+    # best[k][i]: (largest run, sum of squares) of blocks[:i] in k runs; cut: where the kth starts
+    best = [[worst] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = (0, 0)
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                run = prefix[i] - prefix[j] + (first if j == 0 else 0)
+                run += last if i == n else 0
+                high, squares = best[k - 1][j]
+                cost = (max(high, run), squares + run * run)
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    bounds, i = [], n
+    for k in range(stages, 0, -1):
+        bounds.append((cut[k][i], i))
+        i = cut[k][i]
+    return tuple(tuple(range(a, b)) for a, b in reversed(bounds))
+
+
+def split_stages(
+    *,
+    block_params: Sequence[int],
+    stages: int,
+    mode: str,
+    edge_params: tuple[int, int] = (0, 0),
+) -> tuple[tuple[int, ...], ...]:
+    """The blocks of each of ``stages`` stages ([Note: stage split]): ``block_params``
+    per block, ``edge_params`` = (embedding, final norm + head) parameters."""
+    n = len(block_params)
+    if n < stages:
+        raise ConfigError(
+            f"the model has {n} blocks, fewer than its {stages} pipeline stages "
+            "(parallel.pp x stages per rank): every stage needs at least one block. Use "
+            "a smaller parallel.pp or parallel.pp_stages_per_rank."
+        )
+    if mode == "blocks":
+        return equal_blocks(n, stages)
+    return balanced_blocks(block_params, stages, first=edge_params[0], last=edge_params[1])
+
+
+def stage_split(
+    cfg: RunConfig, *, block_params: Sequence[int], edge_params: tuple[int, int] = (0, 0)
+) -> StageSplit:
+    """The run's split of blocks with ``block_params`` parameters each."""
+    p = cfg.parallel
+    spec = SCHEDULES[p.pp_schedule]
+    stages = p.pp * stages_per_rank(schedule=p.pp_schedule, configured=p.pp_stages_per_rank)
+    blocks = split_stages(
+        block_params=block_params, stages=stages, mode=p.pp_split, edge_params=edge_params
+    )
+    ranks = tuple(stage_rank(s, pp=p.pp, style=spec.style) for s in range(stages))
+    params = tuple(sum(block_params[b] for b in run) for run in blocks)
+    params = (params[0] + edge_params[0], *params[1:])
+    params = (*params[:-1], params[-1] + edge_params[1])
+    return StageSplit(blocks=blocks, ranks=ranks, params=params)
+
+
+TIED = (
+    "the model ties its input embedding and output head (one weight), but under "
+    "parallel.pp the embedding lives on the first stage and the head on the last, on "
+    "different ranks. Set model.tie_embeddings = false (built-in presets), train an "
+    "untied model, or use parallel.pp = 1."
+)
+
+
+def check_pipeline_layout(cfg: RunConfig) -> None:
+    """Refuse a pipeline layout the configured model cannot take, from the config alone
+    (the launcher calls this before any process starts): blocks that do not split into
+    the stages, a tied embedding and head. A factory model is checked when it is built."""
+    p, m = cfg.parallel, cfg.model
+    if p.pp == 1 or m.factory:
+        return
+    if m.hf:
+        config = read_hf_dir(m.hf).config
+        n_blocks = getattr(config, "num_hidden_layers", None)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+    else:
+        shape = preset(m.preset)
+        n_blocks = m.n_layers or shape.n_layers
+        tied = shape.tie_embeddings if m.tie_embeddings is None else m.tie_embeddings
+    if tied:
+        raise ConfigError(f"parallel.pp = {p.pp}: {TIED}")
+    if isinstance(n_blocks, int):
+        stages = p.pp * stages_per_rank(schedule=p.pp_schedule, configured=p.pp_stages_per_rank)
+        split_stages(block_params=[1] * n_blocks, stages=stages, mode=p.pp_split)

@@ -1,0 +1,67 @@
+"""A pipelined run's checkpoint (pp2 x dp2) resumes without pp (dp4) and at pp4 with
+the same next losses and grad norms as the pp2 x dp2 run that never stopped: the
+model's own names, and the whole model's optimizer groups ([Note: optimizer groups
+across stages]), make the checkpoint independent of the stage layout."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsdpkit.config import load
+from fsdpkit.runtime.distenv import joined_env
+from fsdpkit.testing import run_ranks
+from fsdpkit.train.loop import run
+from fsdpkit.train.session import build_session
+
+pytestmark = pytest.mark.distributed
+
+BASE = [
+    *("model.preset=tiny", "model.dim=64", "model.n_layers=4", "model.n_heads=4"),
+    *("model.n_kv_heads=2", "model.ffn_dim=128", "model.tie_embeddings=false"),
+    *("data.seq_len=32", "train.lr=2e-4", "train.warmup_steps=0", "train.schedule=constant"),
+    *("train.global_batch_size=8", "train.micro_batch_size=1", "train.eval_every=0"),
+    *("train.sample_tokens=0", "precision.mode=fp32", "logging.progress=none"),
+    *("checkpoint.every=2", "checkpoint.resume=auto"),
+]  # fmt: skip
+"""A constant LR: the run stopped at step 2 and the one that goes on to 4 follow the
+same schedule."""
+
+
+def _train(rank: int, world: int, overrides: list[str]) -> int:
+    env = joined_env()
+    assert env is not None and env.world_size == world
+    return run(build_session(load(None, overrides), env)).steps
+
+
+def _metrics(run_dir: Path) -> list[tuple[float, float]]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["loss"], r["grad_norm"]) for r in records if "loss" in r]
+
+
+def _spawn(run_dir: Path, *overrides: str) -> None:
+    args = ([*BASE, *overrides, f"logging.run_dir={run_dir}"],)
+    run_ranks(_train, world_size=4, args=args, timeout_s=600)
+
+
+def test_pipelined_checkpoint_resumes_at_other_layouts(tmp_path: Path) -> None:
+    straight = tmp_path / "straight"
+    _spawn(straight, "parallel.pp=2", "train.steps=4")  # saves steps 2 and 4
+    meta: dict[str, Any] = json.loads(
+        (straight / "checkpoints" / "step-00000002" / "fsdpkit.json").read_text()
+    )
+    assert meta["run"]["mesh"] == {"pp": 2, "replicate": 1, "shard": 2}
+    want = _metrics(straight)[2:]
+    for name, layout in (("dp4", []), ("pp4", ["parallel.pp=4"])):
+        shutil.copytree(straight, tmp_path / name)
+        shutil.rmtree(tmp_path / name / "checkpoints" / "step-00000004")  # resume from 2
+        _spawn(tmp_path / name, *layout, "train.steps=4")
+        got = _metrics(tmp_path / name)[2:]
+        assert len(got) == 2, name
+        for (loss, norm), (ref_loss, ref_norm) in zip(got, want, strict=True):
+            assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), (name, got, want)
+            assert abs(norm - ref_norm) <= 1e-5 * abs(ref_norm), (name, got, want)

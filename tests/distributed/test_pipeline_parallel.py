@@ -1,0 +1,162 @@
+"""Pipeline parallelism (``parallel.pp``) on 4 gloo ranks trains exactly as one process.
+
+Each layout runs the real trainer (``build_session`` + ``train.loop.run``, the code
+``fsdpkit train`` runs) on the built-in corpus: 10 AdamW steps in fp32 with
+global-norm clipping (lr 2e-4, clip 1.0; the norms are 2.5-3.6, so every step clips),
+an evaluation at steps 5 and 10, against the same config trained by one process
+(``parallel.pp = 1``, world 1). Losses, grad norms, validation losses (where the
+pipelined run has one data-parallel rank, so it evaluates the same batches) and
+every final parameter (gathered by name from the rank that holds it) agree within
+1e-5. The fast test trains pp2 x dp2 with 1F1B; the other layouts (Interleaved1F1B,
+pp4, pp2 x tp2, a transformers Llama, the remaining schedules, cp, AC and the chunked
+loss) are slow-marked and run in the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fsdpkit.config import load
+from fsdpkit.runtime.distenv import joined_env
+from fsdpkit.testing import run_ranks
+from fsdpkit.train.loop import run
+from fsdpkit.train.session import build_session
+from support import full_state
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))  # factories (spawned ranks inherit)
+pytestmark = pytest.mark.distributed
+
+TOL = 1e-5
+STEPS = 10
+BASE = [
+    *("model.preset=tiny", "model.dim=64", "model.n_layers=4", "model.n_heads=4"),
+    *("model.n_kv_heads=2", "model.ffn_dim=128", "model.tie_embeddings=false"),
+    *("data.seq_len=32", f"train.steps={STEPS}", "train.lr=2e-4", "train.warmup_steps=0"),
+    *("train.grad_clip=1.0", "train.eval_every=5", "train.eval_batches=2"),
+    *("train.sample_tokens=0", "precision.mode=fp32", "logging.progress=none"),
+    *("checkpoint.every=0", "checkpoint.resume=never"),
+]  # fmt: skip
+BATCH = ["train.global_batch_size=8", "train.micro_batch_size=1"]
+"""8 sequences a step: 4 micro-batches per rank at dp2, 8 at dp1 (enough for every
+schedule at pp2 and pp4)."""
+
+LAYOUTS: dict[str, list[str]] = {
+    "pp2xdp2-1f1b": ["parallel.pp=2"],
+    "pp2xdp2-interleaved": ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"],
+    "pp4": ["parallel.pp=4"],
+    "pp2xtp2": ["parallel.pp=2", "parallel.tp=2"],
+    "hf-llama-pp2xdp2": ["parallel.pp=2"],
+    "pp2xdp2-gpipe": ["parallel.pp=2", "parallel.pp_schedule=GPipe"],
+    "pp2xdp2-loopedbfs": ["parallel.pp=2", "parallel.pp_schedule=LoopedBFS"],
+    "pp2xdp2-izb": ["parallel.pp=2", "parallel.pp_schedule=InterleavedZeroBubble"],
+    "pp2xdp2-zbv": ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"],
+    "pp2xdp2-dualpipev": ["parallel.pp=2", "parallel.pp_schedule=DualPipeV"],
+    "pp2xcp2": ["parallel.pp=2", "parallel.cp=2"],
+    "pp2xdp2-ac-fulllogits-params": [
+        *("parallel.pp=2", "activations.mode=full", "train.chunked_loss=off"),
+        "parallel.pp_split=params",
+    ],
+    "pp2-hybrid": ["parallel.pp=2", "parallel.strategy=hybrid", "parallel.shard_degree=1"],
+    "factory-mlp-pp2xdp2": ["parallel.pp=2"],
+    "sft-hf-llama-pp2xcp2": ["parallel.pp=2", "parallel.cp=2"],
+}
+"""Layout name -> its overrides; "hf-" layouts train a transformers Llama directory,
+"factory-" ones a ``model.factory`` model without HF's accessors (residual-MLP blocks,
+its embedding and head found as the one nn.Embedding and nn.Linear outside them), "sft-"
+ones packed chat rows (examples/sft_tiny.jsonl) on a transformers Llama with a chat
+template."""
+FAST = ("pp2xdp2-1f1b",)
+SINGLE_DP = ("pp4", "pp2xtp2", "pp2xcp2")
+"""Layouts with one data-parallel rank: they evaluate the one process's batches."""
+
+
+def _train(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
+    env = joined_env()
+    assert env is not None and env.world_size == world
+    session = build_session(load(None, overrides), env)
+    run(session)
+    return {"params": full_state(session.model), "pipeline": session.pipeline is not None}
+
+
+def _metrics(run_dir: Path) -> dict[str, list[float]]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {key: [r[key] for r in records if key in r] for key in ("loss", "grad_norm", "val_loss")}
+
+
+def _overrides(name: str, tmp: Path) -> list[str]:
+    shape = ("model.preset", "model.dim", "model.n_", "model.ffn", "model.tie")
+    common = [*[o for o in BASE if not o.startswith(shape)], *BATCH]
+    if name.startswith("factory-"):
+        return [*common, "model.factory=factories:token_mlp"]
+    if name.startswith("sft-"):
+        from fsdpkit.testing.hf import write_tiny_model
+
+        chat = tmp / "hf-llama-chat"
+        if not chat.exists():
+            write_tiny_model(chat, arch="llama", layers=4, chat=True)
+        rows = Path(__file__).parents[2] / "examples" / "sft_tiny.jsonl"
+        sft = [f"model.hf={chat}", f"data.path={rows}", "data.seq_len=128"]
+        return [*[o for o in common if not o.startswith("data.seq_len")], *sft]
+    if not name.startswith("hf-"):
+        return [*BASE, *BATCH]
+    from fsdpkit.testing.hf import write_tiny_model
+
+    model = tmp / "hf-llama"
+    if not model.exists():
+        write_tiny_model(model, arch="llama", layers=4)
+    return [*common, f"model.hf={model}"]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One-process runs, by model ("llama" / "hf"), made when first asked for."""
+    return {"tmp": tmp_path_factory.mktemp("pp-ref")}
+
+
+def _reference(refs: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    kind = name.split("-")[0] if name.startswith(("hf-", "factory-", "sft-")) else "llama"
+    if kind not in refs:
+        tmp: Path = refs["tmp"]
+        run_dir = tmp / f"ref-{kind}"
+        overrides = [*_overrides(name, tmp), f"logging.run_dir={run_dir}"]
+        out = run_ranks(_train, world_size=1, args=(overrides,), timeout_s=600)[0]
+        refs[kind] = (out, _metrics(run_dir))
+    return refs[kind]  # type: ignore[no-any-return]
+
+
+def _check(name: str, refs: dict[str, Any]) -> None:
+    tmp: Path = refs["tmp"]
+    ref_out, ref_metrics = _reference(refs, name)
+    run_dir = tmp / name
+    overrides = [*_overrides(name, tmp), *LAYOUTS[name], f"logging.run_dir={run_dir}"]
+    ranks = run_ranks(_train, world_size=4, args=(overrides,), timeout_s=900)
+    assert all(r["pipeline"] for r in ranks)
+    got = _metrics(run_dir)
+    assert len(got["loss"]) == STEPS
+    for key in ("loss", "grad_norm") + (("val_loss",) if name in SINGLE_DP else ()):
+        worst = max(abs(a - b) for a, b in zip(got[key], ref_metrics[key], strict=True))
+        assert worst < TOL, f"{name}: {key} {got[key]} vs {ref_metrics[key]}"
+    params: dict[str, torch.Tensor] = {}
+    for out in ranks:
+        params.update(out["params"])
+    assert sorted(params) == sorted(ref_out["params"])  # every parameter, the model's names
+    for key, ref in ref_out["params"].items():
+        diff = (params[key] - ref).abs().max().item()
+        assert diff < TOL, f"{name}: {key} differs by {diff:.2e}"
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_pipeline_trains_as_one_process(name: str, references: dict[str, Any]) -> None:
+    _check(name, references)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if n not in FAST])
+def test_pipeline_layouts_train_as_one_process(name: str, references: dict[str, Any]) -> None:
+    _check(name, references)

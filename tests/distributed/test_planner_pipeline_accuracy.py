@@ -1,0 +1,70 @@
+"""The planner's pipeline plans ([Note: pipeline plans]) against the true peak of each
+stage's ranks, on 4 gloo ranks (c10's process-wide allocator count: [Note: measuring
+CPU peaks]): the typical (median) of 5 steady-state steps of every pipeline rank, the
+max over the ranks of its stage, within 1% of the plan of that rank.
+
+Measured 2026-12 on a tiny Llama (4 blocks, d 128, seq 64, fp32, 8 sequences a step,
+micro-batch 1), every rank's error: 1F1B pp2 x dp2 0.00% / 0.00%; Interleaved1F1B
+-0.49% / 0.00%; GPipe -0.76% / +0.01%; pp2 x tp2 -0.73% / +0.01%; pp2 x cp2 0.00% /
+0.00% (the layouts in make test: 1F1B and Interleaved1F1B; the rest slow). Known
+outside 1% (docs/planner.md): pp4's middle stages (-1.3%, -1.5%), full activation
+checkpointing (-1.5% / -1.1%) and ZBVZeroBubble's rank 1 (-1.8%), whose I and W halves
+are replayed as one backward.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from fsdpkit.config import load, parallel_dims
+from fsdpkit.planner import plan
+from fsdpkit.planner.measure import measure_step_peaks
+from fsdpkit.planner.scenario import model_shape
+from fsdpkit.testing import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+TINY = [
+    *("model.preset=tiny", "model.dim=128", "model.n_layers=4", "model.n_heads=4"),
+    *("model.n_kv_heads=2", "model.ffn_dim=344", "model.vocab_size=1024"),
+    *("model.tie_embeddings=false", "data.seq_len=64", "precision.mode=fp32"),
+    *("train.micro_batch_size=1", "train.global_batch_size=8"),
+]  # fmt: skip
+FAST = {
+    "1F1B pp2 x dp2": ["parallel.pp=2"],
+    "Interleaved1F1B pp2 x dp2": ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"],
+}
+SLOW = {
+    "GPipe pp2 x dp2": ["parallel.pp=2", "parallel.pp_schedule=GPipe"],
+    "1F1B pp2 x tp2": ["parallel.pp=2", "parallel.tp=2"],
+    "1F1B pp2 x cp2": ["parallel.pp=2", "parallel.cp=2"],
+}
+STEPS = 5
+BOUND = 0.01
+
+
+def _check(cases: dict[str, list[str]]) -> None:
+    configs = {name: load(None, [*TINY, *extra]) for name, extra in cases.items()}
+    specs = [(name, cfg, model_shape(cfg)) for name, cfg in configs.items()]
+    per_rank = run_ranks(measure_step_peaks, world_size=4, args=(specs, STEPS), timeout_s=900)
+    for name, cfg in configs.items():
+        dims = parallel_dims(cfg, world_size=4, local_world_size=4)
+        pipe = plan(cfg, world_size=4).pipeline
+        assert pipe is not None
+        for r in pipe.ranks:
+            ranks = [g for g in range(4) if dims.pp_rank(g) == r.rank]
+            steps = [max(per_rank[g][name][i] for g in ranks) for i in range(STEPS)]
+            typical = statistics.median(steps)
+            error = (r.memory.peak.bytes - typical) / typical
+            assert abs(error) <= BOUND, f"{name} pp rank {r.rank}: {error:+.2%} ({steps})"
+
+
+def test_pipeline_plans_match_each_stage() -> None:
+    _check(FAST)
+
+
+@pytest.mark.slow
+def test_more_pipeline_layouts_match_each_stage() -> None:
+    _check(SLOW)

@@ -1,0 +1,115 @@
+"""The planner's pipeline plans ([Note: pipeline plans]) without a process group:
+torch's schedule orders, the bubble, the trainer's split, every rank planned and the
+worst one reported, the report and JSON, and the recommender's pipeline search."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fsdpkit.config import load
+from fsdpkit.config.pipeline import SCHEDULES
+from fsdpkit.devices import parse_device
+from fsdpkit.models.llama import Llama
+from fsdpkit.planner import plan, recommend
+from fsdpkit.planner.pipeline import (
+    bubble_fraction,
+    pipeline_degrees,
+    pipeline_split,
+    schedule_actions,
+)
+from fsdpkit.planner.report import format_plan, plan_dict
+from fsdpkit.planner.scenario import model_shape, scenario
+from fsdpkit.sharding.blocks import choose_blocks
+from fsdpkit.sharding.pipeline import _split
+from fsdpkit.sharding.pipeline_parts import model_ends
+
+TINY = [
+    *("model.preset=tiny", "model.dim=128", "model.n_layers=4", "model.n_heads=4"),
+    *("model.n_kv_heads=2", "model.ffn_dim=344", "model.vocab_size=1024"),
+    *("model.tie_embeddings=false", "data.seq_len=64", "precision.mode=fp32"),
+    *("train.micro_batch_size=1", "train.global_batch_size=8"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_every_schedule_runs_each_micro_batch_once_per_stage(name: str) -> None:
+    per_rank = SCHEDULES[name].fixed_stages or 2
+    actions = schedule_actions(name, pp=2, per_rank=per_rank, n=4)
+    stages = 2 * per_rank
+    seen = [a for acts in actions.values() for a in acts]
+    for s in range(stages):
+        forwards = sorted(mb for kind, st, mb in seen if kind == "F" and st == s)
+        backwards = sorted(mb for kind, st, mb in seen if kind in ("B", "I") and st == s)
+        assert forwards == backwards == [0, 1, 2, 3], (name, s)
+        assert sum(1 for kind, st, _ in seen if kind == "R" and st == s) == 1
+    for acts in actions.values():  # REDUCE_GRAD after the stage's last backward
+        for i, (kind, stage, _) in enumerate(acts):
+            if kind == "R":
+                assert not any(k in ("B", "W") and st == stage for k, st, _ in acts[i:])
+
+
+@pytest.mark.parametrize(("pp", "n"), [(2, 4), (4, 8), (4, 4)])
+def test_1f1b_bubble_over_equal_stages_is_the_textbook_one(pp: int, n: int) -> None:
+    actions = schedule_actions("1F1B", pp=pp, per_rank=1, n=n)
+    got = bubble_fraction(actions, costs=[1.0] * pp)
+    assert got == pytest.approx((pp - 1) / (n + pp - 1))
+    looped = schedule_actions("Interleaved1F1B", pp=pp, per_rank=2, n=n)
+    assert bubble_fraction(looped, costs=[0.5] * 2 * pp) < got  # v stages shrink it
+
+
+def test_the_planner_splits_as_the_trainer() -> None:
+    cfg = load(None, [*TINY, "parallel.pp=2", "parallel.pp_split=params", "model.n_layers=5"])
+    with torch.device("meta"):
+        model = Llama(model_shape(cfg))
+    ends = model_ends(model, blocks=list(choose_blocks(model).blocks))
+    sc = scenario(cfg, world_size=4)
+    assert pipeline_split(cfg, sc.layout) == _split(model, ends, cfg)
+
+
+def test_every_rank_is_planned_and_the_worst_reported() -> None:
+    cfg = load(None, [*TINY, "parallel.pp=4"])
+    p = plan(cfg, world_size=4)
+    assert p.pipeline is not None and len(p.pipeline.ranks) == 4
+    assert p.memory.peak.bytes == max(r.memory.peak.bytes for r in p.pipeline.ranks)
+    # 1F1B: rank r keeps pp - r micro-batches in flight; the first holds the embedding
+    middle = [r.memory.peak.bytes for r in p.pipeline.ranks[1:3]]
+    assert middle[0] > middle[1]
+    hidden = 64 * 128 * 4  # one micro-batch's hidden state, fp32
+    assert [r.p2p_bytes for r in p.pipeline.ranks] == [
+        8 * hidden,
+        16 * hidden,
+        16 * hidden,
+        8 * hidden,
+    ]
+    text = format_plan(p)
+    assert "pipeline: pp 4 x 1 stage(s) per rank, 1F1B over 8 micro-batches" in text
+    assert "pp rank 3: stage 3: block 3 + norm, head, loss" in text
+    assert plan_dict(p)["pipeline"]["ranks"][0]["stages"] == (0,)
+
+
+def test_accumulation_under_pp_is_always_last() -> None:
+    cfg = load(None, [*TINY, "parallel.pp=2", "parallel.device_mem=1GiB"])
+    p = plan(cfg, world_size=4, device=parse_device("1GiB"))
+    assert p.scenario.accum_sync == "last"
+
+
+def test_pipeline_degrees_span_whole_nodes() -> None:
+    assert pipeline_degrees(world=8, per_node=8) == []
+    assert pipeline_degrees(world=64, per_node=8) == [2, 4, 8]
+    assert pipeline_degrees(world=48, per_node=8) == [2]
+
+
+def test_a_slow_network_makes_pp_cross_the_nodes() -> None:
+    """FSDP over two nodes on a slow link waits on its all-gathers; pp 2 keeps each
+    stage's FSDP inside its node and sends only hidden states across."""
+    cfg = load(None, ["model.preset=llama3-8b", "data.seq_len=4096", "precision.mode=bf16",
+                      "train.global_batch_size=64", "train.micro_batch_size=1",
+                      "activations.mode=full"])  # fmt: skip
+    slow = dataclasses.replace(parse_device("h100"), inter_gbps=1.0)
+    rec = recommend(cfg, world_size=16, device=slow, ranks_per_node=8)
+    assert rec.best is not None and rec.best.changes.get("parallel.pp") == 2, rec.best.changes
+    fast = recommend(cfg, world_size=16, device=parse_device("h100"), ranks_per_node=8)
+    assert fast.best is not None and "parallel.pp" not in fast.best.changes
