@@ -15,6 +15,13 @@ tensor-parallel group is consecutive ranks, inside one node):
 FSDP2 shards parameters over ``shard x cp`` (cp folded into the shard axis, as
 torchtitan does: context-parallel ranks hold the same parameters, so they may as
 well hold different shards of them) and replicates over ``replicate``.
+
+``ep`` (expert parallelism) is borrowed from the shard axis, as torchtitan borrows it
+from its data ranks: the shard axis splits into ``efsdp x ep`` (ep fastest), each ep
+group holding every expert once, split by expert; the routed experts are FSDP-sharded
+over ``efsdp`` (with cp folded in) and replicated over ``replicate``, every other
+parameter as without ep. ep changes neither which batches a rank reads nor the
+world size (fsdpkit.sharding.experts).
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ class ParallelDims:
     shard: int
     cp: int = 1
     tp: int = 1
+    ep: int = 1
+    """Expert-parallel ranks, borrowed from ``shard`` (it divides ``shard``)."""
 
     @property
     def dp(self) -> int:
@@ -59,9 +68,15 @@ class ParallelDims:
         that differ only in their cp or tp coordinate read the same ones."""
         return rank // (self.cp * self.tp)
 
+    @property
+    def efsdp(self) -> int:
+        """Ranks one FSDP shard group of the routed experts spans (shard / ep, cp folded in)."""
+        return self.shard // self.ep * self.cp
+
     def describe(self) -> str:
-        parts = [f"{n} {d}" for n, d in self.named() if d > 1 or n == "shard"]
-        return " x ".join(parts)
+        parts = [f"{n} {d}" for n, d in self.named() if (d > 1 or n == "shard") and n != "ep"]
+        text = " x ".join(parts)
+        return f"{text} (ep {self.ep} of the shard axis)" if self.ep > 1 else text
 
     def named(self) -> list[tuple[str, int]]:
         return [
@@ -69,6 +84,7 @@ class ParallelDims:
             ("shard", self.shard),
             ("cp", self.cp),
             ("tp", self.tp),
+            ("ep", self.ep),
         ]
 
 
@@ -104,4 +120,24 @@ def parallel_dims(cfg: RunConfig, *, world_size: int, local_world_size: int) -> 
     replicate, shard = strategy(p.strategy).mesh_shape(
         world_size=dp, shard_degree=p.shard_degree or local_dp
     )
-    return ParallelDims(replicate=replicate, shard=shard, cp=p.cp, tp=p.tp)
+    _check_ep(p.ep, shard=shard, strategy=p.strategy)
+    return ParallelDims(replicate=replicate, shard=shard, cp=p.cp, tp=p.tp, ep=p.ep)
+
+
+def _check_ep(ep: int, *, shard: int, strategy: str) -> None:
+    """ep splits the shard axis ([Note: parallel dimensions])."""
+    if ep < 1:
+        raise ConfigError(f"parallel.ep must be >= 1, got {ep}.")
+    if ep > 1 and shard % ep:
+        raise ConfigError(
+            f"parallel.ep = {ep} does not divide the shard group ({shard} ranks with "
+            f"parallel.strategy = {strategy}): expert parallelism borrows its ranks from "
+            "the data-parallel ranks that shard the model, each group of ep of them "
+            "holding every expert once. Choose an ep that divides "
+            f"{shard}"
+            + (
+                " (parallel.shard_degree for hybrid strategies)."
+                if shard > 1
+                else "; strategy replicate has no shard group: use full, grad_op or hybrid."
+            )
+        )

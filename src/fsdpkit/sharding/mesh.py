@@ -32,6 +32,7 @@ def build_mesh(
     replicate: int = 1,
     cp: int = 1,
     tp: int = 1,
+    ep: int = 1,
     device_type: str | None = None,
     world_size: int | None = None,
 ) -> DeviceMesh:
@@ -41,8 +42,10 @@ def build_mesh(
     2-D mesh ``("replicate", "shard")`` (HSDP; ``shard == 1`` is DDP-like replication).
     ``shard`` defaults to world_size / (replicate x cp x tp). With ``cp`` or ``tp`` > 1
     the mesh has the named axes of [Note: parallel dimensions] ("replicate" only when
-    > 1, "shard" always, then "cp", "tp" where > 1). The process group must be
-    initialized. DTensor's caches are dropped first ([Note: equal meshes]).
+    > 1, "shard" always, then "cp", "tp" where > 1). ``ep`` > 1 splits the shard axis
+    into "efsdp" x "ep" ([Note: parallel dimensions]; "shard" is then their flattening).
+    The process group must be initialized. DTensor's caches are dropped first ([Note:
+    equal meshes]).
     """
     forget_meshes()
     world = world_size if world_size is not None else dist.get_world_size()
@@ -51,9 +54,15 @@ def build_mesh(
             f"mesh cp={cp} x tp={tp} must be >= 1 and divide the world size {world} "
             "(parallel.cp, parallel.tp)."
         )
-    if cp * tp > 1:
+    if cp * tp * ep > 1:
         return _model_parallel_mesh(
-            shard=shard, replicate=replicate, cp=cp, tp=tp, world=world, device_type=device_type
+            shard=shard,
+            replicate=replicate,
+            cp=cp,
+            tp=tp,
+            ep=ep,
+            world=world,
+            device_type=device_type,
         )
     if replicate < 1 or (shard is not None and shard < 1):
         raise MeshError(f"mesh degrees must be >= 1, got replicate={replicate}, shard={shard}")
@@ -97,24 +106,37 @@ def forget_meshes() -> None:
 
 
 def _model_parallel_mesh(
-    *, shard: int | None, replicate: int, cp: int, tp: int, world: int, device_type: str | None
+    *,
+    shard: int | None,
+    replicate: int,
+    cp: int,
+    tp: int,
+    ep: int,
+    world: int,
+    device_type: str | None,
 ) -> DeviceMesh:
     """The N-D mesh of [Note: parallel dimensions]."""
     dp = world // (cp * tp)
     shard = shard if shard is not None else dp // max(replicate, 1)
-    if replicate < 1 or shard < 1 or replicate * shard != dp:
+    if replicate < 1 or shard < 1 or replicate * shard != dp or shard % ep:
         raise MeshError(
             f"mesh replicate={replicate} x shard={shard} must multiply to the {dp} "
-            f"data-parallel ranks (world {world} / (cp {cp} x tp {tp}))."
+            f"data-parallel ranks (world {world} / (cp {cp} x tp {tp})), and ep={ep} "
+            "divide shard."
         )
-    named = [("replicate", replicate), ("shard", shard), ("cp", cp), ("tp", tp)]
-    kept = [(n, d) for n, d in named if d > 1 or n == "shard"]
+    data = [("shard", shard)] if ep == 1 else [("efsdp", shard // ep), ("ep", ep)]
+    named = [("replicate", replicate), *data, ("cp", cp), ("tp", tp)]
+    kept = [(n, d) for n, d in named if d > 1 or n in ("shard", "efsdp", "ep")]
     dev = device_type or local_device_type()
     mesh = init_device_mesh(
         dev, tuple(d for _, d in kept), mesh_dim_names=tuple(n for n, _ in kept)
     )
+    if ep > 1:  # the data axes as without ep, and the experts' FSDP axis
+        mesh["efsdp", "ep"]._flatten("shard")
     if cp > 1:  # FSDP shards over shard x cp ([Note: parallel dimensions])
-        mesh["shard", "cp"]._flatten("shard_cp")
+        mesh[(*(n for n, _ in data), "cp")]._flatten("shard_cp")
+        if ep > 1:
+            mesh["efsdp", "cp"]._flatten("efsdp_cp")
     return mesh
 
 
@@ -123,17 +145,32 @@ def _names(mesh: DeviceMesh) -> tuple[str, ...]:
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh FSDP2 shards over: the whole mesh without tp/cp axes, else its data
+    """The mesh FSDP2 shards over: the whole mesh without tp/cp/ep axes, else its data
     axes with cp folded into the shard axis."""
     names = _names(mesh)
-    if "tp" not in names and "cp" not in names:
+    if not {"tp", "cp", "ep"} & set(names):
         return mesh
-    shard = "shard_cp" if "cp" in names else "shard"
+    return _data_mesh(mesh, "shard_cp" if "cp" in names else "shard")
+
+
+def _data_mesh(mesh: DeviceMesh, shard: str) -> DeviceMesh:
+    """The replicate axis (where there is one) and the (flattened) axis ``shard``."""
     with warnings.catch_warnings():
         # torch 2.13 slices the flattened shard x cp axis from the root mesh as asked,
         # and announces a future deprecation of doing so on every call
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")
-        return mesh["replicate", shard] if "replicate" in names else mesh[shard]
+        return mesh["replicate", shard] if "replicate" in _names(mesh) else mesh[shard]
+
+
+def ep_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The expert-parallel axis, or None."""
+    return mesh["ep"] if "ep" in _names(mesh) else None
+
+
+def expert_fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards the routed experts over under expert parallelism: the data
+    axes without ep (cp folded in), [Note: parallel dimensions]."""
+    return _data_mesh(mesh, "efsdp_cp" if "cp" in _names(mesh) else "efsdp")
 
 
 def tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:

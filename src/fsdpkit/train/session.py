@@ -158,6 +158,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         shard=dims.shard,
         cp=dims.cp,
         tp=dims.tp,
+        ep=dims.ep,
         device_type=env.device_type,
     )
     run = shard_trainable(unsharded, cfg, mesh=mesh, device=device)
