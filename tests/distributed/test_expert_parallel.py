@@ -3,8 +3,8 @@ against one process training the same model on the global batch, and checkpoints
 resharded between ep layouts.
 
 - the built-in MoE model (moe-tiny shape, 4 experts, top 2, router loss x 0.1) at
-  efsdp 2 x ep 2, ep 4 (the whole shard group) and HSDP (replicate 2 x ep 2): losses,
-  grad norms and final parameters within 1e-5 of one process;
+  efsdp 2 x ep 2, ep 4 (the whole shard group), HSDP (replicate 2 x ep 2) and ep 2 x
+  cp 2 (Ulysses): losses, grad norms and final parameters within 1e-5 of one process;
 - transformers' Qwen3-MoE at ep 2 and ep 4, and Mixtral at ep 2, likewise (the
   reference is ``from_pretrained`` trained in one process);
 - a capacity factor drops the same assignments at ep 2 as without ep (it is decided on
@@ -32,6 +32,8 @@ from fsdpkit.config import CheckpointConfig, load, parallel_dims
 from fsdpkit.loss.contract import next_token_loss
 from fsdpkit.loss.router import with_router_loss
 from fsdpkit.models.factory import build_model
+from fsdpkit.sharding.context_batch import context_parallel_loss
+from fsdpkit.sharding.mesh import cp_mesh
 from fsdpkit.testing import run_ranks
 from support import adamw, full_state, global_batches, train
 
@@ -52,6 +54,7 @@ VARIANTS = {
     "ep2": ["parallel.ep=2"],
     "ep4": ["parallel.ep=4"],
     "hybrid-ep2": ["parallel.strategy=hybrid", "parallel.shard_degree=2", "parallel.ep=2"],
+    "ep2-cp2": ["parallel.ep=2", "parallel.cp=2"],
 }
 """Built-in model layouts at 4 ranks, against one process."""
 HF = {
@@ -67,14 +70,20 @@ def _run(overrides: list[str]) -> tuple[Any, Any]:
     cfg = load(None, overrides)
     world = torch.distributed.get_world_size()
     dims = parallel_dims(cfg, world_size=world, local_world_size=world)
-    mesh = build_mesh(replicate=dims.replicate, shard=dims.shard, ep=dims.ep, device_type="cpu")
+    mesh = build_mesh(
+        replicate=dims.replicate, shard=dims.shard, cp=dims.cp, ep=dims.ep, device_type="cpu"
+    )
     built = build_model(cfg.model, vocab_size=VOCAB, seq_len=16, seed=0)
     plan = shard(built.module, cfg, mesh=mesh, init=built.init)
+    built.module.cp = cp_mesh(mesh)
     return dims, built.module, plan
 
 
 def _steps(model: Any, dims: Any, rank: int, opt: Any, batches: torch.Tensor) -> Any:
-    loss_fn = with_router_loss(next_token_loss, model=model, coef=None)
+    inner = next_token_loss
+    if model.cp is not None:
+        inner = context_parallel_loss(inner, mesh=model.cp, ring=False)
+    loss_fn = with_router_loss(inner, model=model, coef=None)
     return train(
         model,
         batches,

@@ -106,6 +106,9 @@ def test_ep_is_borrowed_from_the_shard_group() -> None:
     hybrid = _dims("parallel.strategy=hybrid", "parallel.shard_degree=4", "parallel.ep=2")
     assert (hybrid.replicate, hybrid.shard, hybrid.efsdp) == (2, 4, 2)
     assert hybrid.describe() == "replicate 2 x shard 4 (ep 2 of the shard axis)"
+    with_cp = _dims("parallel.ep=2", "parallel.cp=2")  # mesh (efsdp 2, cp 2, ep 2)
+    assert [with_cp.dp_rank(r) for r in range(8)] == [0, 1, 0, 1, 2, 3, 2, 3]
+    assert [_dims("parallel.cp=2").dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
 @pytest.mark.parametrize(

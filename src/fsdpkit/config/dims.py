@@ -17,11 +17,15 @@ torchtitan does: context-parallel ranks hold the same parameters, so they may as
 well hold different shards of them) and replicates over ``replicate``.
 
 ``ep`` (expert parallelism) is borrowed from the shard axis, as torchtitan borrows it
-from its data ranks: the shard axis splits into ``efsdp x ep`` (ep fastest), each ep
-group holding every expert once, split by expert; the routed experts are FSDP-sharded
-over ``efsdp`` (with cp folded in) and replicated over ``replicate``, every other
-parameter as without ep. ep changes neither which batches a rank reads nor the
-world size (fsdpkit.sharding.experts).
+from its data ranks: the shard axis splits into ``efsdp x ep``, each ep group holding
+every expert once, split by expert; the routed experts are FSDP-sharded over
+``efsdp`` (with cp folded in) and replicated over ``replicate``, every other parameter
+as without ep. The mesh is (replicate, efsdp, cp, ep, tp): ep the fastest data axis,
+after cp, so that the experts' FSDP axes (efsdp, cp) and ep are in the mesh's order
+(DTensor reduces a gradient norm over them as one flattened axis, which a
+non-ascending pair (efsdp x cp, ep) cannot be: a dp2 x cp2 x ep2 norm failed so).
+ep changes neither which batches a rank reads (``dp_rank``) nor the world size
+(fsdpkit.sharding.experts).
 """
 
 from __future__ import annotations
@@ -65,8 +69,12 @@ class ParallelDims:
 
     def dp_rank(self, rank: int) -> int:
         """The data-parallel index of global ``rank`` (which batches it reads): ranks
-        that differ only in their cp or tp coordinate read the same ones."""
-        return rank // (self.cp * self.tp)
+        that differ only in their cp or tp coordinate read the same ones (with ep, cp
+        sits between efsdp and ep in the mesh)."""
+        outer = rank // self.tp
+        if self.ep == 1:
+            return outer // self.cp
+        return outer // (self.cp * self.ep) * self.ep + outer % self.ep
 
     @property
     def efsdp(self) -> int:

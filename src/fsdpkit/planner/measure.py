@@ -39,10 +39,15 @@ def _step_peaks(
     cfg: RunConfig, shape: LlamaConfig | None, *, rank: int, world_size: int, steps: int
 ) -> list[int]:
     base = live_bytes()
-    # the trainer's own mesh: (replicate, shard, cp, tp) of [Note: parallel dimensions]
+    # the trainer's own mesh: (replicate, shard, cp, tp, ep) of [Note: parallel dimensions]
     dims = parallel_dims(cfg, world_size=world_size, local_world_size=world_size)
     mesh = build_mesh(
-        replicate=dims.replicate, shard=dims.shard, cp=dims.cp, tp=dims.tp, device_type="cpu"
+        replicate=dims.replicate,
+        shard=dims.shard,
+        cp=dims.cp,
+        tp=dims.tp,
+        ep=dims.ep,
+        device_type="cpu",
     )
     vocab = shape.vocab_size if shape is not None else 1  # model.hf / factory: its own
     unsharded = build_unsharded(cfg, vocab_size=vocab, device_type="cpu", shape=shape)

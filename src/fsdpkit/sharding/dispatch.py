@@ -122,18 +122,14 @@ class ExpertDispatch:
         self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         tokens, k = index.shape
-        local = self.experts // self.ep
         ids, order = torch.sort(index.reshape(-1), stable=True)
         ones = torch.ones_like(ids)
         counts = ones.new_zeros(self.experts + 1).index_add_(0, ids, ones)[: self.experts]
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
-        send = counts.view(self.ep, local).sum(dim=1).tolist()
-        recv = received.view(self.ep, local).sum(dim=1).tolist()
+        send, recv, local_index = self.routes(counts, received, assignments=tokens * k)
         kept = order[: sum(send)]  # dropped assignments (index E) sort last: not sent
         rows = funcol.all_to_all_single_autograd(hidden[kept // k], recv, send, self.group)
-        experts_of_rows = torch.arange(local, device=ids.device).repeat(self.ep)
-        local_index = experts_of_rows.repeat_interleave(received).unsqueeze(-1)
         unit = torch.ones(local_index.shape, dtype=hidden.dtype, device=hidden.device)
         with _LocalWeights(self.module):
             out = self.own_forward(self.module, rows, local_index, unit)
@@ -141,6 +137,20 @@ class ExpertDispatch:
         per = back.new_zeros(tokens * k, back.shape[-1]).index_copy(0, kept, back)
         summed = (per.view(tokens, k, -1) * weights.unsqueeze(-1).to(per.dtype)).sum(dim=1)
         return summed.to(hidden.dtype)
+
+    def routes(
+        self, counts: torch.Tensor, received: torch.Tensor, *, assignments: int
+    ) -> tuple[list[int], list[int], torch.Tensor]:
+        """(rows sent to each ep rank, rows received from each, the local expert of
+        every received row [rows, 1]) from this rank's per-expert ``counts`` (of its
+        ``assignments``) and the ``received`` counts of its own experts from every
+        rank: the dispatch's one host sync (the traced planner routes a balanced step
+        here instead, having no values: [Note: expert parallelism in the plan])."""
+        local = self.experts // self.ep
+        send = counts.view(self.ep, local).sum(dim=1).tolist()
+        recv = received.view(self.ep, local).sum(dim=1).tolist()
+        experts_of_rows = torch.arange(local, device=counts.device).repeat(self.ep)
+        return send, recv, experts_of_rows.repeat_interleave(received).unsqueeze(-1)
 
     def drops(self) -> torch.Tensor | None:
         """(dropped, routed) assignments since the last call, this rank's (None: no

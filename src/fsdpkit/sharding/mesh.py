@@ -124,9 +124,9 @@ def _model_parallel_mesh(
             f"data-parallel ranks (world {world} / (cp {cp} x tp {tp})), and ep={ep} "
             "divide shard."
         )
-    data = [("shard", shard)] if ep == 1 else [("efsdp", shard // ep), ("ep", ep)]
-    named = [("replicate", replicate), *data, ("cp", cp), ("tp", tp)]
-    kept = [(n, d) for n, d in named if d > 1 or n in ("shard", "efsdp", "ep")]
+    data = [("shard", shard)] if ep == 1 else [("efsdp", shard // ep)]
+    named = [("replicate", replicate), *data, ("cp", cp), ("ep", ep), ("tp", tp)]
+    kept = [(n, d) for n, d in named if d > 1 or n in ("shard", "efsdp")]
     dev = device_type or local_device_type()
     mesh = init_device_mesh(
         dev, tuple(d for _, d in kept), mesh_dim_names=tuple(n for n, _ in kept)
@@ -134,7 +134,7 @@ def _model_parallel_mesh(
     if ep > 1:  # the data axes as without ep, and the experts' FSDP axis
         mesh["efsdp", "ep"]._flatten("shard")
     if cp > 1:  # FSDP shards over shard x cp ([Note: parallel dimensions])
-        mesh[(*(n for n, _ in data), "cp")]._flatten("shard_cp")
+        mesh[("efsdp", "cp", "ep") if ep > 1 else ("shard", "cp")]._flatten("shard_cp")
         if ep > 1:
             mesh["efsdp", "cp"]._flatten("efsdp_cp")
     return mesh
