@@ -22,6 +22,7 @@ BLOCKS = [(doc, name, text) for doc in DOCS for name, text in results_io.blocks(
 RENDERED = {
     "data_scale", "optimizer_step", "step_overhead", "finetune_memory", "hf_load_memory",
     "loss_compile", "checkpoint_io", "plan_accuracy", "model_parallel", "dpo_memory",
+    "expert_parallel",
 }  # fmt: skip
 """Benches whose tables the docs quote: each must have a block and a results file."""
 

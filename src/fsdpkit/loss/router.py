@@ -47,7 +47,7 @@ from fsdpkit.loss.balance import balance_loss
 from fsdpkit.loss.contract import LossFn
 from fsdpkit.models.experts import expert_field
 from fsdpkit.models.hf_init import is_hf_model
-from fsdpkit.models.moe import MoE, TopKRouter
+from fsdpkit.models.moe import MoE, MoEConfig, TopKRouter
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def router_spec(model: nn.Module, *, coef: float | None = None) -> RouterSpec | 
     if isinstance(model, MoE):
         c = model.config
         return RouterSpec(
-            family="fsdpkit moe",
+            family=MoEConfig.model_type,
             recorder=TopKRouter,
             index=0,
             aux_fn=balance_loss,

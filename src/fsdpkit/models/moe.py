@@ -16,6 +16,7 @@ layout. The router's load-balancing loss is transformers' (Switch Transformer eq
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,9 @@ ALIGN = 8
 class MoEConfig(LlamaConfig):
     """Shape of the built-in MoE decoder; the Llama fields plus the routing ones (HF
     Qwen3MoeConfig's names in the docstrings)."""
+
+    model_type: ClassVar[str] = "fsdpkit-moe"
+    """How reports name the family (as transformers' configs do)."""
 
     n_experts: int = 8
     """Routed experts per block (HF: num_experts)."""
