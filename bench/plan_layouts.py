@@ -69,7 +69,7 @@ RECOMMENDED = [
     ("llama3-8b 131072: recommended", ["model.preset=llama3-8b", "data.seq_len=131072"], 8),
     ("llama3-405b 8192: recommended", ["model.preset=llama3-405b", "data.seq_len=8192"], 512),
 ]
-MOE = ["data.seq_len=4096", "train.global_batch_size={gbs}"]
+MOE = ["data.seq_len=4096", "train.global_batch_size={gbs}", "train.micro_batch_size=4"]
 MOE_ROWS: list[tuple[str, list[str], int]] = [
     # (label, overrides, world size): traced plans (the analytic block model is dense)
     ("qwen3-30b-a3b 4096: FSDP only", ["model.preset=qwen3-30b-a3b"], 64),
@@ -85,9 +85,11 @@ MOE_RECOMMENDED = [
     ("qwen3-30b-a3b 4096: recommended", ["model.preset=qwen3-30b-a3b"], 64),
     ("qwen3-235b-a22b 4096: recommended", ["model.preset=qwen3-235b-a22b"], 256),
 ]
-"""MoE rows: bf16, full AC, micro-batch 1 as the others, seq 4096, 4 sequences per rank
-(train.global_batch_size = 4 x ranks): the recommender may trade checkpointing and
-micro-batch for memory within that batch."""
+"""MoE rows: bf16, full AC as the others, seq 4096, 4 sequences per rank in one
+micro-batch (train.global_batch_size = 4 x ranks; at micro-batch 1 the run would
+accumulate 4 micro-batches, holding an unsharded gradient of the whole model between
+them): the recommender may trade checkpointing and micro-batch for memory within that
+batch."""
 GiB = 2**30
 
 
