@@ -68,7 +68,7 @@ def llama_config(run: dict[str, Any], shapes: dict[str, torch.Size]) -> LlamaCon
     layers = {int(m.group(1)) for k in shapes if (m := _LAYER.match(k))}
     vocab, dim = shapes[EMBED]
     ffn = shapes.get("model.layers.0.mlp.gate_proj.weight", torch.Size([cfg.ffn_dim]))[0]
-    experts = {}
+    experts: dict[str, Any] = {}
     if isinstance(cfg, MoEConfig) and EXPERTS in shapes:
         experts = {"n_experts": shapes[EXPERTS][0], "moe_ffn_dim": shapes[EXPERTS][1] // 2}
     try:

@@ -168,10 +168,11 @@ def _export_hf(
     config = hf_config(cfg, dtype=dtype or saved_dtype)  # before writing: it may refuse
     _check_target(out)
     out.mkdir(parents=True, exist_ok=True)
-    shadow = _moe_shadow(config) if config["model_type"] != "llama" else None
+    moe_shadow = _moe_shadow(config) if config["model_type"] != "llama" else None
     _write_shards(
-        ckpt, out, items, dtype=dtype, max_shard_bytes=max_shard_bytes, read=read, shadow=shadow
-    )
+        ckpt, out, items, dtype=dtype, max_shard_bytes=max_shard_bytes, read=read,
+        shadow=moe_shadow,
+    )  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 

@@ -174,8 +174,8 @@ class RouterLoss:
         self.spec = spec
         self._recording: list[torch.Tensor] | None = None
         self._stats: list[torch.Tensor] = []
-        self._dispatches = [getattr(m, "expert_dispatch", None) for m in model.modules()]
-        self._dispatches = [d for d in self._dispatches if d is not None and d.capacity_factor]
+        found = (getattr(m, "expert_dispatch", None) for m in model.modules())
+        self._dispatches: list[Any] = [d for d in found if d is not None and d.capacity_factor]
         for module in model.modules():
             if isinstance(module, spec.recorder):
                 module.register_forward_hook(self._record)
@@ -245,10 +245,9 @@ class RouterLoss:
     def _dropped(self) -> dict[str, Any]:
         """``moe_dropped`` (share of the step's assignments) and their count, every rank
         and layer summed; {} without a capacity."""
-        counts = [d.drops() for d in self._dispatches]
-        counts = [c for c in counts if c is not None]
         if not self._dispatches:
             return {}
+        counts = [c for d in self._dispatches if (c := d.drops()) is not None]
         total = torch.stack(counts).sum(0) if counts else torch.zeros(2)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(total)

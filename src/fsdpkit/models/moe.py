@@ -231,17 +231,20 @@ class QKNormAttention(Attention):
         return self.q_norm(q), self.k_norm(k)
 
 
-def moe_layer(cfg: LlamaConfig) -> nn.Module:
-    """One MoE block: the built-in Llama's, with its attention and MLP replaced."""
-    assert isinstance(cfg, MoEConfig)
-    return DecoderLayer(cfg, attention=QKNormAttention(cfg), mlp=SparseMoeBlock(cfg))
+class MoEDecoderLayer(DecoderLayer):
+    """One MoE block: the built-in Llama's, with its attention and MLP replaced (the
+    same module names: ``self_attn``, ``mlp``)."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        assert isinstance(cfg, MoEConfig)
+        super().__init__(cfg, attention=QKNormAttention(cfg), mlp=SparseMoeBlock(cfg))
 
 
 class MoE(Llama):
     """Causal LM returning logits (batch, seq, vocab); the built-in Llama's forward."""
 
     config: MoEConfig
-    layer_class = moe_layer
+    layer_class = MoEDecoderLayer
 
     def param_init(self, name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
         """Full initial value of ``name`` ([Note: per-parameter init]): norms one,

@@ -192,12 +192,12 @@ def _balanced_dispatch() -> contextlib.AbstractContextManager[None]:
             if not isinstance(counts, FakeTensor):
                 return original(self, counts, received, assignments=assignments)
             split = _even(assignments, self.ep)
-            received = assignments
+            rows = assignments
             if self.capacity_factor:
                 per_expert = math.ceil(self.capacity_factor * assignments / self.experts)
-                received = self.experts * per_expert
-            index = torch.zeros(received, 1, dtype=torch.long, device=counts.device)
-            return split, _even(received, self.ep), index
+                rows = self.experts * per_expert
+            index = torch.zeros(rows, 1, dtype=torch.long, device=counts.device)
+            return split, _even(rows, self.ep), index
 
         return balanced
 

@@ -122,18 +122,20 @@ class ExpertDispatch:
         self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         tokens, k = index.shape
+        group = self.group
+        assert group is not None  # __call__ exchanges only with an ep group
         ids, order = torch.sort(index.reshape(-1), stable=True)
         ones = torch.ones_like(ids)
         counts = ones.new_zeros(self.experts + 1).index_add_(0, ids, ones)[: self.experts]
         received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=self.group)
+        dist.all_to_all_single(received, counts, group=group)
         send, recv, local_index = self.routes(counts, received, assignments=tokens * k)
         kept = order[: sum(send)]  # dropped assignments (index E) sort last: not sent
-        rows = funcol.all_to_all_single_autograd(hidden[kept // k], recv, send, self.group)
+        rows = funcol.all_to_all_single_autograd(hidden[kept // k], recv, send, group)
         unit = torch.ones(local_index.shape, dtype=hidden.dtype, device=hidden.device)
         with _LocalWeights(self.module):
             out = self.own_forward(self.module, rows, local_index, unit)
-        back = funcol.all_to_all_single_autograd(out, send, recv, self.group)
+        back = funcol.all_to_all_single_autograd(out, send, recv, group)
         per = back.new_zeros(tokens * k, back.shape[-1]).index_copy(0, kept, back)
         summed = (per.view(tokens, k, -1) * weights.unsqueeze(-1).to(per.dtype)).sum(dim=1)
         return summed.to(hidden.dtype)

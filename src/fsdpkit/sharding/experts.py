@@ -153,7 +153,7 @@ def expert_parallel(model: nn.Module, *, mesh: DeviceMesh, capacity: float | Non
         )
         module.forward = types.MethodType(_dispatched, module)  # type: ignore[method-assign]
         if capacity and hasattr(module, "_is_expert_parallel"):
-            module._is_expert_parallel = True  # transformers' kernels mask dropped rows
+            module._is_expert_parallel = True  # type: ignore[assignment]  # masks dropped rows
     cap = f", capacity factor {capacity:g}" if capacity else ""
     if ep is None:
         return f"experts dispatched with capacity ({capacity:g}) in {len(modules)} layers"
@@ -174,7 +174,7 @@ def _split(module: nn.Module, *, mesh: DeviceMesh, experts: int) -> None:
         dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
         module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
     if hasattr(module, "num_experts"):
-        module.num_experts = experts // size
+        module.num_experts = experts // size  # type: ignore[assignment]
 
 
 def shard_experts(
