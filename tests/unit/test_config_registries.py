@@ -13,7 +13,8 @@ import torch
 
 from fsdpkit import config as c
 from fsdpkit.config import ConfigError
-from fsdpkit.config.schema import PrecisionMode, StrategyName
+from fsdpkit.config.parallel import StrategyName
+from fsdpkit.config.schema import PrecisionMode
 from fsdpkit.config.toml import dump_tables, toml_value
 from fsdpkit.devices import DEVICES, _from_name, device_from
 from fsdpkit.models.flops import flops_per_token
