@@ -85,19 +85,16 @@ def recipe(cfg: DataConfig, resolved: Resolved) -> tuple[str, dict[str, Any], di
 
 
 def _stat(resolved: Resolved) -> list[dict[str, Any]]:
-    out = []
-    for s in resolved.sources:
-        st = s.path.stat()
-        out.append({"path": str(s.path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
-    return out
+    """Each source's path, size and mtime: what says cheaply that it has not changed."""
+    stats = [(s.path, s.path.stat()) for s in resolved.sources]
+    return [
+        {"path": str(p.resolve()), "size": t.st_size, "mtime_ns": t.st_mtime_ns} for p, t in stats
+    ]
 
 
 def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def differences(
