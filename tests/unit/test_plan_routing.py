@@ -35,6 +35,10 @@ def test_layer_loads_keep_the_mean_with_the_busiest_layer_first() -> None:
     assert layer_loads(Routing(1.2, 1.2), layers=4) == [1.2] * 4
     assert layer_loads(Routing(1.0, 5.0), layers=2) == [5.0, 0.0]  # never below zero
     assert layer_loads(Routing(1.4, 1.4), layers=1) == [1.4]
+    # a recorded rank's own loads are replayed as they are
+    assert layer_loads(Routing(1.0, 1.2, by_layer=(0.8, 1.2)), layers=2) == [0.8, 1.2]
+    with pytest.raises(PlanError, match="a routing of 2 MoE layers cannot be planned"):
+        layer_loads(Routing(1.0, 1.2, by_layer=(0.8, 1.2)), layers=3)
 
 
 def test_received_rows_round_up_and_stop_at_the_capacity() -> None:
@@ -73,6 +77,7 @@ def test_the_dispatch_records_received_over_balanced_rows() -> None:
     module = torch.nn.Linear(2, 2)
     dispatch = ExpertDispatch(module, experts=4, group=None, capacity_factor=None)
     dispatch._loads += [600 / 512, 424 / 512, 600 / 512]  # as _exchange appends them
+    assert dispatch.loads(reset=False) == dispatch.loads(reset=False)  # a peek
     mean, peak = dispatch.loads() or (0, 0)
     assert math.isclose(mean, 1624 / 1536) and peak == 600 / 512
     assert dispatch.loads() is None  # reset

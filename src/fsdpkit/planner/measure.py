@@ -45,7 +45,7 @@ def measure_step_records(
     routing a MoE model under ep recorded in it (``moe_imbalance`` and
     ``moe_imbalance_layer_max``: the busiest rank's, [Note: routing imbalance] in
     fsdpkit.sharding.dispatch; the step's metrics are a collective, read outside the
-    measured peak)."""
+    measured peak) and this rank's own load of each MoE layer (``moe_layer_loads``)."""
     enable_process_wide_accounting()
     return {
         name: _step_peaks(cfg, shape, rank=rank, world_size=world_size, steps=steps)
@@ -84,10 +84,15 @@ def _step_peaks(
         train_step(run.model, run.optimizer, batches, loss_fn=run.loss_fn, **step_options(cfg))
 
     metrics = getattr(run.loss_fn, "step_metrics", None) if dims.ep > 1 else None
+    found = (getattr(m, "expert_dispatch", None) for m in run.model.modules())
+    dispatches = [d for d in found if d is not None and d.group is not None]
 
     def routing() -> dict[str, Any]:
+        """The step's routing: the maxima over the ranks, and this rank's own loads."""
+        mine = [x[0] for d in dispatches if (x := d.loads(reset=False)) is not None]
         found = metrics() if metrics is not None else {}
-        return {k: v for k, v in found.items() if k.startswith("moe_imbalance")}
+        out = {k: v for k, v in found.items() if k.startswith("moe_imbalance")}
+        return out | ({"moe_layer_loads": mine} if mine else {})
 
     step()  # creates the AdamW states
     routing()

@@ -48,6 +48,9 @@ class Routing:
     """In the busiest layer (>= mean)."""
     source: str = ""
     """Where the numbers come from, as the plan's note says it ("" : the default)."""
+    by_layer: tuple[float, ...] = ()
+    """One rank's own load of each MoE layer in forward order, as a run recorded them
+    (bench/moe_routing_replay.py replays them; empty: from ``mean`` and ``peak``)."""
 
     @property
     def balanced(self) -> bool:
@@ -97,6 +100,13 @@ def from_records(records: Iterable[dict[str, Any]], *, source: str) -> Routing:
 def layer_loads(routing: Routing, *, layers: int) -> list[float]:
     """Each MoE layer's received / balanced rows, in forward order: the busiest first,
     the others at the load that keeps the mean ([Note: routing in the plan])."""
+    if routing.by_layer:
+        if len(routing.by_layer) != layers:
+            raise PlanError(
+                f"a routing of {len(routing.by_layer)} MoE layers cannot be planned on a "
+                f"model of {layers}: plan the model the routing was recorded on."
+            )
+        return list(routing.by_layer)
     if layers <= 1:
         return [routing.peak] * layers
     rest = max(0.0, (layers * routing.mean - routing.peak) / (layers - 1))

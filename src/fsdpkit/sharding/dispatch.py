@@ -172,10 +172,12 @@ class ExpertDispatch:
         experts_of_rows = torch.arange(local, device=counts.device).repeat(self.ep)
         return send, recv, experts_of_rows.repeat_interleave(received).unsqueeze(-1)
 
-    def loads(self) -> tuple[float, float] | None:
+    def loads(self, *, reset: bool = True) -> tuple[float, float] | None:
         """(mean, largest) received rows / balanced rows of the training calls since
-        the last call, this rank's ([Note: routing imbalance]; None: none); reset."""
-        out, self._loads = self._loads, []
+        the last reset, this rank's ([Note: routing imbalance]; None: none)."""
+        out = self._loads
+        if reset:
+            self._loads = []
         return (sum(out) / len(out), max(out)) if out else None
 
     def drops(self) -> torch.Tensor | None:
