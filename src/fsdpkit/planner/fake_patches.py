@@ -183,10 +183,10 @@ def _routed_dispatch(loads: tuple[float, ...]) -> contextlib.AbstractContextMana
     note states that bound, fsdpkit.planner.moe). Given a routing ([Note: routing in
     the plan] in fsdpkit.planner.routing, e.g. a run's measured ``moe_imbalance``) the
     rank receives each layer's load x tokens x top_k rows instead (``loads``, one per
-    MoE layer in forward order; empty: balanced). With a capacity
-    factor a rank receives at most C = ceil(factor x tokens x top_k / E) rows per
-    expert from each rank, E x C in all: the balanced default traces that bound (and
-    sends all its tokens x top_k), a given routing is capped by it."""
+    MoE layer in forward order; empty: balanced). With a capacity factor a rank
+    receives at most C = ceil(factor x tokens x top_k / E) rows per expert from each
+    rank, E x C in all: the balanced default traces that bound (and sends all its
+    tokens x top_k), a given routing is capped by it."""
     layers: dict[int, int] = {}  # dispatch -> its MoE layer, in first-call (forward) order
 
     def wrap(original: Any) -> Any:
@@ -221,7 +221,7 @@ def faithful_step(*, loads: tuple[float, ...] = ()) -> Iterator[None]:
     """The traced step allocates and masks as the real one: unpacked batches for
     transformers' masks and the built-in Llama's alike, DTensor's shape bookkeeping
     kept out of the count, experts' grouped GEMMs in any dtype and an expert dispatch
-    at ``routing`` (the notes above)."""
+    at each MoE layer's ``loads`` (balanced when empty; the notes above)."""
     with (
         _unpacked_hf_batches(),
         _unpacked_positions(),
