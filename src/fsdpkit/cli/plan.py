@@ -111,6 +111,11 @@ def run(args: argparse.Namespace) -> int:
     if rec is not None:
         print()
         print(format_recommendation(rec))
+        if not routing.balanced or routing.source:
+            print(
+                "note: the recommendation plans balanced routing; --moe-imbalance "
+                "applies to the plan above"
+            )
     return 0
 
 
