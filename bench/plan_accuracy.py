@@ -42,23 +42,36 @@ import results_io
 from plan_accuracy_cases import CASES, QUICK, Case
 
 from fsdpkit.planner import plan
-from fsdpkit.planner.measure import measure_step_peaks
+from fsdpkit.planner.measure import measure_step_records
+from fsdpkit.planner.routing import BALANCED, MEAN_KEY, Routing, from_records
 from fsdpkit.testing import run_ranks
 
 
-def measure(cases: list[Case], *, steps: int) -> dict[tuple[str, int], list[int]]:
-    """True per-rank peaks of ``steps`` steps (per step the max over ranks), one spawn
-    per world size."""
+def measure(cases: list[Case], *, steps: int) -> dict[tuple[str, int], Measured]:
+    """True per-rank peaks of ``steps`` steps (per step the max over ranks), and under
+    expert parallelism the routing the run recorded, one spawn per world size."""
     out = {}
     for world in sorted({c.world for c in cases}):
         group = [c for c in cases if c.world == world]
         specs = [(c.name, c.config(), c.shape()) for c in group]
         per_rank = run_ranks(
-            measure_step_peaks, world_size=world, args=(specs, steps), timeout_s=1800
+            measure_step_records, world_size=world, args=(specs, steps), timeout_s=1800
         )
         for c in group:
-            out[(c.name, world)] = [max(step) for step in zip(*(r[c.name] for r in per_rank))]
+            records = [r[c.name] for r in per_rank]
+            peaks = [max(step["peak"] for step in ranks) for ranks in zip(*records)]
+            routed = MEAN_KEY in records[0][0]  # every rank holds the same maxima
+            routing = from_records(records[0], source="its run") if routed else None
+            out[(c.name, world)] = Measured(peaks, routing)
     return out
+
+
+@dataclass(frozen=True)
+class Measured:
+    peaks: list[int]
+    """The max over ranks of each step's peak."""
+    routing: Routing | None
+    """Under ep, the median step's routing the run recorded ([Note: routing in the plan])."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,10 @@ class Result:
     spread: int
     """The planner's reported step-to-step spread above its peak."""
     where: str
+    routing: Routing | None = None
+    """Under ep: the routing ``traced`` was planned at, the run's own."""
+    balanced: int | None = None
+    """Under ep: the traced peak of a balanced step (the plan's default)."""
 
     @property
     def typical(self) -> int:
@@ -83,13 +100,13 @@ class Result:
         return max(self.steps)
 
 
-def _planned(c: Case) -> tuple[int | None, int | None, Any]:
+def _planned(c: Case, routing: Routing = BALANCED) -> tuple[int | None, int | None, Any]:
     """(analytic peak, traced peak, the memory plan quoted): the traced plan, with the
     analytic one riding along where the formulas cover the model."""
     if c.config().parallel.pp > 1:  # pipelines are planned analytically, rank by rank
         analytic = plan(c.config(), world_size=c.world, trace=False)
         return analytic.memory.peak.bytes, None, analytic.memory
-    traced = plan(c.config(), world_size=c.world, trace=True)
+    traced = plan(c.config(), world_size=c.world, trace=True, routing=routing)
     other = traced.other
     return (
         (other.peak.bytes if other is not None else None),
@@ -99,19 +116,24 @@ def _planned(c: Case) -> tuple[int | None, int | None, Any]:
 
 
 def rows(cases: list[Case], *, steps: int) -> list[Result]:
-    """Measured, analytic and traced peaks of every case."""
+    """Measured, analytic and traced peaks of every case; a case under expert
+    parallelism is traced at the routing its own run recorded, and balanced beside."""
     measured = measure(cases, steps=steps)
     out = []
     for c in cases:
-        analytic, traced, memory = _planned(c)
+        m = measured[(c.name, c.world)]
+        analytic, traced, memory = _planned(c, m.routing or BALANCED)
+        balanced = _planned(c)[1] if m.routing is not None else None
         out.append(
             Result(
                 case=c,
-                steps=tuple(measured[(c.name, c.world)]),
+                steps=tuple(m.peaks),
                 analytic=analytic,
                 traced=traced,
                 spread=memory.spread,
                 where=f"{memory.peak.phase}: {memory.peak.where}",
+                routing=m.routing,
+                balanced=balanced,
             )
         )
     return out
@@ -128,7 +150,17 @@ def record(r: Result) -> dict[str, Any]:
         "configuration": r.case.name, "world": r.case.world, "steps": list(r.steps),
         "typical": r.typical, "worst": r.worst, "analytic": r.analytic, "traced": r.traced,
         "spread": r.spread, "peak_at": r.where,
-    }  # fmt: skip
+    } | _routing_record(r)  # fmt: skip
+
+
+def _routing_record(r: Result) -> dict[str, Any]:
+    """Under ep: the run's routing the row was traced at, and the balanced plan."""
+    if r.routing is None:
+        return {}
+    return {
+        "routing": {"moe_imbalance": r.routing.mean, "moe_imbalance_layer_max": r.routing.peak},
+        "traced_balanced": r.balanced,
+    }
 
 
 def _err(predicted: int | None, truth: int) -> str:
@@ -184,8 +216,36 @@ def render(results: dict[str, Any]) -> str:
         f"{w['analytic_typical']}, traced {w['traced_typical']} (target 3%); vs the "
         f"worst step: analytic {w['analytic_worst']}, traced {w['traced_worst']} "
         "(target 5%)." + _model_parallel_worst(results["rows"]),
+        *_routed_rows(results["rows"]),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _routed_rows(records: list[dict[str, Any]]) -> list[str]:
+    """The rows under expert parallelism: the routing their run recorded (the busiest
+    rank's received / balanced rows, median step), and the traced plan's error against
+    the typical step planned balanced (the default) and at that routing (the table's)."""
+    routed = [r for r in records if r.get("routing")]
+    if not routed:
+        return []
+    lines = [
+        "",
+        "Rows under expert parallelism, traced at the routing their own run recorded "
+        "(`moe_imbalance`: the busiest ep rank's received rows over the MoE layers / "
+        "balanced, `moe_imbalance_layer_max`: in its busiest layer; median step) and "
+        "balanced (the plan's default):",
+        "",
+        "| configuration | ranks | moe_imbalance | layer max | balanced err | routed err |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in routed:
+        imb = r["routing"]
+        lines.append(
+            f"| {r['configuration']} | {r['world']} | {imb['moe_imbalance']:.3f} "
+            f"| {imb['moe_imbalance_layer_max']:.3f} "
+            f"| {_err(r['traced_balanced'], r['typical'])} | {_err(r['traced'], r['typical'])} |"
+        )
+    return lines
 
 
 def _model_parallel_worst(records: list[dict[str, Any]]) -> str:

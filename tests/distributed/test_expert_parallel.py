@@ -185,6 +185,14 @@ def test_ep2_equals_one_process(ep2: dict[str, Any]) -> None:
         assert "expert parallel 2 (2 of 4 experts per rank)" in r["plan"]
         _close(r, ep2["ref"])
         assert r["metrics"]["aux_loss"] > 0 and "moe_dropped" not in r["metrics"]
+        # the busiest rank's received / balanced rows, the same on every rank (a max):
+        # at least balanced, at most its busiest layer's ([Note: routing imbalance])
+        imbalance = r["metrics"]["moe_imbalance"], r["metrics"]["moe_imbalance_layer_max"]
+        assert 1.0 <= imbalance[0] <= imbalance[1] <= 2.0, imbalance
+        assert imbalance == (
+            ep2["ranks"][0]["metrics"]["moe_imbalance"],
+            ep2["ranks"][0]["metrics"]["moe_imbalance_layer_max"],
+        )
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,13 @@ def test_ep2_trains_resumes_at_ep1_and_exports_qwen3_moe(tmp_path: Path) -> None
     assert "router load-balancing loss x 0.01 added to the loss" in first.stdout
     last = _metrics(tmp_path / "ep2")[-1]
     assert float(last["aux_loss"]) > 0 and len(last["expert_load_max_by_layer"]) == 2  # type: ignore[arg-type]
+    # the busiest ep rank's received rows / balanced ([Note: routing imbalance]), and a
+    # plan at the routing this run recorded
+    for r in _metrics(tmp_path / "ep2"):
+        assert 1.0 <= float(r["moe_imbalance"]) <= float(r["moe_imbalance_layer_max"]) <= 2.0  # type: ignore[arg-type]
+    planned = _plan(tmp_path, "--moe-imbalance", str(tmp_path / "ep2"))
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    assert f"median of 4 steps of {tmp_path / 'ep2'}" in planned.stdout, planned.stdout
     ckpt = tmp_path / "ep2" / "checkpoints" / "step-00000002"
     _train(tmp_path, "ep1", f"checkpoint.resume={ckpt}")
     original, resumed = losses(tmp_path / "ep2")[2:], losses(tmp_path / "ep1")
@@ -96,6 +103,43 @@ def test_capacity_factor_counts_dropped_assignments(tmp_path: Path) -> None:
     assert "capacity factor 0.5: assignments past an expert's capacity" in run.stdout
     rows = _metrics(tmp_path / "cap")
     assert all(0.4 < float(r["moe_dropped"]) < 0.6 for r in rows), rows  # type: ignore[arg-type]
+
+
+def _plan(tmp: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """``fsdpkit plan`` of COMMON's model and batch at ep 2 on its 4 ranks."""
+    items = [*COMMON[2:], "parallel.ep=2", "--world-size", "4"]
+    return fsdpkit("plan", *items, *flags, cwd=tmp, timeout=300)
+
+
+def test_plan_at_the_routing_a_run_recorded(tmp_path: Path) -> None:
+    """``fsdpkit plan --moe-imbalance RUN_DIR`` plans at the median logged step's
+    routing and says so ([Note: routing in the plan]); a directory without metrics is one
+    paragraph, exit 2."""
+    run = tmp_path / "run"
+    run.mkdir()
+    steps = [(1.1, 1.3), (1.3, 1.9), (1.05, 1.2)]
+    (run / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step": i, "loss": 5.0, "moe_imbalance": m, "moe_imbalance_layer_max": p})
+            + "\n"
+            for i, (m, p) in enumerate(steps, start=1)
+        )
+    )
+    balanced = _plan(tmp_path, "--json")
+    planned = _plan(tmp_path, "--json", "--moe-imbalance", str(run))
+    assert balanced.returncode == planned.returncode == 0, planned.stderr[-3000:]
+    before, after = (json.loads(p.stdout)["plan"] for p in (balanced, planned))
+    assert after["memory"]["peak"]["bytes"] > before["memory"]["peak"]["bytes"]
+    assert (after["scenario"]["routing"]["mean"], after["scenario"]["routing"]["peak"]) == (
+        1.1,
+        1.3,
+    )
+    notes = "\n".join(after["scenario"]["notes"])
+    assert "receives 1.1x its balanced rows over the layers, 1.3x in its busiest" in notes
+    assert f"median of 3 steps of {run}" in notes
+    bad = _plan(tmp_path, "--moe-imbalance", str(tmp_path / "nothing"))
+    assert bad.returncode == 2 and "not a number and not a run directory" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ RENDERED = {
     "slurm_scenarios",
     "model_parallel_pp",
     "expert_parallel",
+    "moe_routing_replay",
 }  # fmt: skip
 """Benches whose tables the docs quote: each must have a block and a results file."""
 

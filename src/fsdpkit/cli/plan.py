@@ -17,10 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsdpkit.cli.configargs import add_config_items, split_items
 from fsdpkit.devices import DEFAULT_MARGIN, DEVICES, device_from
+
+if TYPE_CHECKING:
+    from fsdpkit.planner.routing import Routing
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -57,6 +60,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="run one fake step of the real code (automatic for models without an analytic plan)",
     )
+    p.add_argument(
+        "--moe-imbalance",
+        default=None,
+        metavar="X|RUN_DIR",
+        help="mixture of experts under parallel.ep: plan the busiest ep rank receiving X "
+        "times its balanced rows in every layer, or the routing a run directory recorded "
+        "(moe_imbalance in its metrics.jsonl, median step); default: balanced",
+    )
     p.add_argument("--recommend", action="store_true", help="search settings that fit")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=run)
@@ -81,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
         "device": device,
         "ranks_per_node": args.ranks_per_node,
     }
-    result = plan(cfg, trace=args.trace or None, margin=args.margin, **common)
+    routing = _routing(args.moe_imbalance)
+    result = plan(cfg, trace=args.trace or None, margin=args.margin, routing=routing, **common)
     rec = None
     if args.recommend:
         from fsdpkit.planner.recommend import recommend
@@ -99,4 +111,26 @@ def run(args: argparse.Namespace) -> int:
     if rec is not None:
         print()
         print(format_recommendation(rec))
+        if not routing.balanced or routing.source:
+            print(
+                "note: the recommendation plans balanced routing; --moe-imbalance "
+                "applies to the plan above"
+            )
     return 0
+
+
+def _routing(value: str | None) -> Routing:
+    """``--moe-imbalance``: a number, or a run directory whose metrics recorded one."""
+    from fsdpkit.planner.routing import BALANCED, uniform
+
+    if value is None:
+        return BALANCED
+    try:
+        number = float(value)
+    except ValueError:
+        from pathlib import Path
+
+        from fsdpkit.observe.runlog import run_routing
+
+        return run_routing(Path(value))
+    return uniform(number)

@@ -175,7 +175,9 @@ class RouterLoss:
         self._recording: list[torch.Tensor] | None = None
         self._stats: list[torch.Tensor] = []
         found = (getattr(m, "expert_dispatch", None) for m in model.modules())
-        self._dispatches: list[Any] = [d for d in found if d is not None and d.capacity_factor]
+        dispatches = [d for d in found if d is not None]
+        self._dispatches: list[Any] = [d for d in dispatches if d.capacity_factor]
+        self._ep_dispatches: list[Any] = [d for d in dispatches if d.group is not None]
         for module in model.modules():
             if isinstance(module, spec.recorder):
                 module.register_forward_hook(self._record)
@@ -227,7 +229,7 @@ class RouterLoss:
         Every rank holds the same values (from the gathered logits or the all-reduced
         sums). With a capacity (fsdpkit.sharding.dispatch) also the share of
         assignments dropped over the global batch, ``moe_dropped``: a collective."""
-        dropped = self._dropped()
+        dropped = self._dropped() | self._imbalance()
         if not self._stats:
             return dropped
         mean = torch.stack(self._stats).mean(0)
@@ -253,6 +255,32 @@ class RouterLoss:
             dist.all_reduce(total)
         dropped, routed = (float(v) for v in total)
         return {"moe_dropped": dropped / max(routed, 1.0), "moe_dropped_assignments": int(dropped)}
+
+    def _imbalance(self) -> dict[str, Any]:
+        """``moe_imbalance`` and ``moe_imbalance_layer_max`` of the step ([Note: routing
+        imbalance] in fsdpkit.sharding.dispatch): the busiest rank's, a collective
+        (a max over the ranks); {} without expert parallelism."""
+        if not self._ep_dispatches:
+            return {}
+        loads = [x for d in self._ep_dispatches if (x := d.loads()) is not None]
+        mean, peak = rank_imbalance(loads)
+        device = next(self._ep_dispatches[0].module.parameters()).device
+        both = torch.tensor([mean, peak], dtype=torch.float64, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        return {
+            "moe_imbalance": round(float(both[0]), 4),
+            "moe_imbalance_layer_max": round(float(both[1]), 4),
+        }
+
+
+def rank_imbalance(loads: list[tuple[float, float]]) -> tuple[float, float]:
+    """(mean over the MoE layers, largest) received / balanced rows of one rank, from
+    each layer's (mean, largest) over its calls; (0, 0) without calls (a rank that
+    routed nothing: the max over ranks ignores it)."""
+    if not loads:
+        return 0.0, 0.0
+    return sum(m for m, _ in loads) / len(loads), max(p for _, p in loads)
 
 
 def with_router_loss(loss_fn: LossFn, *, model: nn.Module, coef: float | None) -> LossFn:

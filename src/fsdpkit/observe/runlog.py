@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdpkit.errors import UserError
+from fsdpkit.planner.routing import Routing, from_records
 
 HARDWARE_FILE = "hardware.json"
 BREAKDOWN_FILE = "profile/breakdown.json"
@@ -153,3 +154,17 @@ def load_runs(run_dirs: list[Path]) -> list[RunLog]:
     if len(set(names)) < len(names):
         names = [f"{d.resolve().parent.name}/{d.resolve().name}" for d in run_dirs]
     return [load_run(d, name=n) for d, n in zip(run_dirs, names)]
+
+
+def run_routing(run_dir: Path) -> Routing:
+    """The routing a run under expert parallelism recorded, for ``fsdpkit plan
+    --moe-imbalance RUN_DIR`` ([Note: routing in the plan] in fsdpkit.planner.routing)."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise RunLogError(
+            f"--moe-imbalance {str(run_dir)!r}: not a number and not a run directory (it "
+            "has no metrics.jsonl). Pass the busiest ep rank's received / balanced rows "
+            "(1.0 = balanced), or the directory a `fsdpkit train` run under parallel.ep "
+            "wrote (logging.run_dir)."
+        )
+    return from_records(read_records(metrics), source=str(run_dir))

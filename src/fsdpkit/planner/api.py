@@ -14,6 +14,7 @@ from fsdpkit.planner.comm import comm_volume
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.headmem import loss_buffer_peak
 from fsdpkit.planner.result import LossBuffers, MemoryPlan, Plan
+from fsdpkit.planner.routing import BALANCED, Routing
 from fsdpkit.planner.scenario import Scenario, scenario
 from fsdpkit.planner.sizing import head_sizes
 
@@ -165,6 +166,7 @@ def plan(
     margin: float = DEFAULT_MARGIN,
     ranks_per_node: int = 8,
     vocab_size: int | None = None,
+    routing: Routing = BALANCED,
 ) -> Plan:
     """Per-rank memory and traffic of training ``cfg`` on ``world_size`` ranks.
 
@@ -172,7 +174,9 @@ def plan(
     ``precision.mode = auto`` resolves; ``trace`` runs the real model code on a fake
     process group instead of the formulas (seconds to minutes, no devices needed;
     None: only for a model the formulas do not cover, False: formulas or PlanError);
-    ``vocab_size`` is the tokenizer's when the config leaves model.vocab_size empty.
+    ``vocab_size`` is the tokenizer's when the config leaves model.vocab_size empty;
+    ``routing``: the routing a MoE model's trace assumes under ep ([Note: routing in
+    the plan]; default balanced).
     """
     sc = scenario(
         cfg,
@@ -180,5 +184,6 @@ def plan(
         device=device,
         ranks_per_node=ranks_per_node,
         vocab_size=vocab_size,
+        routing=routing,
     )
     return plan_scenario(sc, cfg=cfg, trace=trace, margin=margin)

@@ -20,6 +20,7 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import _disable_current_modes
 
 from fsdpkit.models import llama
+from fsdpkit.planner.routing import received_rows
 from fsdpkit.sharding import context, context_batch
 from fsdpkit.sharding.dispatch import ExpertDispatch
 
@@ -169,37 +170,44 @@ def _grouped_mm_any_dtype() -> Iterator[None]:
         fake_impls.op_implementations_checks.remove(entry)
 
 
-def _balanced_dispatch() -> contextlib.AbstractContextManager[None]:
+def _routed_dispatch(loads: tuple[float, ...]) -> contextlib.AbstractContextManager[None]:
     """[Note: expert parallelism in the plan]
     Expert parallelism's dispatch sizes its all-to-alls from the routing's per-expert
     counts (``ExpertDispatch.routes``, fsdpkit.sharding.dispatch): a real run's rank
     receives the rows its experts were given, which fake tensors do not know. The traced
-    step routes the balanced case: each rank sends its tokens x top_k rows in equal
-    parts to the ep ranks and receives as many, spread over its experts; the grouped
-    GEMMs' buffers then hold tokens x top_k rows, as without ep. A real step's rank
-    holds its experts' share of the global routing instead: up to ep x tokens x top_k
-    rows when every rank's tokens choose its experts (the plan's note states that
-    bound, fsdpkit.planner.moe); at init the busiest rank of bench/plan_accuracy.py's
-    "E" rows received up to 1.7x its balanced rows in one layer. With a capacity factor
-    the trace routes the bound instead: a rank receives at most C = ceil(factor x
-    tokens x top_k / E) rows per expert from each rank, E x C in all, which the trace
-    gives it (and it sends all its tokens x top_k)."""
+    step sends each rank's tokens x top_k rows in equal parts to the ep ranks and, by
+    default, routes the balanced case: the rank receives as many, spread over its
+    experts; the grouped GEMMs' buffers then hold tokens x top_k rows, as without ep.
+    A real step's rank holds its experts' share of the global routing instead: up to
+    ep x tokens x top_k rows when every rank's tokens choose its experts (the plan's
+    note states that bound, fsdpkit.planner.moe). Given a routing ([Note: routing in
+    the plan] in fsdpkit.planner.routing, e.g. a run's measured ``moe_imbalance``) the
+    rank receives each layer's load x tokens x top_k rows instead (``loads``, one per
+    MoE layer in forward order; empty: balanced). With a capacity factor a rank
+    receives at most C = ceil(factor x tokens x top_k / E) rows per expert from each
+    rank, E x C in all: the balanced default traces that bound (and sends all its
+    tokens x top_k), a given routing is capped by it."""
+    layers: dict[int, int] = {}  # dispatch -> its MoE layer, in first-call (forward) order
 
     def wrap(original: Any) -> Any:
-        def balanced(
+        def routed(
             self: ExpertDispatch, counts: torch.Tensor, received: torch.Tensor, *, assignments: int
         ) -> Any:
             if not isinstance(counts, FakeTensor):
                 return original(self, counts, received, assignments=assignments)
-            split = _even(assignments, self.ep)
-            rows = assignments
+            cap = None
             if self.capacity_factor:
-                per_expert = math.ceil(self.capacity_factor * assignments / self.experts)
-                rows = self.experts * per_expert
+                cap = self.experts * math.ceil(self.capacity_factor * assignments / self.experts)
+            layer = layers.setdefault(id(self), len(layers))
+            if not loads:
+                rows = assignments if cap is None else cap
+            else:
+                load = loads[min(layer, len(loads) - 1)]
+                rows = received_rows(assignments=assignments, load=load, capacity_rows=cap)
             index = torch.zeros(rows, 1, dtype=torch.long, device=counts.device)
-            return split, _even(rows, self.ep), index
+            return _even(assignments, self.ep), _even(rows, self.ep), index
 
-        return balanced
+        return routed
 
     return _wrapped(ExpertDispatch, "routes", wrap)
 
@@ -209,16 +217,16 @@ def _even(n: int, parts: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def faithful_step() -> Iterator[None]:
+def faithful_step(*, loads: tuple[float, ...] = ()) -> Iterator[None]:
     """The traced step allocates and masks as the real one: unpacked batches for
     transformers' masks and the built-in Llama's alike, DTensor's shape bookkeeping
-    kept out of the count, experts' grouped GEMMs in any dtype and a balanced expert
-    dispatch (the notes above)."""
+    kept out of the count, experts' grouped GEMMs in any dtype and an expert dispatch
+    at each MoE layer's ``loads`` (balanced when empty; the notes above)."""
     with (
         _unpacked_hf_batches(),
         _unpacked_positions(),
         _untracked_dtensor_metadata(),
         _grouped_mm_any_dtype(),
-        _balanced_dispatch(),
+        _routed_dispatch(loads),
     ):
         yield

@@ -7,6 +7,8 @@ bench/plan_accuracy.py and the accuracy tests to check the planner.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from fsdpkit.config import RunConfig, parallel_dims
@@ -29,6 +31,21 @@ def measure_step_peaks(
     ``steps`` steady-state steps (one number per step) minus what the process held
     before building the model. Shape None: the run's model.hf / model.factory model,
     built by the trainer's builder."""
+    records = measure_step_records(rank, world_size, specs, steps)
+    return {name: [r["peak"] for r in steps_] for name, steps_ in records.items()}
+
+
+def measure_step_records(
+    rank: int,
+    world_size: int,
+    specs: list[tuple[str, RunConfig, LlamaConfig | None]],
+    steps: int = 1,
+) -> dict[str, list[dict[str, Any]]]:
+    """run_ranks worker: as ``measure_step_peaks``, each step's ``peak`` with the
+    routing a MoE model under ep recorded in it (``moe_imbalance`` and
+    ``moe_imbalance_layer_max``: the busiest rank's, [Note: routing imbalance] in
+    fsdpkit.sharding.dispatch; the step's metrics are a collective, read outside the
+    measured peak) and this rank's own load of each MoE layer (``moe_layer_loads``)."""
     enable_process_wide_accounting()
     return {
         name: _step_peaks(cfg, shape, rank=rank, world_size=world_size, steps=steps)
@@ -38,7 +55,7 @@ def measure_step_peaks(
 
 def _step_peaks(
     cfg: RunConfig, shape: LlamaConfig | None, *, rank: int, world_size: int, steps: int
-) -> list[int]:
+) -> list[dict[str, Any]]:
     base = live_bytes()
     # the trainer's own mesh: (replicate, shard, cp, tp, ep) of [Note: parallel dimensions]
     dims = parallel_dims(cfg, world_size=world_size, local_world_size=world_size)
@@ -66,5 +83,17 @@ def _step_peaks(
             return
         train_step(run.model, run.optimizer, batches, loss_fn=run.loss_fn, **step_options(cfg))
 
+    metrics = getattr(run.loss_fn, "step_metrics", None) if dims.ep > 1 else None
+    found = (getattr(m, "expert_dispatch", None) for m in run.model.modules())
+    dispatches = [d for d in found if d is not None and d.group is not None]
+
+    def routing() -> dict[str, Any]:
+        """The step's routing: the maxima over the ranks, and this rank's own loads."""
+        mine = [x[0] for d in dispatches if (x := d.loads(reset=False)) is not None]
+        found = metrics() if metrics is not None else {}
+        out = {k: v for k, v in found.items() if k.startswith("moe_imbalance")}
+        return out | ({"moe_layer_loads": mine} if mine else {})
+
     step()  # creates the AdamW states
-    return [peak_bytes(step) - base for _ in range(steps)]
+    routing()
+    return [{"peak": peak_bytes(step) - base, **routing()} for _ in range(steps)]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from fsdpkit.loss.router import RouterSpec
 from fsdpkit.models.experts import Experts, fmt_count
+from fsdpkit.planner.routing import BALANCED, MEAN_KEY, Routing
 
 ROUTING_FREE = ("grouped_mm", "batched_mm")
 """transformers' experts kernels whose buffers do not depend on the routing."""
@@ -48,6 +49,7 @@ def moe_notes(
     tokens: int,
     cp: int = 1,
     ep: int = 1,
+    routing: Routing = BALANCED,
 ) -> tuple[str, ...]:
     """The plan's notes for a MoE model (empty for a dense one); ``tokens`` per
     micro-batch of one data-parallel rank (a rank holds its 1 / cp of them)."""
@@ -61,7 +63,7 @@ def moe_notes(
         f"{fmt_count(experts.active)} a token runs through",
         _routed(experts, rows=rows, tokens=tokens // cp)
         if ep == 1
-        else _ep_rows(experts, rows, ep),
+        else _ep_rows(experts, rows, ep, routing),
     ]
     if router is not None and router.aux_fn is not None:
         if router.gathered:
@@ -74,14 +76,26 @@ def moe_notes(
     return tuple(notes)
 
 
-def _ep_rows(experts: Experts, rows: int, ep: int) -> str:
-    return (
+def _ep_rows(experts: Experts, rows: int, ep: int, routing: Routing) -> str:
+    sends = (
         f"expert parallel {ep}: each MoE layer sends {rows} rows per micro-batch (tokens x "
-        f"top {experts.top_k}) to the ranks holding their experts and back; the plan traces "
-        f"a balanced step, where a rank computes {rows} rows; a step whose routing sends "
-        f"every ep rank's tokens to one rank's experts gives that rank {ep * rows} rows "
-        "in its grouped GEMMs, all-to-all buffers and their saved activations "
-        "([Note: routed activations in the plan])"
+        f"top {experts.top_k}) to the ranks holding their experts and back"
+    )
+    bound = (
+        f"a step whose routing sends every ep rank's tokens to one rank's experts gives "
+        f"that rank {ep * rows} rows in its grouped GEMMs, all-to-all buffers and their "
+        "saved activations ([Note: routed activations in the plan])"
+    )
+    if routing == BALANCED:
+        return (
+            f"{sends}; planned routing: {routing.describe()}, where a rank computes {rows} "
+            f"rows; a real router sends some ranks more (a run under ep records it per "
+            f"step as {MEAN_KEY} in metrics.jsonl: plan at it with --moe-imbalance RUN_DIR "
+            f"or a number); {bound}"
+        )
+    return (
+        f"{sends}; planned routing: the busiest ep rank receives {routing.describe()} "
+        f"([Note: routing in the plan]); {bound}"
     )
 
 

@@ -26,6 +26,7 @@ from fsdpkit.planner.layout import ModelLayout, Unit
 from fsdpkit.planner.moe import moe_notes
 from fsdpkit.planner.mparallel import check_layout, tp_layout, vocab_parallel
 from fsdpkit.planner.reference import reference_terms
+from fsdpkit.planner.routing import BALANCED, Routing
 from fsdpkit.sharding.policy import SyncMode, reshard_after_forward, sync_mode
 from fsdpkit.sharding.tensor_rules import check_layout as trainer_layout_check
 from fsdpkit.trainable.optim import resolve_impl
@@ -128,6 +129,9 @@ class Scenario:
     expert_units: tuple[Unit, ...] = ()
     """Under ep, each block's routed experts as a unit of their own over shard / ep
     ranks ([Note: expert units] in fsdpkit.planner.experts)."""
+    routing: Routing = BALANCED
+    """Under ep, the routing the trace assumes ([Note: routing in the plan] in
+    fsdpkit.planner.routing; default: balanced)."""
 
     def edge(self, role: str) -> Unit | None:
         """The edge unit of ``role`` ("embedding", "norm", "head"), None if it is in the
@@ -242,11 +246,12 @@ def scenario(
     device: Device | None = None,
     ranks_per_node: int = 8,
     vocab_size: int | None = None,
+    routing: Routing = BALANCED,
 ) -> Scenario:
     """Resolve ``cfg`` at ``world_size`` ranks on ``device`` (None: unknown memory, CPU
     semantics); ``vocab_size`` is the tokenizer's (default: read as ``fsdpkit train``
-    reads it, see ``run_vocab_size``). Raises PlanError / ConfigError naming the field
-    on bad input."""
+    reads it, see ``run_vocab_size``); ``routing``: a MoE model's under ep. Raises
+    PlanError / ConfigError naming the field on bad input."""
     local = _checked_sizes(cfg, world_size=world_size, ranks_per_node=ranks_per_node)
     dims = parallel_dims(cfg, world_size=world_size, local_world_size=local)
     shard = dims.fsdp_shard
@@ -283,6 +288,13 @@ def scenario(
     if dpo.rows_per_pair == 2:  # DPO's log-probs take full logits
         chunk = None
         notes += [dpo.note] if dpo.note else []
+    if routing != BALANCED and (model.experts is None or dims.ep == 1):
+        raise PlanError(
+            "--moe-imbalance plans how unevenly a mixture-of-experts model's router fills "
+            "the expert-parallel ranks, but this run has no parallel.ep > 1 (or no routed "
+            "experts): without ep a rank's grouped GEMMs hold its tokens x top_k rows "
+            "whatever the routing. Set parallel.ep, or drop --moe-imbalance."
+        )
     notes += moe_notes(
         model.experts,
         model.router,
@@ -290,6 +302,7 @@ def scenario(
         tokens=split.micro_batch * cfg.data.seq_len,
         cp=dims.cp,
         ep=dims.ep,
+        routing=routing,
     )
     return Scenario(
         model=model.shape,
@@ -335,6 +348,7 @@ def scenario(
         pp=dims.pp,
         ep=dims.ep,
         expert_units=experts,
+        routing=routing,
     )
 
 

@@ -58,6 +58,7 @@ from fsdpkit.planner.analytic import late_free_spread
 from fsdpkit.planner.errors import PlanError, TraceError
 from fsdpkit.planner.fake_patches import faithful_step, real_meshes
 from fsdpkit.planner.result import CATEGORIES, MemoryPlan, PeakPoint
+from fsdpkit.planner.routing import BALANCED, layer_loads
 from fsdpkit.planner.scenario import Scenario
 from fsdpkit.planner.states import model_states
 from fsdpkit.planner.tracker import UnitTracker, model_gloo_buffers, ring_gloo_buffers
@@ -168,7 +169,9 @@ def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
         tracker.track_inputs(tuple(batches))
         recorder = _PhaseRecorder(tracker)
         ring = gloo and sc.cp_attention == "ring"
-        with tracker, faithful_step(), ring_gloo_buffers(active=ring):
+        experts = sc.experts.layers if sc.experts is not None and sc.ep > 1 else 0
+        loads = () if sc.routing == BALANCED else layer_loads(sc.routing, layers=experts)
+        with tracker, faithful_step(loads=tuple(loads)), ring_gloo_buffers(active=ring):
             train_step(
                 run.model,
                 run.optimizer,

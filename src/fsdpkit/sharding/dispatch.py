@@ -24,6 +24,20 @@ k])``, fsdpkit.models.moe) gets ``ExpertDispatch`` as its forward when a run set
    the source rank the rows are weighted and summed over the token's k experts, as
    transformers' kernels do.
 
+[Note: routing imbalance]
+Under ep a rank computes the rows the whole ep group routed to its experts, which the
+router decides: a balanced step gives each rank its own tokens x k rows, a skewed one
+more to some ranks. Each dispatch keeps, from the received counts it already holds on
+the host (step 3's sync: no extra communication), every training call's received rows
+/ its own tokens x k (the balanced rows); ``loads`` gives per layer (mean over the
+calls: micro-batches, and a checkpointed block's recompute, which repeats its
+forward's counts) and the largest call. The step's metrics reduce that over the ranks
+(fsdpkit.loss.router): ``moe_imbalance`` is the busiest rank's received rows over the
+MoE layers / balanced, ``moe_imbalance_layer_max`` its busiest layer's. Both size what
+a rank holds (all layers' rows before backward, one recomputed layer's with
+checkpointing), which the planner can plan at ([Note: routing in the plan] in
+fsdpkit.planner.routing).
+
 The backward mirrors it: the all-to-alls' backward sends each row's gradient back to
 the rank that computed it; an expert's weight gradient sums the rows of every ep rank,
 and FSDP divides by all data ranks (fsdpkit.sharding.experts), so a rank's gradients
@@ -97,6 +111,8 @@ class ExpertDispatch:
         self.capacity_factor = capacity_factor
         self._drops: torch.Tensor | None = None
         """Dropped and routed assignments since the last ``drops()`` (on the device)."""
+        self._loads: list[float] = []
+        """Received rows / balanced rows of each training call since the last ``loads()``."""
 
     def __call__(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -130,6 +146,8 @@ class ExpertDispatch:
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=group)
         send, recv, local_index = self.routes(counts, received, assignments=tokens * k)
+        if self.module.training and tokens:  # [Note: routing imbalance]
+            self._loads.append(sum(recv) / (tokens * k))
         kept = order[: sum(send)]  # dropped assignments (index E) sort last: not sent
         rows = funcol.all_to_all_single_autograd(hidden[kept // k], recv, send, group)
         unit = torch.ones(local_index.shape, dtype=hidden.dtype, device=hidden.device)
@@ -153,6 +171,14 @@ class ExpertDispatch:
         recv = received.view(self.ep, local).sum(dim=1).tolist()
         experts_of_rows = torch.arange(local, device=counts.device).repeat(self.ep)
         return send, recv, experts_of_rows.repeat_interleave(received).unsqueeze(-1)
+
+    def loads(self, *, reset: bool = True) -> tuple[float, float] | None:
+        """(mean, largest) received rows / balanced rows of the training calls since
+        the last reset, this rank's ([Note: routing imbalance]; None: none)."""
+        out = self._loads
+        if reset:
+            self._loads = []
+        return (sum(out) / len(out), max(out)) if out else None
 
     def drops(self) -> torch.Tensor | None:
         """(dropped, routed) assignments since the last call, this rank's (None: no
