@@ -307,8 +307,7 @@ def explain(rec: Recommendation) -> list[str]:
         lines.append(f"yours {verdict}: {_peak(rec.current)}, {_cost(rec.current)}.")
     if rec.best is None:
         lines.append(
-            "nothing fits: more ranks, a shorter sequence or a smaller micro-batch are "
-            "needed (or pipeline parallelism, which fsdpkit does not do)."
+            "nothing fits: more ranks, a shorter sequence or a smaller micro-batch are needed."
         )
     else:
         lines.append(f"pick: {_label(rec.best)} — {_peak(rec.best)}, {_cost(rec.best)}.")
