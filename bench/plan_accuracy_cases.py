@@ -136,6 +136,11 @@ PP_LAYOUTS = (  # planned analytically per pipeline rank; the row is the highest
     ("Interleaved1F1B pp2 x dp2", ("parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B")),
     ("GPipe pp2 x dp2", ("parallel.pp=2", "parallel.pp_schedule=GPipe")),
     ("ZBVZeroBubble pp2 x dp2", ("parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble")),
+    (
+        "InterleavedZeroBubble pp2 x dp2",
+        ("parallel.pp=2", "parallel.pp_schedule=InterleavedZeroBubble"),
+    ),
+    ("DualPipeV pp2 x dp2", ("parallel.pp=2", "parallel.pp_schedule=DualPipeV")),
     ("1F1B pp4", ("parallel.pp=4",)),
     ("1F1B pp2 x tp2", ("parallel.pp=2", "parallel.tp=2")),
     ("1F1B pp2 x cp2", ("parallel.pp=2", "parallel.cp=2")),

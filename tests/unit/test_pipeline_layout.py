@@ -110,6 +110,8 @@ def test_refusals_name_the_field() -> None:
     assert "offload.params = true" in _refusal("parallel.pp=2", "offload.params=true")
     assert "parallel.accum_sync = every" in _refusal("parallel.pp=2", "parallel.accum_sync=every")
     assert "pp_stages_per_rank = 3" in _refusal("parallel.pp=2", "parallel.pp_stages_per_rank=3")
+    zbv = ("parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble", untied)
+    assert "activations.mode = full with ZBVZeroBubble" in _refusal(*zbv, "activations.mode=full")
 
 
 def test_stage_modules_keep_the_models_names() -> None:
