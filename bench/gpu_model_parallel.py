@@ -22,7 +22,8 @@ Parts (``--only train,attention``):
   (``parallel.async_tp=true``: fsdpkit sets inductor's ``_micro_pipeline_tp`` before
   compiling the blocks), so inductor fuses each
   all-gather -> matmul and matmul -> reduce-scatter pair of the sequence-parallel plan
-  into a pipelined one.
+  into a pipelined one; and the built-in MoE model (4 blocks of Qwen3-30B-A3B's shape)
+  FSDP only and at ``parallel.ep=2`` (grouped GEMMs, NCCL all-to-alls; issue 37).
   Rounds run the rows in order (A B C ..., A B C ...); tokens/s is the loop's (compile
   excluded) over steps 4..N; memory: ``torch.cuda.memory_allocated`` after the build
   and ``max_memory_allocated`` at the end, the largest rank's.
@@ -69,6 +70,15 @@ PIPELINE = [
     "parallel.tp=1", "parallel.cp=1", "parallel.pp=2", "model.tie_embeddings=false",
     "train.grad_accum=4",
 ]  # fmt: skip
+MOE = [
+    "model.preset=qwen3-30b-a3b", "model.n_layers=4", "data.seq_len=4096",
+    "parallel.tp=1", "parallel.cp=1",
+]  # fmt: skip
+"""The MoE rows (issue 37): 4 blocks of Qwen3-30B-A3B's shape (128 experts of 768,
+top 8), ~3B parameters, seq 4096; the experts run as grouped GEMMs
+(``torch._grouped_mm``, fsdpkit.models.moe) and, at ep 2, each rank holds 64 of a
+block's experts and sends tokens x 8 rows to the other with NCCL all-to-alls. Their
+ratios are against the MoE FSDP-only row."""
 RING = "parallel.cp_attention=ring"
 """fsdpkit's switch to torch's ring attention (fsdpkit.sharding.ring)."""
 PARTS = ("train", "attention")
@@ -90,6 +100,12 @@ def train_rows(gpus: int) -> dict[str, tuple[str, list[str], bool]]:
     rows["tp-compiled"] = ("tp2, compiled", COMPILED, False)
     async_tp = [*COMPILED, "parallel.async_tp=true"]  # fsdpkit's own switch
     rows["tp-async"] = ("tp2, compiled, async TP (micro-pipelined)", async_tp, True)
+    rows["moe-fsdp"] = ("MoE: FSDP only", [*MOE, "parallel.ep=1"], False)
+    rows["moe-ep2"] = (
+        "MoE: ep2 (all-to-all dispatch, grouped GEMMs)",
+        [*MOE, "parallel.ep=2"],
+        False,
+    )
     return rows
 
 
@@ -286,11 +302,15 @@ def table(results: dict[str, Any]) -> str:
         "| train row | tokens/s | vs FSDP only | after build | peak |",
         "|---|---:|---:|---:|---:|",
     ]
-    base = next((r for r in results["train"] if r["key"] == "fsdp" and "error" not in r), None)
+    bases = {
+        k: next((r for r in results["train"] if r["key"] == k and "error" not in r), None)
+        for k in ("fsdp", "moe-fsdp")
+    }
     for r in results["train"]:
         if "error" in r:
             lines.append(f"| {r['label']} | FAILED: {r['error']} | | | |")
             continue
+        base = bases["moe-fsdp" if r["key"].startswith("moe") else "fsdp"]
         vs = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
         lines.append(
             f"| {r['label']} | {r['tokens_per_s']:,.0f} | {vs} | {r['built_mib']:,.0f} MiB | "

@@ -120,14 +120,24 @@ def _rank(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
 
 
 def _one(
-    key: str, *, rows: Rows, steps: int, seq: int, cache: Path, tmp: Path, tag: str
+    key: str,
+    *,
+    steps: int,
+    seq: int,
+    cache: Path,
+    tmp: Path,
+    tag: str,
+    layout: list[str] | None = None,
+    model: list[str] = MODEL,
 ) -> dict[str, Any]:
+    """One run of row ``key`` of ``model`` (``layout``: its overrides, default
+    ``ROWS[key]``'s)."""
     from fsdpkit.testing import run_ranks
 
     run_dir = tmp / f"{key}-{tag}"
-    model = PP_MODEL if rows is PP_ROWS else MODEL
     overrides = [
-        *model, *rows[key][1], f"data.seq_len={seq}", f"train.steps={steps}",
+        *model, *(ROWS[key][1] if layout is None else layout), f"data.seq_len={seq}",
+        f"train.steps={steps}",
         f"data.cache_dir={cache}", f"logging.run_dir={run_dir}", "train.eval_every=0",
         "train.sample_tokens=0", "checkpoint.resume=never", "logging.progress=none",
         "logging.report=false",
@@ -146,20 +156,23 @@ def _one(
 
 
 def measure(
-    args: argparse.Namespace, rows: Rows
+    args: argparse.Namespace,
+    rows: Rows = ROWS,
+    model: list[str] = MODEL,
 ) -> tuple[dict[str, list[dict[str, Any]]], list[float]]:
     """{row: [one dict per round]} in A B C D E A' order, and the 1-minute load after
-    each round."""
+    each round (``rows`` of ``model``: bench/expert_parallel.py's too)."""
     out: dict[str, list[dict[str, Any]]] = {k: [] for k in rows}
     loads = []
+    first = next(iter(rows))
     with TemporaryDirectory(prefix="model-parallel-") as scratch:
         tmp = Path(scratch)
-        shape = {"rows": rows, "seq": args.seq, "cache": tmp / "data", "tmp": tmp}
-        _one("fsdp", steps=1, tag="prepare", **shape)  # the corpus cache, not timed
+        shape: dict[str, Any] = {"seq": args.seq, "cache": tmp / "data", "tmp": tmp, "model": model}
+        _one(first, steps=1, tag="prepare", layout=rows[first][1], **shape)  # corpus, not timed
         for rnd in range(args.rounds):
             for key in rows:
                 t0 = time.monotonic()
-                got = _one(key, steps=args.steps, tag=str(rnd), **shape)
+                got = _one(key, steps=args.steps, tag=str(rnd), layout=rows[key][1], **shape)
                 got["wall_s"] = round(time.monotonic() - t0, 1)
                 out[key].append(got)
                 print(
@@ -177,11 +190,16 @@ def _median_of(runs: list[dict[str, Any]], field: str) -> float:
     return statistics.median(max(r[field]) for r in runs)
 
 
-def rows_of(measured: dict[str, list[dict[str, Any]]], spec: Rows = ROWS) -> list[dict[str, Any]]:
-    base = measured["fsdp"]
+def rows_of(
+    measured: dict[str, list[dict[str, Any]]],
+    layouts: Rows = ROWS,
+    base_key: str = "fsdp",
+) -> list[dict[str, Any]]:
+    """One results row per layout, its ratios against ``base_key``'s (FSDP only)."""
+    base = measured[base_key]
     base_tps = [r["tokens_per_s"] for r in base]
     rows = []
-    for key, (label, layout) in spec.items():
+    for key, (label, layout) in layouts.items():
         runs = measured[key]
         tps = [r["tokens_per_s"] for r in runs]
         peak, built = _median_of(runs, "peak_mib"), _median_of(runs, "built_mib")
@@ -201,7 +219,7 @@ def rows_of(measured: dict[str, list[dict[str, Any]]], spec: Rows = ROWS) -> lis
             "peak_per_rank_last": runs[-1]["peak_mib"], "max_loss_diff": loss_diff,
             "wall_s": [r["wall_s"] for r in runs],
         })  # fmt: skip
-    fsdp = next(r for r in rows if r["key"] == "fsdp")
+    fsdp = next(r for r in rows if r["key"] == base_key)
     for r in rows:
         r["peak_ratio"] = r["peak_mib"] / fsdp["peak_mib"]
         r["step_ratio"] = r["step_mib"] / fsdp["step_mib"]
@@ -235,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = {"world": WORLD, "seq": args.seq, "steps": args.steps, "skip": SKIP,
                 "rounds": args.rounds, "model": model}  # fmt: skip
     t0 = time.monotonic()
-    measured, loads = measure(args, rows)
+    measured, loads = measure(args, rows=rows, model=model)
     minutes = round((time.monotonic() - t0) / 60, 2)
     flags = f"--rounds {args.rounds} --steps {args.steps} --seq {args.seq}"
     results_io.write(

@@ -147,6 +147,11 @@ PP_LAYOUTS = (  # planned analytically per pipeline rank; the row is the highest
     ("1F1B pp2 x dp2 +AC", ("parallel.pp=2", "activations.mode=full")),
 )
 SEL, ACT_MODES = "activations.mode=selective", ("none", "selective", "full")
+MODELS["E"] = [  # issue 37: the built-in MoE model (8 experts, top 2), traced
+    "model.preset=moe-tiny", "model.dim=128", "model.n_layers=2", "model.experts=8",
+    "model.vocab_size=2048", "data.seq_len=128", "train.micro_batch_size=2",
+]  # fmt: skip
+EP2 = "parallel.ep=2"
 MP_LAYOUTS = (  # model A's 2 kv heads split over tp 2; tp 4 needs 4 (MHA)
     ("dp2 x tp2", ("parallel.tp=2",)),
     ("tp4 MHA", ("parallel.tp=4", "model.n_kv_heads=4")),
@@ -209,6 +214,25 @@ CASES = [
     Case("HX hf mixtral full +AC", 2, "HX", (FULL, AC)),
     Case("HQ3 hf qwen3_moe full", 2, "HQ3", (FULL,)),
     Case("HQ3 hf qwen3_moe full +AC", 2, "HQ3", (FULL, AC)),
+    # issue 37: the built-in MoE model without and with expert parallelism (balanced
+    # routing traced, [Note: expert parallelism in the plan])
+    Case("E moe full", 2, "E", (FULL,)),
+    Case("E moe ep2", 2, "E", (FULL, EP2)),
+    Case("E moe ep2 +AC", 2, "E", (FULL, EP2, AC)),
+    Case("E moe dp2 x ep2", 4, "E", (FULL, EP2)),
+    Case("E moe dp2 x ep2 +AC", 4, "E", (FULL, EP2, AC)),
+    Case("E hf qwen3_moe ep2", 2, "HQ3", (FULL, EP2)),
+    # with a capacity factor the trace routes the capacity bound (E x C rows per rank)
+    *(
+        Case(
+            f"E moe dp2 x ep2 capacity {cf}{label}",
+            4,
+            "E",
+            (FULL, EP2, f"model.capacity_factor={cf}", *ac),
+        )
+        for cf in ("1.0", "1.25")
+        for label, ac in (("", ()), (" +AC", (AC,)))
+    ),
     # issue 12: op-level selective checkpointing, beside none and full on the same model
     *(Case(f"ACT A {m}", 2, "A", (FULL, f"activations.mode={m}")) for m in ACT_MODES),
     Case("ACT A selective MHA", 2, "A", (FULL, SEL, "model.n_kv_heads=4")),

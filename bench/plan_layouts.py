@@ -1,9 +1,10 @@
 """Plans of issue 23 with tensor and context parallelism and of issue 38 with pipeline
 parallelism: FSDP alone against the layout ``fsdpkit plan --recommend`` picks, and
-torchtitan's published memory for the same shapes.
+torchtitan's published memory for the same shapes; and of issue 37: the two
+mixture-of-experts presets with and without expert parallelism.
 
-    .venv/bin/python bench/plan_layouts.py                  # ~1 min, analytic plans only
-    .venv/bin/python bench/plan_layouts.py --render-docs    # docs/planner.md's table
+    .venv/bin/python bench/plan_layouts.py                  # the whole table (~1 h: MoE traced)
+    .venv/bin/python bench/plan_layouts.py --render-docs    # docs/planner.md's tables
 
 Every row is ``fsdpkit plan`` (the analytic planner: nothing runs on a device) with
 bf16, full activation checkpointing and micro-batch 1 on H100s (``--device-mem h100``:
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 from typing import Any
 
 import results_io
@@ -86,11 +88,37 @@ RECOMMENDED = [
     ("llama3-405b 8192, 512 sequences a step, 50 Gb/s per GPU between nodes: recommended",
      [*BIG_BATCH], 512, 6.25),
 ]  # fmt: skip
+MOE = ["data.seq_len=4096", "train.global_batch_size={gbs}", "train.micro_batch_size=4"]
+MOE_ROWS: list[tuple[str, list[str], int]] = [
+    # (label, overrides, world size): traced plans (the analytic block model is dense)
+    ("qwen3-30b-a3b 4096: FSDP only", ["model.preset=qwen3-30b-a3b"], 64),
+    ("qwen3-30b-a3b 4096: ep 8", ["model.preset=qwen3-30b-a3b", "parallel.ep=8"], 64),
+    ("qwen3-30b-a3b 4096: FSDP only", ["model.preset=qwen3-30b-a3b"], 256),
+    ("qwen3-30b-a3b 4096: ep 8", ["model.preset=qwen3-30b-a3b", "parallel.ep=8"], 256),
+    ("qwen3-235b-a22b 4096: FSDP only", ["model.preset=qwen3-235b-a22b"], 64),
+    ("qwen3-235b-a22b 4096: ep 8", ["model.preset=qwen3-235b-a22b", "parallel.ep=8"], 64),
+    ("qwen3-235b-a22b 4096: FSDP only", ["model.preset=qwen3-235b-a22b"], 256),
+    ("qwen3-235b-a22b 4096: ep 8", ["model.preset=qwen3-235b-a22b", "parallel.ep=8"], 256),
+]
+MOE_RECOMMENDED = [
+    ("qwen3-30b-a3b 4096: recommended", ["model.preset=qwen3-30b-a3b"], 64),
+    ("qwen3-235b-a22b 4096: recommended", ["model.preset=qwen3-235b-a22b"], 256),
+]
+"""MoE rows: bf16, full AC as the others, seq 4096, 4 sequences per rank in one
+micro-batch (train.global_batch_size = 4 x ranks; at micro-batch 1 the run would
+accumulate 4 micro-batches, holding an unsharded gradient of the whole model between
+them): the recommender may trade checkpointing and micro-batch for memory within that
+batch."""
 GiB = 2**30
+
+
+def _moe(overrides: list[str], world: int) -> list[str]:
+    return [*(m.format(gbs=4 * world) for m in MOE), *overrides]
 
 
 def _row(label: str, overrides: list[str], world: int, published: str | None) -> dict[str, Any]:
     cfg = load(None, [*ISSUE, *overrides])
+    started = time.perf_counter()
     p = plan(cfg, world_size=world, device=parse_device("h100"))
     peak = p.memory.peak
     return {
@@ -107,6 +135,22 @@ def _row(label: str, overrides: list[str], world: int, published: str | None) ->
         "tp_cp_traffic_gib": round((p.comm.tp_exchange + p.comm.cp_exchange) / GiB, 1),
         "torchtitan_gib": published,
         "pipeline": _pipeline(p),
+    } | _moe_fields(p, seconds=time.perf_counter() - started)
+
+
+def _moe_fields(p: Any, *, seconds: float) -> dict[str, Any]:
+    """What an MoE row adds: the plan's mode and time, the gathered and dispatched bytes."""
+    if p.scenario.experts is None:
+        return {}
+    return {
+        "moe": True,
+        "mode": p.memory.mode,
+        "plan_s": round(seconds, 1),
+        "all_gather_gib": round(p.comm.all_gather / GiB, 1),
+        "ep_traffic_gib": round(p.comm.ep_exchange / GiB, 1),
+        "layout": f"{p.scenario.strategy}, ep {p.scenario.ep}, "
+        f"{p.scenario.ac_mode} AC, micro-batch {p.scenario.micro_batch} x accumulation "
+        f"{p.scenario.grad_accum}",
     }
 
 
@@ -128,7 +172,9 @@ def _recommended(
     device = parse_device("h100")
     if inter_gbps is not None:  # a slower network between nodes than h100's default
         device = dataclasses.replace(device, inter_gbps=inter_gbps)
+    started = time.perf_counter()
     rec = recommend(cfg, world_size=world, device=device)
+    seconds = time.perf_counter() - started
     assert rec.best is not None, label
     changes = {k: v for k, v in rec.best.changes.items() if v is not None}
     row = _row(
@@ -141,7 +187,8 @@ def _recommended(
         if t.peak is not None
     ]
     with_changes(cfg, changes, source="bench")  # the pick is a valid config
-    return row | {"changes": changes, "layouts_tried": tried}
+    extra = {"recommend_s": round(seconds, 1), "considered": rec.considered} if "moe" in row else {}
+    return row | {"changes": changes, "layouts_tried": tried} | extra
 
 
 def main() -> None:
@@ -149,7 +196,9 @@ def main() -> None:
     parser.add_argument("--render-docs", action="store_true", help="only re-render the docs")
     args = parser.parse_args()
     if not args.render_docs:
-        rows = [_row(*r) for r in ROWS] + [_recommended(*r) for r in RECOMMENDED]
+        moe = [_row(label, _moe(o, w), w, None) for label, o, w in MOE_ROWS]
+        moe += [_recommended(label, _moe(o, w), w, None) for label, o, w in MOE_RECOMMENDED]
+        rows = [_row(*r) for r in ROWS] + [_recommended(*r) for r in RECOMMENDED] + moe
         results_io.write(NAME, rows=rows, torchtitan_source=TORCHTITAN)
     render_docs()
 
@@ -167,7 +216,7 @@ def render(results: dict[str, Any]) -> str:
         "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |\n"
     )
     lines = []
-    for r in results["rows"]:
+    for r in (r for r in results["rows"] if not r.get("moe")):
         world = r["command"].rsplit(" ", 1)[-1]
         verdict = f"fits ({r['headroom_gib']:.2f} spare)" if r["fits"] else (
             f"{-r['headroom_gib']:.2f} GiB over"
@@ -185,14 +234,44 @@ def render(results: dict[str, Any]) -> str:
     tried = "\n".join(
         f"- {r['label']}: " + "; ".join(r["layouts_tried"])
         for r in results["rows"]
-        if "layouts_tried" in r
+        if "layouts_tried" in r and not r.get("moe")
     )
     return (
         head + "\n".join(lines) + "\n\nLayouts the recommender planned, fewest model-parallel "
         "ranks first (each with its fastest fitting candidate, else its lowest peak):\n\n"
         + tried
         + "\n"
+        + render_moe(results)
     )
+
+
+def render_moe(results: dict[str, Any]) -> str:
+    """The mixture-of-experts rows (issue 37): traced plans with and without ep."""
+    rows = [r for r in results["rows"] if r.get("moe")]
+    if not rows:
+        return ""
+    lines = [
+        "\nMixture-of-experts presets (issue 37; traced plans, seq 4096, 4 sequences per "
+        "rank, bf16, h100):\n",
+        "| plan | ranks | peak | verdict | model states | all-gather per step "
+        "| expert dispatch per step | layout | planned in |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: |",
+    ]
+    for r in rows:
+        world = r["command"].rsplit(" ", 1)[-1]
+        verdict = f"fits ({r['headroom_gib']:.2f} spare)" if r["fits"] else (
+            f"{-r['headroom_gib']:.2f} GiB over"
+        )  # fmt: skip
+        label = r["label"]
+        if "changes" in r:
+            label += ": " + ", ".join(f"`{k}={toml_value(v)}`" for k, v in r["changes"].items())
+        took = r.get("recommend_s", r["plan_s"])
+        lines.append(
+            f"| {label} | {world} | {r['peak_gib']:.2f} GiB | {verdict} | "
+            f"{r['states_gib']:.2f} GiB | {r['all_gather_gib']:.1f} GiB | "
+            f"{r['ep_traffic_gib']:.1f} GiB | {r['layout']} | {took:.0f} s |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def render_docs() -> None:

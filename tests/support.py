@@ -167,23 +167,16 @@ def train(
     scaler: Any = None,
     keep_unsharded: bool = False,
     loss_fn: Any = None,
+    opt: torch.optim.Optimizer | None = None,
 ) -> dict[str, list[float]]:
     """AdamW steps over ``batches``; returns per-step global mean loss and grad norm.
 
     ``dp_world`` is the number of data-parallel ranks sharing the global batch
-    (world size for every strategy here). ``loss_fn(model, tokens)``: default ``lm_loss``."""
+    (world size for every strategy here). ``loss_fn(model, tokens)``: default ``lm_loss``.
+    ``opt``: continue with this optimizer (``adamw(model)``) instead of a new one."""
     loss_fn = loss_fn or lm_loss
     dp = dp_world or world
-    # eps=1e-6: with the default 1e-8, Adam turns gradients at rounding-noise level
-    # (~1e-9) into near-full-lr updates whose sign depends on summation order, which
-    # moved single elements by ~1e-5 in 10 steps; that is Adam, not sharding.
-    opt = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=lr,
-        weight_decay=0.1,
-        eps=1e-6,
-        foreach=True,
-    )
+    opt = opt or adamw(model, lr=lr)
     losses, norms = [], []
     for step in batches:
         micro = step.shape[0]
@@ -200,6 +193,20 @@ def train(
             total /= world
         losses.append(float(total))
     return {"loss": losses, "norm": norms}
+
+
+def adamw(model: nn.Module, *, lr: float = 2e-3) -> torch.optim.Optimizer:
+    """The AdamW of ``train``."""
+    # eps=1e-6: with the default 1e-8, Adam turns gradients at rounding-noise level
+    # (~1e-9) into near-full-lr updates whose sign depends on summation order, which
+    # moved single elements by ~1e-5 in 10 steps; that is Adam, not sharding.
+    return torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=lr,
+        weight_decay=0.1,
+        eps=1e-6,
+        foreach=True,
+    )
 
 
 def train_mixed(

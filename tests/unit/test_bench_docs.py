@@ -24,6 +24,7 @@ RENDERED = {
     "loss_compile", "checkpoint_io", "plan_accuracy", "model_parallel", "dpo_memory",
     "slurm_scenarios",
     "model_parallel_pp",
+    "expert_parallel",
 }  # fmt: skip
 """Benches whose tables the docs quote: each must have a block and a results file."""
 

@@ -19,7 +19,9 @@ import gpu_model_parallel  # noqa: E402
 
 def test_rows_cover_each_layout_and_async_tp() -> None:
     two, four = gpu_model_parallel.train_rows(2), gpu_model_parallel.train_rows(4)
-    assert list(two) == ["fsdp", "tp", "cp", "cp-ring", "pp", "tp-compiled", "tp-async"]
+    assert list(two) == [
+        "fsdp", "tp", "cp", "cp-ring", "pp", "tp-compiled", "tp-async", "moe-fsdp", "moe-ep2"
+    ]  # fmt: skip
     assert set(four) - set(two) == {"tpcp"}  # tp2 x cp2 needs 4 ranks
     assert [key for key, (_, _, async_tp) in four.items() if async_tp] == ["tp-async"]
     assert set(gpu_model_parallel.ATTENTION) == {

@@ -30,8 +30,9 @@ from fsdpkit.planner.blockmem import (
     selective_backward_end,
     selective_saved,
 )
-from fsdpkit.planner.recommend import recommend, recompute_fraction
+from fsdpkit.planner.recommend import recommend
 from fsdpkit.planner.scenario import scenario
+from fsdpkit.planner.stepcost import recompute_fraction
 from fsdpkit.sharding.activations import (
     SelectivePolicy,
     checkpoint_forward,

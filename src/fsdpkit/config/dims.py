@@ -18,6 +18,17 @@ pipeline stages are the axis that crosses nodes: only activations pass between t
 FSDP2 shards parameters over ``shard x cp`` (cp folded into the shard axis, as
 torchtitan does: context-parallel ranks hold the same parameters, so they may as
 well hold different shards of them) and replicates over ``replicate``.
+
+``ep`` (expert parallelism) is borrowed from the shard axis, as torchtitan borrows it
+from its data ranks: the shard axis splits into ``efsdp x ep``, each ep group holding
+every expert once, split by expert; the routed experts are FSDP-sharded over
+``efsdp`` (with cp folded in) and replicated over ``replicate``, every other parameter
+as without ep. The mesh is (replicate, efsdp, cp, ep, tp): ep the fastest data axis,
+after cp, so that the experts' FSDP axes (efsdp, cp) and ep are in the mesh's order
+(DTensor reduces a gradient norm over them as one flattened axis, which a
+non-ascending pair (efsdp x cp, ep) cannot be: a dp2 x cp2 x ep2 norm failed so).
+ep changes neither which batches a rank reads (``dp_rank``) nor the world size
+(fsdpkit.sharding.experts).
 """
 
 from __future__ import annotations
@@ -38,6 +49,8 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
+    """Expert-parallel ranks, borrowed from ``shard`` (it divides ``shard``)."""
 
     @property
     def dp(self) -> int:
@@ -65,16 +78,26 @@ class ParallelDims:
 
     def dp_rank(self, rank: int) -> int:
         """The data-parallel index of global ``rank`` (which batches it reads): ranks
-        that differ only in their pp, cp or tp coordinate read the same ones."""
-        return (rank % self.stage_world) // (self.cp * self.tp)
+        that differ only in their pp, cp or tp coordinate read the same ones (with ep, cp
+        sits between efsdp and ep in the mesh)."""
+        outer = (rank % self.stage_world) // self.tp
+        if self.ep == 1:
+            return outer // self.cp
+        return outer // (self.cp * self.ep) * self.ep + outer % self.ep
 
     def pp_rank(self, rank: int) -> int:
         """The pipeline coordinate of global ``rank`` (which stages it holds)."""
         return rank // self.stage_world
 
+    @property
+    def efsdp(self) -> int:
+        """Ranks one FSDP shard group of the routed experts spans (shard / ep, cp folded in)."""
+        return self.shard // self.ep * self.cp
+
     def describe(self) -> str:
-        parts = [f"{n} {d}" for n, d in self.named() if d > 1 or n == "shard"]
-        return " x ".join(parts)
+        parts = [f"{n} {d}" for n, d in self.named() if (d > 1 or n == "shard") and n != "ep"]
+        text = " x ".join(parts)
+        return f"{text} (ep {self.ep} of the shard axis)" if self.ep > 1 else text
 
     def named(self) -> list[tuple[str, int]]:
         return [
@@ -83,6 +106,7 @@ class ParallelDims:
             ("shard", self.shard),
             ("cp", self.cp),
             ("tp", self.tp),
+            ("ep", self.ep),
         ]
 
 
@@ -129,4 +153,32 @@ def parallel_dims(cfg: RunConfig, *, world_size: int, local_world_size: int) -> 
     replicate, shard = strategy(p.strategy).mesh_shape(
         world_size=dp, shard_degree=p.shard_degree or local_dp
     )
-    return ParallelDims(replicate=replicate, shard=shard, cp=p.cp, tp=p.tp, pp=p.pp)
+    _check_ep(p.ep, shard=shard, strategy=p.strategy, pp=p.pp)
+    return ParallelDims(replicate=replicate, shard=shard, cp=p.cp, tp=p.tp, pp=p.pp, ep=p.ep)
+
+
+def _check_ep(ep: int, *, shard: int, strategy: str, pp: int) -> None:
+    """ep splits the shard axis ([Note: parallel dimensions]); pipeline stages take
+    dense models only (fsdpkit.sharding.pipeline_split), so ep and pp never meet."""
+    if ep < 1:
+        raise ConfigError(f"parallel.ep must be >= 1, got {ep}.")
+    if ep > 1 and pp > 1:
+        raise ConfigError(
+            f"parallel.ep = {ep} with parallel.pp = {pp}: fsdpkit's pipeline stages split "
+            "dense models only, and expert parallelism needs a mixture-of-experts model. "
+            "Use parallel.pp = 1 with parallel.ep (FSDP shards what the experts leave), or "
+            "parallel.ep = 1 with a dense model."
+        )
+    if ep > 1 and shard % ep:
+        raise ConfigError(
+            f"parallel.ep = {ep} does not divide the shard group ({shard} ranks with "
+            f"parallel.strategy = {strategy}): expert parallelism borrows its ranks from "
+            "the data-parallel ranks that shard the model, each group of ep of them "
+            "holding every expert once. Choose an ep that divides "
+            f"{shard}"
+            + (
+                " (parallel.shard_degree for hybrid strategies)."
+                if shard > 1
+                else "; strategy replicate has no shard group: use full, grad_op or hybrid."
+            )
+        )

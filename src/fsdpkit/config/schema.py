@@ -39,7 +39,8 @@ PipelineSplit = Literal["blocks", "params"]
 class ModelConfig:
     preset: str = "tiny"
     """Built-in Llama-style shape: tiny, llama3-1b, llama3-3b, llama3-8b, llama3-70b or
-    llama3-405b."""
+    llama3-405b; or mixture of experts (Qwen3-MoE's layout): moe-tiny, qwen3-30b-a3b,
+    qwen3-235b-a22b. See docs/models.md."""
     factory: str | None = None
     """Your own model instead of a preset: "package.module:function" returning an nn.Module
     (or (module, loss_fn)); called with no arguments. The module maps token ids (batch, seq)
@@ -56,8 +57,13 @@ class ModelConfig:
     the run's first lines) instead of refusing the directory. Off: a directory that holds
     some weights must hold all of them (after transformers' own renames and fusions)."""
     router_aux_loss_coef: float | None = None
-    """Mixture-of-experts model.hf: the weight of the router's load-balancing loss added to
-    the objective; empty = config.json's router_aux_loss_coef, 0 = off. See docs/models.md."""
+    """Mixture-of-experts models: the weight of the router's load-balancing loss added to
+    the objective; empty = the preset's or config.json's router_aux_loss_coef, 0 = off.
+    See docs/models.md."""
+    capacity_factor: float | None = None
+    """Mixture-of-experts models: each rank keeps at most capacity_factor x tokens x top_k
+    / experts of a layer's assignments per expert (first come, first served) and drops
+    the rest (counted in the metrics: moe_dropped); empty = no capacity, no token dropped."""
     n_layers: int | None = None
     """Override the preset's number of blocks."""
     dim: int | None = None
@@ -68,6 +74,10 @@ class ModelConfig:
     """Override the preset's key/value heads."""
     ffn_dim: int | None = None
     """Override the preset's SwiGLU hidden size."""
+    experts: int | None = None
+    """Override an MoE preset's routed experts per block."""
+    top_k: int | None = None
+    """Override an MoE preset's experts per token."""
     vocab_size: int | None = None
     """Override the vocabulary size (default: the tokenizer's)."""
     tie_embeddings: bool | None = None
@@ -222,6 +232,12 @@ class ParallelConfig:
     heads for sequence with an all-to-all (Ulysses), so each rank holds seq_len / cp
     tokens of every activation. Must divide data.seq_len and the heads (and key/value
     heads) per tensor-parallel rank. FSDP shards over the data x cp ranks."""
+    ep: int = 1
+    """Expert-parallel degree (mixture-of-experts models): the routed experts of every
+    block are split over ep ranks borrowed from the data-parallel shard group, tokens
+    sent to the ranks holding their experts and back (all-to-all); the experts are
+    FSDP-sharded over the shard group's other ranks. Must divide the experts and the
+    shard group. See docs/parallelism.md."""
     cp_attention: Literal["ulysses", "ring"] = "ulysses"
     """How attention is split over the cp ranks. ulysses: all-to-alls trade sequence for
     heads (any mask, packed rows included; heads per tp rank must divide by cp). ring:

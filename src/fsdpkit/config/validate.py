@@ -278,6 +278,8 @@ _PRESET_SHAPE = (
     "n_heads",
     "n_kv_heads",
     "ffn_dim",
+    "experts",
+    "top_k",
     "vocab_size",
     "tie_embeddings",
 )

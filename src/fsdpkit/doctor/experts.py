@@ -43,6 +43,13 @@ def _placement(
             "root unit keeps them gathered for the whole step",
             "add the MoE layer's class to parallel.block_classes",
         )
+    ep = cfg.parallel.ep
+    if ep > 1:  # fsdpkit.sharding.experts: units of their own, E / ep experts per rank
+        return ok(
+            "experts",
+            f"{what}; parallel.ep = {ep}: each rank computes {experts.count // ep} experts of "
+            "a block, an FSDP unit of their own over the data ranks without ep",
+        )
     return ok("experts", f"{what}; every expert is sharded with its block's unit")
 
 

@@ -2,7 +2,9 @@
 an already-sharded model, and the config/tokenizer files a ``model.hf`` export ships.
 
 fsdpkit's Llama uses HF ``LlamaForCausalLM`` parameter names and HF's rotate-half RoPE,
-so weights map one-to-one with no renaming or permutation.
+so weights map one-to-one with no renaming or permutation; the built-in MoE model
+(fsdpkit.models.moe) uses ``Qwen3MoeForCausalLM``'s, and exports in the per-expert
+layout its ``save_pretrained`` writes (transformers' own conversion, reversed).
 """
 
 from __future__ import annotations
@@ -19,22 +21,26 @@ import torch
 
 from fsdpkit.checkpoint.errors import CheckpointError
 from fsdpkit.models.hf_dir import HF_FILES, HF_RUN_DIR
-from fsdpkit.models.llama import LlamaConfig, preset
+from fsdpkit.models.llama import LlamaConfig
+from fsdpkit.models.moe import MoEConfig
+from fsdpkit.models.presets import MOE_OVERRIDES, preset
 
 log = logging.getLogger(__name__)
 
 EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
 _OVERRIDES = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")
+EXPERTS = "model.layers.0.mlp.experts.gate_up_proj"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _from_run(run: dict[str, Any]) -> LlamaConfig:
     """The model shape recorded with the run: ``run["model"]`` (a LlamaConfig dict) if
     the loop stored it, else the resolved config's preset + overrides."""
-    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
     if isinstance(run.get("model"), dict):
-        return LlamaConfig(**{k: v for k, v in run["model"].items() if k in fields})
+        kind = MoEConfig if "n_experts" in run["model"] else LlamaConfig
+        fields = {f.name for f in dataclasses.fields(kind)}
+        return kind(**{k: v for k, v in run["model"].items() if k in fields})
     model_cfg = run.get("config", {}).get("model", {})
     if model_cfg.get("factory"):
         raise CheckpointError(
@@ -44,6 +50,7 @@ def _from_run(run: dict[str, Any]) -> LlamaConfig:
         )
     name = model_cfg.get("preset", "tiny")
     overrides = {k: model_cfg[k] for k in _OVERRIDES if model_cfg.get(k) is not None}
+    overrides |= {f: model_cfg[k] for k, f in MOE_OVERRIDES.items() if model_cfg.get(k)}
     seq_len = run.get("config", {}).get("data", {}).get("seq_len") or 0
     # as the training loop builds it: the RoPE table covers at least the sequence length
     overrides["max_seq_len"] = max(preset(name).max_seq_len, seq_len)
@@ -61,10 +68,14 @@ def llama_config(run: dict[str, Any], shapes: dict[str, torch.Size]) -> LlamaCon
     layers = {int(m.group(1)) for k in shapes if (m := _LAYER.match(k))}
     vocab, dim = shapes[EMBED]
     ffn = shapes.get("model.layers.0.mlp.gate_proj.weight", torch.Size([cfg.ffn_dim]))[0]
+    experts: dict[str, Any] = {}
+    if isinstance(cfg, MoEConfig) and EXPERTS in shapes:
+        experts = {"n_experts": shapes[EXPERTS][0], "moe_ffn_dim": shapes[EXPERTS][1] // 2}
     try:
         cfg = dataclasses.replace(
-            cfg, vocab_size=vocab, dim=dim, n_layers=len(layers) or cfg.n_layers, ffn_dim=ffn
-        )
+            cfg, vocab_size=vocab, dim=dim, n_layers=len(layers) or cfg.n_layers, ffn_dim=ffn,
+            **experts,
+        )  # fmt: skip
     except ValueError as exc:
         raise CheckpointError(f"the checkpoint's shapes contradict its config: {exc}") from None
     k_rows = shapes.get("model.layers.0.self_attn.k_proj.weight", torch.Size([0]))[0]
@@ -77,7 +88,38 @@ def llama_config(run: dict[str, Any], shapes: dict[str, torch.Size]) -> LlamaCon
 
 
 def hf_config(cfg: LlamaConfig, *, dtype: torch.dtype) -> dict[str, Any]:
-    """``config.json`` for ``transformers.LlamaForCausalLM`` (4.x and 5.x field names)."""
+    """``config.json`` for ``transformers.LlamaForCausalLM`` (4.x and 5.x field names),
+    or ``Qwen3MoeForCausalLM`` for the built-in MoE model."""
+    config = _llama_config(cfg, dtype=dtype)
+    return config if not isinstance(cfg, MoEConfig) else _qwen3_moe(config, cfg)
+
+
+def _qwen3_moe(llama: dict[str, Any], cfg: MoEConfig) -> dict[str, Any]:
+    """Qwen3-MoE's config.json: Llama's fields, its expert fields, every layer sparse."""
+    if cfg.n_shared_experts:
+        raise CheckpointError(
+            f"this built-in MoE model has {cfg.n_shared_experts} shared expert(s), which "
+            "transformers' Qwen3-MoE (the family whose names and per-head norms it "
+            "shares) does not have: no transformers class loads it. Export with "
+            "--format torch instead."
+        )
+    drop = ("mlp_bias", "pretraining_tp")
+    return {k: v for k, v in llama.items() if k not in drop} | {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": cfg.n_experts,
+        "num_experts_per_tok": cfg.top_k,
+        "moe_intermediate_size": cfg.moe_ffn_dim,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "router_aux_loss_coef": cfg.router_aux_loss_coef,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "output_router_logits": False,
+        "sliding_window": None,
+    }
+
+
+def _llama_config(cfg: LlamaConfig, *, dtype: torch.dtype) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

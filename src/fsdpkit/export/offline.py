@@ -166,12 +166,25 @@ def _export_hf(
         cfg = dataclasses.replace(cfg, tie_embeddings=True)
     if cfg.tie_embeddings:
         items.pop(HEAD, None)
+    config = hf_config(cfg, dtype=dtype or saved_dtype)  # before writing: it may refuse
     _check_target(out)
     out.mkdir(parents=True, exist_ok=True)
-    _write_shards(ckpt, out, items, dtype=dtype, max_shard_bytes=max_shard_bytes, read=read)
-    config = hf_config(cfg, dtype=dtype or saved_dtype)
+    moe_shadow = _moe_shadow(config) if config["model_type"] != "llama" else None
+    _write_shards(
+        ckpt, out, items, dtype=dtype, max_shard_bytes=max_shard_bytes, read=read,
+        shadow=moe_shadow,
+    )  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def _moe_shadow(config: dict[str, Any]) -> Any:
+    """The transformers model of the built-in MoE's config.json, on meta: its reverse
+    conversion writes the per-expert layout ``save_pretrained`` writes."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in config.items() if k not in ("architectures", "torch_dtype")}
+    return construct(AutoConfig.for_model(**fields))
 
 
 def _export_peft(ckpt: Path, out: Path, *, dtype: torch.dtype | None) -> Path:

@@ -24,7 +24,11 @@ averaging it over ranks is not the one-process loss. ``RouterLoss``:
 
 Every data rank must hold its own tokens (no tensor-parallel replicas: ``parallel.tp``
 refuses MoE models), and gradients must be averaged over the whole world, which FSDP,
-HSDP and context parallelism all do. Evaluation reports the LM loss alone.
+HSDP, context and expert parallelism all do. Evaluation reports the LM loss alone.
+
+The built-in MoE model (fsdpkit.models.moe) computes the same loss from per-expert
+sums all-reduced over the ranks instead of gathered logits ([Note: the balance loss
+from sums] in fsdpkit.loss.balance): a few numbers per layer whatever the world size.
 """
 
 from __future__ import annotations
@@ -39,9 +43,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdpkit.loss.balance import balance_loss
 from fsdpkit.loss.contract import LossFn
 from fsdpkit.models.experts import expert_field
 from fsdpkit.models.hf_init import is_hf_model
+from fsdpkit.models.moe import MoE, MoEConfig, TopKRouter
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,9 @@ class RouterSpec:
     experts: int
     top_k: int
     coef: float
+    gathered: bool = True
+    """True: ``aux_fn`` (the family's) runs on every data rank's gathered logits; False:
+    ``aux_fn`` is ``balance_loss`` on this rank's logits (the built-in MoE model)."""
 
 
 def _modeling_module(model: nn.Module) -> Any:
@@ -77,7 +86,20 @@ def _first(obj: Any, names: tuple[str, ...]) -> Any:
 
 def router_spec(model: nn.Module, *, coef: float | None = None) -> RouterSpec | None:
     """The model's routing, when it is a transformers MoE model that records router
-    logits (None otherwise). ``coef``: overrides the config's ``router_aux_loss_coef``."""
+    logits, or the built-in MoE model (None otherwise). ``coef``: overrides the config's
+    ``router_aux_loss_coef``."""
+    if isinstance(model, MoE):
+        c = model.config
+        return RouterSpec(
+            family=MoEConfig.model_type,
+            recorder=TopKRouter,
+            index=0,
+            aux_fn=balance_loss,
+            experts=c.n_experts,
+            top_k=c.top_k,
+            coef=float(c.router_aux_loss_coef if coef is None else coef),
+            gathered=False,
+        )
     if not is_hf_model(model):
         return None
     recorders = getattr(model, "_can_record_outputs", None) or {}
@@ -104,8 +126,8 @@ def router_spec(model: nn.Module, *, coef: float | None = None) -> RouterSpec | 
     )
 
 
-def describe(spec: RouterSpec) -> str:
-    """For the run's first lines."""
+def describe(spec: RouterSpec, *, capacity: float | None = None) -> str:
+    """For the run's first lines; ``capacity``: model.capacity_factor."""
     if spec.aux_fn is None:
         return (
             f"mixture of experts ({spec.family}: {spec.experts} experts, top {spec.top_k}): "
@@ -115,7 +137,21 @@ def describe(spec: RouterSpec) -> str:
     return (
         f"mixture of experts ({spec.family}: {spec.experts} experts, top {spec.top_k}): "
         f"router load-balancing loss x {spec.coef:g} {state}, over each global micro-batch "
-        "(model.router_aux_loss_coef overrides config.json); no capacity: no token dropped"
+        f"({_coef_source(spec)}); {_capacity(capacity)}"
+    )
+
+
+def _coef_source(spec: RouterSpec) -> str:
+    own = "the preset's" if not spec.gathered else "config.json's"
+    return f"model.router_aux_loss_coef overrides {own}"
+
+
+def _capacity(capacity: float | None) -> str:
+    if not capacity:
+        return "no capacity: no token dropped"
+    return (
+        f"capacity factor {capacity:g}: assignments past an expert's capacity are dropped "
+        "and counted (moe_dropped)"
     )
 
 
@@ -138,6 +174,8 @@ class RouterLoss:
         self.spec = spec
         self._recording: list[torch.Tensor] | None = None
         self._stats: list[torch.Tensor] = []
+        found = (getattr(m, "expert_dispatch", None) for m in model.modules())
+        self._dispatches: list[Any] = [d for d in found if d is not None and d.capacity_factor]
         for module in model.modules():
             if isinstance(module, spec.recorder):
                 module.register_forward_hook(self._record)
@@ -158,10 +196,19 @@ class RouterLoss:
             self._recording = None
         if not logits or self.spec.aux_fn is None:
             return loss
-        gathered = tuple(_gathered(x.reshape(-1, x.shape[-1])) for x in logits)
-        aux = self.spec.aux_fn(gathered, self.spec.experts, self.spec.top_k)
-        self._stats.append(torch.cat([aux.detach().float().reshape(1), self._load(gathered)]))
+        aux, load = self._aux(tuple(x.reshape(-1, x.shape[-1]) for x in logits))
+        self._stats.append(torch.cat([aux.detach().float().reshape(1), load.reshape(-1)]))
         return loss + self.spec.coef * aux if self.spec.coef else loss
+
+    def _aux(self, logits: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The aux loss of the global micro-batch and each layer's expert shares."""
+        assert self.spec.aux_fn is not None
+        experts, k = self.spec.experts, self.spec.top_k
+        if not self.spec.gathered:
+            aux, load = self.spec.aux_fn(logits, experts, k)
+            return aux, load.detach()
+        gathered = tuple(_gathered(x) for x in logits)
+        return self.spec.aux_fn(gathered, experts, k), self._load(gathered)
 
     def _load(self, logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Per layer, each expert's share of the top-k assignments (detached)."""
@@ -177,9 +224,12 @@ class RouterLoss:
     def step_metrics(self) -> dict[str, Any]:
         """The step's mean aux loss and the smallest and largest expert share of the
         routed tokens (x experts: 1.0 = balanced), over all layers and per layer.
-        Every rank holds the same values (from the gathered logits): no collective."""
+        Every rank holds the same values (from the gathered logits or the all-reduced
+        sums). With a capacity (fsdpkit.sharding.dispatch) also the share of
+        assignments dropped over the global batch, ``moe_dropped``: a collective."""
+        dropped = self._dropped()
         if not self._stats:
-            return {}
+            return dropped
         mean = torch.stack(self._stats).mean(0)
         self._stats.clear()
         layers = mean[1:].reshape(-1, self.spec.experts) * self.spec.experts
@@ -190,7 +240,19 @@ class RouterLoss:
             "expert_load_max": float(high.max()),
             "expert_load_min_by_layer": [round(float(v), 4) for v in low],
             "expert_load_max_by_layer": [round(float(v), 4) for v in high],
-        }
+        } | dropped
+
+    def _dropped(self) -> dict[str, Any]:
+        """``moe_dropped`` (share of the step's assignments) and their count, every rank
+        and layer summed; {} without a capacity."""
+        if not self._dispatches:
+            return {}
+        counts = [c for d in self._dispatches if (c := d.drops()) is not None]
+        total = torch.stack(counts).sum(0) if counts else torch.zeros(2)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(total)
+        dropped, routed = (float(v) for v in total)
+        return {"moe_dropped": dropped / max(routed, 1.0), "moe_dropped_assignments": int(dropped)}
 
 
 def with_router_loss(loss_fn: LossFn, *, model: nn.Module, coef: float | None) -> LossFn:

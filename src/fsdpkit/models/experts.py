@@ -20,8 +20,15 @@ from typing import Any
 
 from torch import nn
 
-EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-"""Config fields by which transformers' mixture-of-experts families count their experts."""
+EXPERT_FIELDS = (
+    "num_local_experts",
+    "num_experts",
+    "n_routed_experts",
+    "moe_num_experts",
+    "n_experts",
+)
+"""Config fields by which transformers' mixture-of-experts families (and the built-in
+MoE model's MoEConfig, the last) count their experts."""
 TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "top_k")
 """Config fields for the experts each token is routed to."""
 ROUTED_COMPONENT = "experts"

@@ -45,7 +45,8 @@ from fsdpkit.init import Initializer
 from fsdpkit.models.errors import ModelError
 from fsdpkit.models.hf_dir import check_inputs, read_hf_dir
 from fsdpkit.models.hf_init import init_weights, own_initializer
-from fsdpkit.models.llama import Llama, LlamaConfig, preset
+from fsdpkit.models.llama import LlamaConfig
+from fsdpkit.models.presets import MOE_OVERRIDES, builtin_model, preset
 
 OwnLoss = Callable[[nn.Module, Any], torch.Tensor]
 """A factory's own ``loss_fn(module, batch)`` (the contract: fsdpkit.loss.contract)."""
@@ -69,12 +70,15 @@ class BuiltModel:
 
 
 def llama_shape(cfg: ModelConfig, *, vocab_size: int, seq_len: int) -> LlamaConfig:
-    """The preset with the config's overrides; vocab from the tokenizer unless given."""
+    """The preset with the config's overrides; vocab from the tokenizer unless given.
+    An MoE preset (fsdpkit.models.moe) takes its router loss coefficient from
+    ``model.router_aux_loss_coef`` too."""
     overrides: dict[str, object] = {
         key: getattr(cfg, key)
         for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings")
         if getattr(cfg, key) is not None
     }
+    overrides |= {f: getattr(cfg, k) for k, f in MOE_OVERRIDES.items() if getattr(cfg, k)}
     if cfg.vocab_size is not None and cfg.vocab_size < vocab_size:
         raise ModelError(
             f"model.vocab_size = {cfg.vocab_size} is smaller than the tokenizer's vocabulary "
@@ -83,14 +87,17 @@ def llama_shape(cfg: ModelConfig, *, vocab_size: int, seq_len: int) -> LlamaConf
         )
     overrides["vocab_size"] = cfg.vocab_size or vocab_size
     try:
-        overrides["max_seq_len"] = max(preset(cfg.preset).max_seq_len, seq_len)
+        base = preset(cfg.preset)
+        overrides["max_seq_len"] = max(base.max_seq_len, seq_len)
+        if cfg.router_aux_loss_coef is not None and hasattr(base, "router_aux_loss_coef"):
+            overrides["router_aux_loss_coef"] = cfg.router_aux_loss_coef
         return preset(cfg.preset, **overrides)
     except ValueError as exc:
         raise ModelError(str(exc)) from None
 
 
 def build_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int, seed: int) -> BuiltModel:
-    """The model of a run, before sharding: built-in Llama (on meta when
+    """The model of a run, before sharding: built-in Llama or MoE (on meta when
     ``cfg.meta_init``), a ``model.hf`` directory (on meta) or the user's factory model.
     No process group needed: the planner calls this too."""
     if cfg.hf:
@@ -106,9 +113,9 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int, seed: int) -
     shape = llama_shape(cfg, vocab_size=vocab_size, seq_len=seq_len)
     if cfg.meta_init:
         with torch.device("meta"):
-            return BuiltModel(module=Llama(shape), loss_fn=None, llama=shape)
+            return BuiltModel(module=builtin_model(shape), loss_fn=None, llama=shape)
 
-    model = Llama(shape)
+    model = builtin_model(shape)
     init_weights(model, seed=seed)
     return BuiltModel(module=model, loss_fn=None, llama=shape)
 

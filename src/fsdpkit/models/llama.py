@@ -261,9 +261,15 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k = self.norm_heads(q, k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.core(q, k, v, mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and keys (b, heads, s, d) before RoPE: unchanged in Llama; per-head
+        RMSNorms in the built-in MoE model (Qwen3's, fsdpkit.models.moe)."""
+        return q, k
 
 
 class MLP(nn.Module):
@@ -278,14 +284,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm transformer block: the unit fsdpkit shards and checkpoints."""
+    """One pre-norm transformer block: the unit fsdpkit shards and checkpoints.
+    ``attention`` / ``mlp``: the built-in MoE model's (fsdpkit.models.moe) instead of
+    Llama's, under the same names."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(
+        self, cfg: LlamaConfig, *, attention: nn.Module | None = None, mlp: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = attention or Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp or MLP(cfg)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
@@ -295,13 +305,13 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaBody(nn.Module):
-    """HF's ``model.`` prefix: embeddings, blocks, final norm."""
+    """HF's ``model.`` prefix: embeddings, blocks (``layer(cfg)`` each), final norm."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, *, layer: Callable[[LlamaConfig], nn.Module]) -> None:
         super().__init__()
         weight = torch.empty(cfg.vocab_size, cfg.dim) if _on_meta() else None  # no normal_
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=weight)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(layer(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
 
 
@@ -310,11 +320,13 @@ class Llama(nn.Module):
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    layer_class: Callable[[LlamaConfig], nn.Module] = DecoderLayer
+    """The block (the built-in MoE model's subclass gives its own)."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaBody(cfg)
+        self.model = LlamaBody(cfg, layer=type(self).layer_class)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -49,11 +49,18 @@ def _size(n: int) -> str:
 
 
 def plan_scenario(
-    sc: Scenario, *, cfg: RunConfig | None = None, trace: bool | None = None, margin: float
+    sc: Scenario,
+    *,
+    cfg: RunConfig | None = None,
+    trace: bool | None = None,
+    margin: float,
+    shallow: bool = False,
 ) -> Plan:
     """Plan an already resolved scenario. ``trace``: True runs the traced planner,
     False the analytic one (PlanError for a model it cannot replay), None the analytic
-    one where it applies and the traced one otherwise. ``cfg`` is needed to trace."""
+    one where it applies and the traced one otherwise. ``cfg`` is needed to trace.
+    ``shallow``: a deep built-in model is traced at a few blocks and extrapolated where
+    that is exact ([Note: depth extrapolation]; the recommender's search)."""
     if not 0.0 <= margin < 1.0:
         raise PlanError(f"--margin must be in [0, 1), got {margin}.")
     start = time.perf_counter()
@@ -69,9 +76,11 @@ def plan_scenario(
     if trace:
         if cfg is None:
             raise PlanError("traced planning needs the RunConfig (pass cfg=...)")
+        from fsdpkit.planner.depth import extrapolated_memory, extrapolates
         from fsdpkit.planner.traced import traced_memory  # imports torch's fake machinery
 
-        memory = traced_memory(cfg, sc)
+        deep = shallow and extrapolates(cfg, sc)
+        memory = extrapolated_memory(cfg, sc) if deep else traced_memory(cfg, sc)
         other = analytic_memory(sc) if analytic else None
     else:
         memory = analytic_memory(sc)

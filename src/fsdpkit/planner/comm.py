@@ -11,11 +11,14 @@ replicate, all-reduced across replicas) only on the last micro-batch with
 the all-reduce still runs once ([Note: accumulation modes]). Prefetching changes
 when collectives run, not how many. Tensor- and context-parallel exchanges of
 activations: [Note: model-parallel block memory] in fsdpkit.planner.mparallel (a
-checkpointed block's recompute exchanges again).
+checkpointed block's recompute exchanges again). Under expert parallelism an experts
+unit is gathered and reduced over shard / ep ranks, and the token dispatch adds its
+all-to-alls ([Note: expert units] in fsdpkit.planner.experts).
 """
 
 from __future__ import annotations
 
+from fsdpkit.planner.experts import dispatch_bytes, hidden_size
 from fsdpkit.planner.layout import Unit
 from fsdpkit.planner.mparallel import exchange_traffic
 from fsdpkit.planner.result import CommVolume
@@ -27,16 +30,22 @@ def _ring(nbytes: int, group: int) -> int:
     return nbytes * (group - 1) // group if group > 1 else 0
 
 
-def _gathers(sc: Scenario, u: Unit, raf: bool | int, *, first: bool) -> tuple[int, int]:
-    """(bytes, calls) of all-gathers of one unit in one micro-batch."""
+def _gathers(sc: Scenario, u: Unit, raf: bool | int, *, first: bool, group: int) -> tuple[int, int]:
+    """(bytes, calls) of all-gathers of one unit over ``group`` ranks in one micro-batch."""
     full = u.gathered * sc.param_bytes
     held_over = sc.keep_unsharded and not first  # not resharded after the last backward
-    volume, calls = (0, 0) if held_over else (_ring(full, sc.shard), 1)
+    volume, calls = (0, 0) if held_over else (_ring(full, group), 1)
     if raf is True:
-        volume, calls = volume + _ring(full, sc.shard), calls + 1
+        volume, calls = volume + _ring(full, group), calls + 1
     elif raf is not False:
         volume, calls = volume + _ring(full, int(raf)), calls + 1
-    return volume, calls if sc.shard > 1 else 0
+    return volume, calls if group > 1 else 0
+
+
+def _group(sc: Scenario, u: Unit) -> int:
+    """The ranks a unit is sharded over: shard / ep for an experts unit ([Note: expert
+    units] in fsdpkit.planner.experts), else the shard group."""
+    return sc.shard // sc.ep if u in sc.expert_units else sc.shard
 
 
 def comm_volume(sc: Scenario) -> CommVolume:
@@ -45,12 +54,15 @@ def comm_volume(sc: Scenario) -> CommVolume:
     gather = calls = 0
     for micro in range(sc.grad_accum):
         for u in every:
-            raf = effective_reshard(u.reshard_after_forward, shard=sc.shard)
-            v, c = _gathers(sc, u, raf, first=micro == 0)
+            group = _group(sc, u)
+            raf = effective_reshard(u.reshard_after_forward, shard=group)
+            v, c = _gathers(sc, u, raf, first=micro == 0, group=group)
             gather, calls = gather + v, calls + c
     rb = sc.reduce_bytes  # gradients exist for trainable parameters only (fine-tuning)
     scatters = sc.grad_accum if sc.every_sync else 1
-    scatter = scatters * sum(_ring(u.grads_sharded * sc.shard * rb, sc.shard) for u in every)
+    scatter = scatters * sum(
+        _ring(u.grads_sharded * _group(sc, u) * rb, _group(sc, u)) for u in every
+    )
     reduce = sum(2 * _ring(u.grads_sharded * rb, sc.replicate) for u in every)
     reducing = sum(1 for u in every if u.grads_numel)
     calls += reducing * (scatters * (sc.shard > 1) + (sc.replicate > 1))
@@ -69,7 +81,21 @@ def comm_volume(sc: Scenario) -> CommVolume:
         )  # fmt: skip
         tp_bytes, cp_bytes = tp_bytes * sc.grad_accum, cp_bytes * sc.grad_accum
         calls += mp_calls * sc.grad_accum
+    ep_bytes, ep_calls = _dispatch(sc)
     return CommVolume(
-        all_gather=gather, reduce_scatter=scatter, all_reduce=reduce, calls=calls,
-        host_transfer=host, tp_exchange=tp_bytes, cp_exchange=cp_bytes,
+        all_gather=gather, reduce_scatter=scatter, all_reduce=reduce, calls=calls + ep_calls,
+        host_transfer=host, tp_exchange=tp_bytes, cp_exchange=cp_bytes, ep_exchange=ep_bytes,
     )  # fmt: skip
+
+
+def _dispatch(sc: Scenario) -> tuple[int, int]:
+    """Expert parallelism's all-to-alls of one step (fsdpkit.planner.experts)."""
+    if sc.ep == 1 or sc.experts is None:
+        return 0, 0
+    ckpt = sum(c for u in sc.expert_units for c in u.checkpointed)
+    volume, calls = dispatch_bytes(
+        layers=len(sc.expert_units), tokens=sc.tokens // sc.cp, top_k=sc.experts.top_k,
+        dim=hidden_size(sc.layout) if sc.model is None else sc.model.dim, ep=sc.ep,
+        e=sc.param_bytes, checkpointed=ckpt,
+    )  # fmt: skip
+    return volume * sc.grad_accum, calls * sc.grad_accum

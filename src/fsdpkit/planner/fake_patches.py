@@ -7,6 +7,7 @@ value from a real tensor where a fake tensor has none.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from fsdpkit.models import llama
 from fsdpkit.sharding import context, context_batch
+from fsdpkit.sharding.dispatch import ExpertDispatch
 
 
 @contextlib.contextmanager
@@ -167,15 +169,56 @@ def _grouped_mm_any_dtype() -> Iterator[None]:
         fake_impls.op_implementations_checks.remove(entry)
 
 
+def _balanced_dispatch() -> contextlib.AbstractContextManager[None]:
+    """[Note: expert parallelism in the plan]
+    Expert parallelism's dispatch sizes its all-to-alls from the routing's per-expert
+    counts (``ExpertDispatch.routes``, fsdpkit.sharding.dispatch): a real run's rank
+    receives the rows its experts were given, which fake tensors do not know. The traced
+    step routes the balanced case: each rank sends its tokens x top_k rows in equal
+    parts to the ep ranks and receives as many, spread over its experts; the grouped
+    GEMMs' buffers then hold tokens x top_k rows, as without ep. A real step's rank
+    holds its experts' share of the global routing instead: up to ep x tokens x top_k
+    rows when every rank's tokens choose its experts (the plan's note states that
+    bound, fsdpkit.planner.moe); at init the busiest rank of bench/plan_accuracy.py's
+    "E" rows received up to 1.7x its balanced rows in one layer. With a capacity factor
+    the trace routes the bound instead: a rank receives at most C = ceil(factor x
+    tokens x top_k / E) rows per expert from each rank, E x C in all, which the trace
+    gives it (and it sends all its tokens x top_k)."""
+
+    def wrap(original: Any) -> Any:
+        def balanced(
+            self: ExpertDispatch, counts: torch.Tensor, received: torch.Tensor, *, assignments: int
+        ) -> Any:
+            if not isinstance(counts, FakeTensor):
+                return original(self, counts, received, assignments=assignments)
+            split = _even(assignments, self.ep)
+            rows = assignments
+            if self.capacity_factor:
+                per_expert = math.ceil(self.capacity_factor * assignments / self.experts)
+                rows = self.experts * per_expert
+            index = torch.zeros(rows, 1, dtype=torch.long, device=counts.device)
+            return split, _even(rows, self.ep), index
+
+        return balanced
+
+    return _wrapped(ExpertDispatch, "routes", wrap)
+
+
+def _even(n: int, parts: int) -> list[int]:
+    return [n // parts + (i < n % parts) for i in range(parts)]
+
+
 @contextlib.contextmanager
 def faithful_step() -> Iterator[None]:
     """The traced step allocates and masks as the real one: unpacked batches for
     transformers' masks and the built-in Llama's alike, DTensor's shape bookkeeping
-    kept out of the count, and experts' grouped GEMMs in any dtype (the notes above)."""
+    kept out of the count, experts' grouped GEMMs in any dtype and a balanced expert
+    dispatch (the notes above)."""
     with (
         _unpacked_hf_batches(),
         _unpacked_positions(),
         _untracked_dtensor_metadata(),
         _grouped_mm_any_dtype(),
+        _balanced_dispatch(),
     ):
         yield

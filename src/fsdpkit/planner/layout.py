@@ -25,7 +25,9 @@ from torch import nn
 from fsdpkit.config import ActivationsConfig, ParallelConfig
 from fsdpkit.loss.head import output_head
 from fsdpkit.models.accessors import input_embeddings, input_vocab, is_norm, output_embeddings
-from fsdpkit.models.llama import DecoderLayer, Llama, LlamaConfig
+from fsdpkit.models.experts import is_routed
+from fsdpkit.models.llama import DecoderLayer, LlamaConfig
+from fsdpkit.models.presets import builtin_model
 from fsdpkit.sharding import choose_blocks, unit_specs
 from fsdpkit.sharding.edges import edge_modules
 from fsdpkit.sharding.tensor_rules import sequence_parallel_applies
@@ -93,6 +95,9 @@ class ModelLayout:
     transformers_body: bool = False
     """The decoder blocks are transformers' Llama / Mistral layers run by transformers'
     body ([Note: transformers' Llama in the plan] in fsdpkit.planner.user_models)."""
+    routed: tuple[tuple[bool, ...], ...] = ()
+    """Per block, per parameter (as ``blocks``): a routed expert's (fsdpkit.models.experts;
+    expert parallelism splits these, fsdpkit.planner.experts). Empty: a dense model."""
 
 
 @dataclass(frozen=True)
@@ -187,6 +192,7 @@ def layout_of(model: nn.Module, *, class_names: Sequence[str] | None = None) -> 
         plain_embedding=type(input_embeddings(model)) is nn.Embedding,
         embedding_rows=input_vocab(model, default=0),
         norms_frozen=tuned and _norms_frozen(choice.blocks),
+        routed=_routed(choice.blocks),
         edges=tuple(
             EdgeLayout(
                 role=role,
@@ -196,6 +202,11 @@ def layout_of(model: nn.Module, *, class_names: Sequence[str] | None = None) -> 
             for role, m in edges.items()
         ),
     )
+
+
+def _routed(blocks: Sequence[nn.Module]) -> tuple[tuple[bool, ...], ...]:
+    flags = tuple(tuple(is_routed(n) for n, _ in b.named_parameters()) for b in blocks)
+    return flags if any(any(f) for f in flags) else ()
 
 
 def _norms_frozen(blocks: Sequence[nn.Module]) -> bool:
@@ -217,13 +228,13 @@ def _frozen_roles(model: nn.Module) -> tuple[str, ...]:
 
 @functools.lru_cache(maxsize=64)
 def llama_layout(shape: LlamaConfig, class_names: tuple[str, ...] = ()) -> ModelLayout:
-    """The layout of the built-in Llama of ``shape`` (built on meta, cached)."""
+    """The layout of the built-in Llama (or MoE) of ``shape`` (built on meta, cached)."""
     with torch.device("meta"):
-        model = Llama(shape)
+        model = builtin_model(shape)
     return layout_of(model, class_names=class_names or None)
 
 
-def _unit(
+def make_unit(
     name: str, shapes: Sequence[Shape], *, shard: int, blocks: tuple[int, ...], raf: bool | int,
     checkpointed: tuple[bool, ...], frozen: Sequence[bool] = (), frozen_bytes: int = 4,
 ) -> Unit:  # fmt: skip
@@ -279,16 +290,16 @@ def units(
         shapes = [s for b in spec.blocks for s in layout.blocks[b]]
         frozen = [f for b in spec.blocks for f in layout.frozen[b]] if layout.frozen else []
         out.append(
-            _unit(label, shapes, shard=shard, blocks=spec.blocks,
+            make_unit(label, shapes, shard=shard, blocks=spec.blocks,
                   raf=spec.reshard_after_forward, checkpointed=spec.checkpointed,
                   frozen=frozen, frozen_bytes=layout.frozen_bytes)
         )  # fmt: skip
     root_spec = specs[-1]
-    root = _unit("root", root_shapes, shard=shard, blocks=(), raf=root_spec.reshard_after_forward,
-                 checkpointed=(), frozen=root_frozen,
-                 frozen_bytes=layout.frozen_bytes)  # fmt: skip
+    root = make_unit("root", root_shapes, shard=shard, blocks=(),
+                     raf=root_spec.reshard_after_forward, checkpointed=(), frozen=root_frozen,
+                     frozen_bytes=layout.frozen_bytes)  # fmt: skip
     edge_units = tuple(
-        _unit(s.role, edges[s.role].shapes, shard=shard, blocks=(), raf=s.reshard_after_forward,
+        make_unit(s.role, edges[s.role].shapes, shard=shard, blocks=(), raf=s.reshard_after_forward,
               checkpointed=(), frozen=edges[s.role].frozen, frozen_bytes=layout.frozen_bytes)
         for s in specs if s.role in edges
     )  # fmt: skip

@@ -40,7 +40,7 @@ def _step_peaks(
     cfg: RunConfig, shape: LlamaConfig | None, *, rank: int, world_size: int, steps: int
 ) -> list[int]:
     base = live_bytes()
-    # the trainer's own mesh: (replicate, shard, cp, tp) of [Note: parallel dimensions]
+    # the trainer's own mesh: (replicate, shard, cp, tp, ep) of [Note: parallel dimensions]
     dims = parallel_dims(cfg, world_size=world_size, local_world_size=world_size)
     mesh = build_mesh(
         replicate=dims.replicate,
@@ -48,6 +48,7 @@ def _step_peaks(
         cp=dims.cp,
         tp=dims.tp,
         pp=dims.pp,
+        ep=dims.ep,
         device_type="cpu",
     )
     vocab = shape.vocab_size if shape is not None else 1  # model.hf / factory: its own

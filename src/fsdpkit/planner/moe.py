@@ -14,14 +14,19 @@ its balanced share or 2.0x (every token of a layer chose it, the worst top-2
 allows); the steps above the median (+0.8 to +1.2 MiB) fall at any load, balanced as
 well as collapsed: they are FSDP's late frees ([Note: late frees]), which the plan's
 reported spread covers, as on dense rows.
-With expert parallelism (issue 37) a rank's rows would follow the routing; there the
-bound has to be stated separately.
+With expert parallelism a rank computes the rows the whole ep group routed to its
+experts: tokens x top_k in a balanced step (what the trace routes, [Note: expert
+parallelism in the plan] in fsdpkit.planner.fake_patches), up to ep x tokens x top_k
+when every ep rank's tokens choose its experts; the note states that bound beside the
+traced peak.
 
-The router loss (fsdpkit.loss.router) gathers every data rank's router logits, so its
-buffers grow with the data-parallel world: layers x dp x tokens x experts values per
-micro-batch on every rank, kept for backward when the loss counts. The traced peak
-includes them; the note gives their size so that a user planning a larger world sees
-the term that grows.
+The router loss of transformers' families (fsdpkit.loss.router) gathers every data
+rank's router logits, so its buffers grow with the data-parallel world: layers x dp x
+tokens x experts values per micro-batch on every rank, kept for backward when the loss
+counts. The traced peak includes them; the note gives their size so that a user
+planning a larger world sees the term that grows. The built-in MoE model's router loss
+all-reduces per-expert sums instead (fsdpkit.loss.balance): nothing of it grows with
+the world.
 """
 
 from __future__ import annotations
@@ -36,22 +41,48 @@ LOGIT_BYTES = 4
 
 
 def moe_notes(
-    experts: Experts | None, router: RouterSpec | None, *, dp: int, tokens: int
+    experts: Experts | None,
+    router: RouterSpec | None,
+    *,
+    dp: int,
+    tokens: int,
+    cp: int = 1,
+    ep: int = 1,
 ) -> tuple[str, ...]:
     """The plan's notes for a MoE model (empty for a dense one); ``tokens`` per
-    micro-batch of one data-parallel rank."""
+    micro-batch of one data-parallel rank (a rank holds its 1 / cp of them)."""
     if experts is None:
         return ()
-    rows = tokens * experts.top_k
+    rows = tokens // cp * experts.top_k
+    gathers = "every expert" if ep == 1 else f"its ep rank's {experts.count // ep} experts"
     notes = [
-        f"mixture of experts: memory and traffic count all {fmt_count(experts.total)} "
-        "parameters (FSDP shards, gathers and updates every expert), step time the "
+        f"mixture of experts: memory counts all {fmt_count(experts.total)} parameters "
+        f"(FSDP shards and updates every expert, and gathers {gathers}), step time the "
         f"{fmt_count(experts.active)} a token runs through",
-        _routed(experts, rows=rows, tokens=tokens),
+        _routed(experts, rows=rows, tokens=tokens // cp)
+        if ep == 1
+        else _ep_rows(experts, rows, ep),
     ]
     if router is not None and router.aux_fn is not None:
-        notes.append(_router_buffers(experts, router, dp=dp, tokens=tokens))
+        if router.gathered:
+            notes.append(_router_buffers(experts, router, dp=dp, tokens=tokens))
+        else:
+            notes.append(
+                "router loss: per-expert sums all-reduced over the ranks (fsdpkit.loss."
+                "balance), a few numbers per layer: nothing of it grows with the world"
+            )
     return tuple(notes)
+
+
+def _ep_rows(experts: Experts, rows: int, ep: int) -> str:
+    return (
+        f"expert parallel {ep}: each MoE layer sends {rows} rows per micro-batch (tokens x "
+        f"top {experts.top_k}) to the ranks holding their experts and back; the plan traces "
+        f"a balanced step, where a rank computes {rows} rows; a step whose routing sends "
+        f"every ep rank's tokens to one rank's experts gives that rank {ep * rows} rows "
+        "in its grouped GEMMs, all-to-all buffers and their saved activations "
+        "([Note: routed activations in the plan])"
+    )
 
 
 def _routed(experts: Experts, *, rows: int, tokens: int) -> str:

@@ -1,7 +1,9 @@
 """``recommend()``: search the settings that trade memory for speed, rank what fits.
 
 Searched, keeping the global batch (micro-batch x accumulation per rank) fixed:
-parallel.strategy with every useful hybrid shard degree, reshard_after_forward
+parallel.strategy with every useful hybrid shard degree, for a mixture-of-experts
+model parallel.ep (1 and the powers of two up to a node that divide its experts and
+the shard group: all-to-alls stay inside a node), reshard_after_forward
 (the strategy's default, or an int = ranks per node to reshard inside a node),
 activation checkpointing (none, every 2nd block, every block, selective), CPU offload
 (GPUs), the micro-batch size, and with accumulation how gradients are reduced
@@ -31,7 +33,7 @@ the config as given wins a near tie.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from fsdpkit.config import RunConfig, batch_split, with_changes
 from fsdpkit.config.batch import divisors
@@ -39,46 +41,18 @@ from fsdpkit.devices import Device
 from fsdpkit.errors import UserError
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.planner.api import DEFAULT_MARGIN, plan_scenario
-from fsdpkit.planner.blockmem import block_matmuls
-from fsdpkit.planner.comm import comm_volume
 from fsdpkit.planner.errors import PlanError
-from fsdpkit.planner.layouts import Layout, LayoutTry, choose, layout_groups
-from fsdpkit.planner.pipeline import PIPELINE_GRID, pipeline_cost, pipeline_degrees
+from fsdpkit.planner.layouts import POWERS, Layout, LayoutTry, choose, layout_groups
+from fsdpkit.planner.pipeline import PIPELINE_GRID, pipeline_degrees
 from fsdpkit.planner.result import Plan
 from fsdpkit.planner.scenario import Scenario, run_vocab_size, scenario
-from fsdpkit.planner.states import model_states
-from fsdpkit.sharding.activations import matmul_saved
+from fsdpkit.planner.stepcost import StepCost, step_cost
+from fsdpkit.planner.tracedsearch import ladders, moe_grid
+from fsdpkit.planner.tracedsearch import search as traced_search
 from fsdpkit.strategies import STRATEGIES
 
-MFU = 0.40
-"""Assumed model FLOPs utilization, for ranking only."""
-LATENCY_S = 50e-6
-HOST_MEMORY_GBPS = 20.0
-SMALL_BATCH_TOKENS = 256
-"""Tokens per micro-batch at which matmul efficiency is taken to halve (ranking only)."""
 CHANGE_PENALTY = 0.02
 """Relative cost added per changed config key when ranking."""
-
-
-@dataclass(frozen=True)
-class StepCost:
-    """Estimated seconds per optimizer step, by cause (for ranking and explaining)."""
-
-    compute_s: float
-    recompute_s: float
-    comm_s: float
-    """Collective time; overlapped with compute."""
-    offload_s: float
-    exchange_s: float = 0.0
-    """Tensor- / context-parallel activation exchanges: on the critical path, not
-    overlapped ([Note: model-parallel block memory])."""
-
-    @property
-    def total_s(self) -> float:
-        return (
-            max(self.compute_s + self.recompute_s, self.comm_s) + self.offload_s
-            + self.exchange_s
-        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -158,11 +132,24 @@ def _micro_changes(
     return [{"train.micro_batch_size": m, "train.grad_accum": total // m} for m in micros]
 
 
-def _grid(cfg: RunConfig, *, world: int, per_node: int, gpu: bool) -> list[dict[str, object]]:
+def _eps(experts: int | None, *, per_node: int) -> list[dict[str, object]]:
+    """``parallel.ep`` choices of a model with ``experts`` routed experts (none: dense);
+    an ep that does not divide the shard group is refused by the config itself."""
+    if experts is None:
+        return [{}]
+    return [{"parallel.ep": e} for e in POWERS if e <= per_node and experts % e == 0]
+
+
+def _grid(
+    cfg: RunConfig, *, world: int, per_node: int, gpu: bool, experts: int | None = None
+) -> list[dict[str, object]]:
     micros = _micro_changes(cfg, world=world)
     acs = [("none", 2), ("every", 2), ("selective", 2), ("full", 2)]
     grid = []
-    for strat in _strategies(world, per_node):
+    strategies = [
+        s | e for s in _strategies(world, per_node) for e in _eps(experts, per_node=per_node)
+    ]
+    for strat in strategies:
         for raf, (ac, every), micro in itertools.product(
             _reshards(strat, world, per_node), acs, micros
         ):
@@ -188,56 +175,6 @@ def _diff(cfg: RunConfig, changes: dict[str, object]) -> dict[str, object]:
     return {k: v for k, v in changes.items() if current[k.split(".")[0]][k.split(".")[1]] != v}
 
 
-def step_cost(sc: Scenario) -> StepCost:
-    """Estimated step time of a scenario (see the module docstring); needs no memory
-    plan, so a traced search can rank before it traces."""
-    dev = sc.device
-    compute = sc.tokens * sc.grad_accum * sc.flops_per_token / (sc.tp * sc.cp)
-    compute *= (1 + SMALL_BATCH_TOKENS / sc.tokens) / (dev.tflops * 1e12 * MFU)
-    matmul = sc.model.matmul_params() if sc.model is not None else sc.num_params
-    blocks = sum(r * c for b in sc.layout.blocks for r, c in b) / max(matmul, 1)
-    share = sc.checkpointed_blocks / max(len(sc.layout.blocks), 1)
-    recompute = compute * share * blocks / 3 * recompute_fraction(sc)
-    m = sc.model
-    if sc.loss_chunk is not None and m is not None:  # the head's matmul again in backward
-        recompute += compute * m.vocab_size * m.dim / max(m.matmul_params(), 1) / 3
-    if m is not None and sc.tp > 1:  # the head is not split over tp: every tp rank runs it
-        recompute += compute * m.vocab_size * m.dim / max(m.matmul_params(), 1) * (sc.tp - 1)
-    compute_share, traffic_share, p2p = pipeline_cost(sc)  # [Note: pipeline in the recommender]
-    compute, recompute = compute * compute_share, recompute * compute_share
-    shard_link = dev.intra_gbps if sc.shard * sc.tp <= sc.ranks_per_node else dev.inter_gbps
-    stage = sc.world_size // sc.pp
-    replica_link = dev.intra_gbps if stage <= sc.ranks_per_node else dev.inter_gbps
-    c = comm_volume(sc)
-    comm = (c.all_gather + c.reduce_scatter) / (shard_link * 1e9) * traffic_share
-    comm += c.all_reduce / (replica_link * 1e9) * traffic_share + c.calls * LATENCY_S
-    offload = 0.0
-    if sc.offload and dev.kind == "gpu":
-        local = sum(model_states(sc).values())
-        offload = c.host_transfer / (dev.host_gbps * 1e9) + local / (HOST_MEMORY_GBPS * 1e9)
-    cp_link = dev.intra_gbps if sc.tp * sc.cp <= sc.ranks_per_node else dev.inter_gbps
-    exchange = c.tp_exchange / (dev.intra_gbps * 1e9) + c.cp_exchange / (cp_link * 1e9)
-    exchange = exchange * traffic_share + p2p / (dev.inter_gbps * 1e9)
-    return StepCost(compute, recompute, comm, offload, exchange)
-
-
-def recompute_fraction(sc: Scenario) -> float:
-    """Share of a checkpointed block's forward FLOPs that backward runs again: all
-    under full checkpointing; under selective the matmuls the policy recomputes
-    (fsdpkit.sharding.activations.matmul_saved), over the block's matmuls plus
-    attention (saved, never recomputed). Elementwise ops are not counted."""
-    if sc.ac_mode != "selective":
-        return 1.0
-    m = sc.model
-    if m is None:  # a block the analytic model does not know: every other matmul
-        return 0.5
-    mms = block_matmuls(
-        d=m.dim, f=m.ffn_dim, heads=m.n_heads, kv_heads=m.n_kv_heads, head_dim=m.head_dim
-    )
-    redone = sum(p for i, p in enumerate(mms) if not matmul_saved(i + 1))
-    return redone / (sum(mms) + 2 * m.n_heads * m.head_dim * sc.seq_len)
-
-
 @dataclass(frozen=True)
 class _Search:
     world: int
@@ -245,6 +182,8 @@ class _Search:
     margin: float
     per_node: int
     vocab: int | None
+    experts: int | None = None
+    """The model's routed experts per block (None: dense): parallel.ep is searched."""
 
 
 @dataclass(frozen=True)
@@ -255,6 +194,8 @@ class _Option:
     config: RunConfig
     scenario: Scenario
     cost: StepCost
+    grid: dict[str, object] = field(default_factory=dict)
+    """The grid point's keys, unchanged ones included ([Note: traced search])."""
 
 
 def _option(cfg: RunConfig, changes: dict[str, object], search: _Search) -> _Option | None:
@@ -271,14 +212,26 @@ def _option(cfg: RunConfig, changes: dict[str, object], search: _Search) -> _Opt
         return None  # e.g. offload with grad_op: not a valid configuration
     if changes.get("parallel.accum_sync") == "every" and (sc.grad_accum == 1 or sc.shard == 1):
         return None  # nothing is accumulated across micro-batches, or nothing sharded
-    return _Option(_diff(cfg, changes), new, sc, step_cost(sc))
+    return _Option(_diff(cfg, changes), new, sc, step_cost(sc), grid=changes)
 
 
-def _planned(o: _Option, search: _Search) -> Candidate:
+def _planned(o: _Option, search: _Search, *, shallow: bool = False) -> Candidate:
     """Plan an option; its cost again on the planned scenario (parallel.accum_sync =
-    auto is decided by planning: [Note: accum_sync auto])."""
-    p = plan_scenario(o.scenario, cfg=o.config, margin=search.margin)
+    auto is decided by planning: [Note: accum_sync auto]). ``shallow``: a deep traced
+    model from shallow traces ([Note: depth extrapolation])."""
+    p = plan_scenario(o.scenario, cfg=o.config, margin=search.margin, shallow=shallow)
     return Candidate(o.changes, o.config, p, step_cost(p.scenario))
+
+
+def _confirmed(fitting: list[Candidate], search: _Search) -> list[Candidate]:
+    """``fitting`` with its first candidate planned at full depth where the search
+    extrapolated it, dropping those that do not fit then ([Note: depth
+    extrapolation])."""
+    while fitting and any("extended to" in n for n in fitting[0].plan.memory.notes):
+        c = fitting[0]
+        full = _planned(_Option(c.changes, c.config, c.plan.scenario, c.cost), search)
+        fitting = ([full] if full.fits else []) + fitting[1:]
+    return fitting
 
 
 def _per_token(c: Candidate | _Option) -> float:
@@ -295,16 +248,15 @@ def _rank_key(c: Candidate | _Option) -> tuple[float, int]:
 
 def _planned_options(options: list[_Option], search: _Search, *, top: int) -> list[Candidate]:
     """Plan every option analytically; a model only the traced planner can plan
-    ([Note: planning any model]) is traced cheapest first until ``top`` fit (each trace
-    runs the real model code: seconds, not microseconds)."""
+    ([Note: planning any model]) is traced cheapest ladder first until ``top`` fit
+    ([Note: traced search]: each trace runs the real model code, seconds, not
+    microseconds)."""
     if all(o.scenario.analytic_why_not is None for o in options):
         return [_planned(o, search) for o in options]
-    out: list[Candidate] = []
-    for o in sorted(options, key=_rank_key):
-        out.append(_planned(o, search))
-        if sum(c.fits for c in out) >= top:
-            break
-    return out
+    groups = ladders(options, changes=lambda o: o.grid, cost=_rank_key)
+    return traced_search(
+        groups, lambda o: _planned(o, search, shallow=True), lambda c: c.fits, top=top
+    )
 
 
 def recommend(
@@ -328,6 +280,8 @@ def recommend(
     vocab = vocab_size if vocab_size is not None else run_vocab_size(cfg)
     search = _Search(world_size, device, margin, ranks_per_node, vocab)
     given = _option(cfg, {}, search)
+    if given is not None and given.scenario.experts is not None:
+        search = replace(search, experts=given.scenario.experts.count)
     current = _planned(given, search) if given is not None else None
     shape = _shape(cfg, given, search)
     groups = layout_groups(
@@ -356,6 +310,7 @@ def recommend(
     fitting = sorted((c for c in pool if c.fits), key=_rank_key)
     if any(not c.config.offload.params for c in fitting):
         fitting = [c for c in fitting if not c.config.offload.params]
+    fitting = _confirmed(fitting, search)
     unfit = sorted((c for c in candidates if not c.fits), key=_rank_key)
     best = fitting[0] if fitting else None
     cheaper = None
@@ -413,8 +368,14 @@ def _layout_options(cfg: RunConfig, *, layout: Layout, search: _Search) -> list[
     fixed = {"parallel.tp": tp, "parallel.cp": cp, "parallel.cp_attention": attention}
     dp = search.world // (tp * cp)
     per_node = max(min(search.per_node, search.world) // (tp * cp), 1)
-    grid = _grid(cfg, world=dp, per_node=per_node, gpu=search.device.kind == "gpu")
+    grid = _grid(
+        cfg, world=dp, per_node=per_node, gpu=search.device.kind == "gpu", experts=search.experts
+    )
+    if search.experts is not None:  # a mixture-of-experts model is traced: [Note: traced search]
+        grid = [g for g in grid if moe_grid(g, per_node=per_node)]
     for pp in pipeline_degrees(world=search.world, per_node=min(search.per_node, search.world)):
+        if search.experts is not None:  # pipeline stages take dense models only
+            break
         micros = _micro_changes(cfg, world=dp // pp, smallest=True)
         staged = {"parallel.pp": pp, "parallel.pp_split": "params"}
         grid += [staged | g | m for g in PIPELINE_GRID for m in micros]

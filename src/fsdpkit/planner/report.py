@@ -30,6 +30,13 @@ def fmt_bytes(n: int | None) -> str:
 
 
 def _mesh(sc: Scenario) -> str:
+    ep = (
+        f"; expert parallel {sc.ep} (experts sharded over {sc.shard // sc.ep})" if sc.ep > 1 else ""
+    )
+    return _data_mesh(sc) + ep
+
+
+def _data_mesh(sc: Scenario) -> str:
     chosen = strategy(sc.strategy)
     if chosen.replicates:
         mesh = f"replicate x{sc.replicate}"
@@ -59,8 +66,13 @@ def describe_scenario(sc: Scenario) -> str:
         f"{sc.precision}; {sc.micro_batch} x {sc.seq_len} tokens x {sc.grad_accum} accumulation; "
         f"{'selective ' if sc.ac_mode == 'selective' else ''}AC on "
         f"{sc.checkpointed_blocks}/{n_blocks} blocks{'; CPU offload' if sc.offload else ''}\n"
-        f"units: {len(sc.units)}{_edges(sc)} + root ({sc.layout.block_reason})"
+        f"units: {len(sc.units)}{_experts(sc)}{_edges(sc)} + root ({sc.layout.block_reason})"
     )
+
+
+def _experts(sc: Scenario) -> str:
+    """The experts units under ep ([Note: expert units] in fsdpkit.planner.experts)."""
+    return f" + {len(sc.expert_units)} experts" if sc.expert_units else ""
 
 
 def _edges(sc: Scenario) -> str:
@@ -192,6 +204,8 @@ def _comm_line(p: Plan) -> str:
             f"; activation exchanges: tp {fmt_bytes(c.tp_exchange)}, cp all-to-all "
             f"{fmt_bytes(c.cp_exchange)}"
         )
+    if c.ep_exchange:
+        line += f"; expert dispatch all-to-all {fmt_bytes(c.ep_exchange)} (balanced routing)"
     if c.host_transfer:
         line += f"; host<->device {fmt_bytes(c.host_transfer)}"
     return line
@@ -205,7 +219,7 @@ def plan_dict(p: Plan) -> dict[str, Any]:
             **{
                 k: v
                 for k, v in dataclasses.asdict(sc).items()
-                if k not in ("model", "device", "layout", "root", "units", "edges")
+                if k not in ("model", "device", "layout", "root", "units", "edges", "expert_units")
             },
             "units": [
                 {
@@ -214,7 +228,7 @@ def plan_dict(p: Plan) -> dict[str, Any]:
                     "reshard_after_forward": u.reshard_after_forward,
                     "checkpointed_blocks": sum(u.checkpointed),
                 }
-                for u in [*sc.forward_units, sc.root]
+                for u in [*sc.forward_units, *sc.expert_units, sc.root]
             ],
             "block_reason": sc.layout.block_reason,
             "model": sc.model.to_dict() if sc.model is not None else None,

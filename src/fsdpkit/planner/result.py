@@ -59,12 +59,14 @@ class CommVolume:
     """Tensor-parallel activation all-gathers / reduce-scatters (or all-reduces)."""
     cp_exchange: int = 0
     """Context-parallel all-to-alls of q, k, v and attention's output."""
+    ep_exchange: int = 0
+    """Expert parallelism's token dispatch (all-to-alls), balanced routing."""
 
     @property
     def total(self) -> int:
         return (
             self.all_gather + self.reduce_scatter + self.all_reduce
-            + self.tp_exchange + self.cp_exchange
+            + self.tp_exchange + self.cp_exchange + self.ep_exchange
         )  # fmt: skip
 
 

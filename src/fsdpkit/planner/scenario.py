@@ -15,21 +15,22 @@ from fsdpkit import precision as presets
 from fsdpkit.config import RunConfig, batch_split, parallel_dims, validate, validate_for_world
 from fsdpkit.data import is_dataset
 from fsdpkit.devices import Device
-from fsdpkit.errors import UserError
 from fsdpkit.models.experts import Experts
-from fsdpkit.models.factory import llama_shape
 from fsdpkit.models.hf_dir import tokenizer_vocab_size, with_model_tokenizer
-from fsdpkit.models.llama import PRESETS, LlamaConfig
+from fsdpkit.models.llama import LlamaConfig
+from fsdpkit.models.presets import PRESETS
+from fsdpkit.planner.builtin import model_shape, planned_builtin, selective_why_traced
 from fsdpkit.planner.errors import PlanError
-from fsdpkit.planner.finetune_layout import finetune_layout, finetuned
-from fsdpkit.planner.layout import ModelLayout, Unit, llama_layout, units
+from fsdpkit.planner.experts import ep_units
+from fsdpkit.planner.layout import ModelLayout, Unit
 from fsdpkit.planner.moe import moe_notes
 from fsdpkit.planner.mparallel import check_layout, tp_layout, vocab_parallel
 from fsdpkit.planner.reference import reference_terms
-from fsdpkit.planner.user_models import BuiltPlanModel, planned_model
 from fsdpkit.sharding.policy import SyncMode, reshard_after_forward, sync_mode
 from fsdpkit.sharding.tensor_rules import check_layout as trainer_layout_check
 from fsdpkit.trainable.optim import resolve_impl
+
+__all__ = ["Scenario", "model_shape", "scenario"]  # model_shape: fsdpkit.planner.builtin
 
 _UNCOUNTED_EXCHANGES = (
     "the tp / cp activation exchanges are not in the traffic figures: their formulas "
@@ -39,10 +40,6 @@ _VOCAB_NOTE = (
     "model.vocab_size: planned with the preset's {} (train takes the tokenizer's: set "
     "data.tokenizer or model.vocab_size)"
 )
-
-
-BYTE_VOCAB = 256
-"""The byte-level tokenizer's vocabulary: what a run without data.tokenizer trains on."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +123,11 @@ class Scenario:
     pp: int = 1
     """Pipeline ranks (parallel.pp): ``units`` are the whole model's; fsdpkit.planner.
     pipeline plans each rank's stages ([Note: pipeline plans])."""
+    ep: int = 1
+    """Expert-parallel ranks (parallel.ep), borrowed from ``shard``."""
+    expert_units: tuple[Unit, ...] = ()
+    """Under ep, each block's routed experts as a unit of their own over shard / ep
+    ranks ([Note: expert units] in fsdpkit.planner.experts)."""
 
     def edge(self, role: str) -> Unit | None:
         """The edge unit of ``role`` ("embedding", "norm", "head"), None if it is in the
@@ -140,8 +142,8 @@ class Scenario:
 
     @property
     def all_units(self) -> tuple[Unit, ...]:
-        """Every unit: the root, the edge units, the block units."""
-        return (self.root, *self.edges, *self.units)
+        """Every unit: the root, the edge units, the block units, the experts units."""
+        return (self.root, *self.edges, *self.units, *self.expert_units)
 
     @property
     def every_sync(self) -> bool:
@@ -180,27 +182,6 @@ class Scenario:
 
     def with_(self, **changes: object) -> Scenario:
         return replace(self, **changes)  # type: ignore[arg-type]
-
-
-def model_shape(cfg: RunConfig, *, vocab_size: int | None = None) -> LlamaConfig:
-    """The Llama shape ``fsdpkit train`` builds for the built-in model of ``cfg``
-    (fsdpkit.models.factory; model.hf / model.factory: fsdpkit.planner.user_models).
-
-    Train takes the vocabulary from model.vocab_size, else from the tokenizer; pass the
-    tokenizer's size as ``vocab_size``. Without either, the preset's vocabulary is
-    planned (a note says so), which is what a real run of a preset needs anyway.
-    """
-    m = cfg.model
-    if m.preset not in PRESETS:
-        raise PlanError(
-            f"model.preset = {m.preset!r} is not a built-in preset; choose one of "
-            f"{', '.join(PRESETS)}."
-        )
-    vocab = vocab_size or PRESETS[m.preset].vocab_size
-    try:
-        return llama_shape(m, vocab_size=vocab, seq_len=cfg.data.seq_len)
-    except UserError as exc:
-        raise PlanError(str(exc)) from None
 
 
 def planned_precision(mode: str, device: Device | None) -> tuple[str, str | None]:
@@ -271,8 +252,8 @@ def scenario(
     shard = dims.fsdp_shard
     vocab = vocab_size if vocab_size is not None else run_vocab_size(cfg)
     precision, note = planned_precision(cfg.precision.mode, device)
-    model = _planned_model(cfg, vocab=vocab, precision=precision)
-    why_not = model.why_traced or _selective_why_traced(cfg)
+    model = planned_builtin(cfg, vocab=vocab, precision=precision)
+    why_not = model.why_traced or selective_why_traced(cfg)
     check_layout(model.shape, tp=dims.tp, cp=dims.cp, attention=cfg.parallel.cp_attention)
     if model.shape is None:  # traced: the launcher's own check of the model's plan and heads
         trainer_layout_check(cfg)
@@ -280,7 +261,9 @@ def scenario(
     local_layout = tp_layout(
         model.layout, tp=dims.tp, vocab=model.vocab_size if split_vocab else None
     )
-    planned = units(local_layout, shard=shard, parallel=cfg.parallel, activations=cfg.activations)
+    planned, experts = ep_units(
+        local_layout, shard=shard, ep=dims.ep, parallel=cfg.parallel, activations=cfg.activations
+    )
     chunk, loss_note = loss_chunk(cfg, model.layout, why_not=model.chunked_why_not)
     notes = [n for n in (note, loss_note, _vocab_note(cfg, vocab=vocab)) if n]
     if model.shape is None and (dims.tp > 1 or dims.cp > 1):
@@ -301,7 +284,12 @@ def scenario(
         chunk = None
         notes += [dpo.note] if dpo.note else []
     notes += moe_notes(
-        model.experts, model.router, dp=dims.dp, tokens=split.micro_batch * cfg.data.seq_len
+        model.experts,
+        model.router,
+        dp=dims.dp,
+        tokens=split.micro_batch * cfg.data.seq_len,
+        cp=dims.cp,
+        ep=dims.ep,
     )
     return Scenario(
         model=model.shape,
@@ -345,6 +333,8 @@ def scenario(
         reference_forward=dpo.forward,
         experts=model.experts,
         pp=dims.pp,
+        ep=dims.ep,
+        expert_units=experts,
     )
 
 
@@ -376,36 +366,4 @@ def planned_optimizer(cfg: RunConfig, device: Device, *, precision: str) -> str:
     scaler = presets.PRESETS[precision].scaler if scaler is None else scaler
     return resolve_impl(
         cfg.train.optimizer_impl, device_type="cpu" if on_cpu else "cuda", grad_scaler=scaler
-    )
-
-
-def _selective_why_traced(cfg: RunConfig) -> str | None:
-    """Selective checkpointing saves every other matmul's output: LoRA adapters add
-    matmuls inside the blocks and shift which ones, which the analytic block model
-    ([Note: selective block memory]) does not replay; the traced planner runs the
-    policy itself."""
-    if cfg.activations.mode == "selective" and cfg.lora.rank > 0:
-        return "selective checkpointing of blocks with LoRA adapters"
-    return None
-
-
-def _planned_model(cfg: RunConfig, *, vocab: int | None, precision: str) -> BuiltPlanModel:
-    """The model ``fsdpkit train`` builds for ``cfg``, as the planner needs it: the
-    built-in Llama from its shape, anything else built on meta by the trainer's own
-    builder ([Note: planning any model])."""
-    if cfg.model.hf or cfg.model.factory:
-        return planned_model(cfg, vocab=vocab or BYTE_VOCAB, precision=precision)
-    shape = model_shape(cfg, vocab_size=vocab)
-    if finetuned(cfg):  # frozen parameters and adapters (fsdpkit.planner.finetune_layout)
-        layout = finetune_layout(cfg, shape, precision=precision)
-    else:
-        layout = llama_layout(shape, tuple(cfg.parallel.block_classes))
-    why = None if layout.decoder_blocks else f"units of {layout.block_reason}"
-    return BuiltPlanModel(
-        layout=layout,
-        shape=shape,
-        why_traced=why,
-        vocab_size=shape.vocab_size,
-        flops_per_token=shape.flops_per_token(cfg.data.seq_len),
-        what="",
     )

@@ -146,6 +146,7 @@ def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
         shard=sc.shard // sc.cp,  # sc.shard has cp folded in; the mesh axis has not
         cp=sc.cp,
         tp=sc.tp,
+        ep=sc.ep,
         device_type="cpu",
         world_size=sc.world_size,
     )

@@ -20,6 +20,7 @@ from fsdpkit.config.io import load, with_changes
 from fsdpkit.config.schema import RunConfig
 from fsdpkit.config.validate import validate_for_world
 from fsdpkit.planner.auto import accum_sync_choice, auto_plan
+from fsdpkit.sharding.experts import check_layout as check_expert_layout
 from fsdpkit.sharding.pipeline_split import check_pipeline_layout
 from fsdpkit.sharding.tensor_rules import check_layout
 
@@ -60,4 +61,5 @@ def resolve(
     validate_for_world(cfg, world_size=world_size, local_world_size=local_world_size)
     check_layout(cfg)
     check_pipeline_layout(cfg)
+    check_expert_layout(cfg)
     return Resolved(config=cfg, auto_changes=changes, auto_note=note)

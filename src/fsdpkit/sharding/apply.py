@@ -1,9 +1,11 @@
 """``shard``: apply FSDP2 to a model the way it should be done.
 
-Order (as torchtitan): meta-device model -> activation checkpointing -> compile each
-block (``train.compile``) -> optional fp32 norm units -> ``fully_shard`` per block (or
-group of k blocks), bottom-up -> an untied embedding and head ([Note: edge units] in
-fsdpkit.sharding.edges) -> root -> explicit prefetching
+Order (as torchtitan): meta-device model -> tensor / context parallelism -> expert
+parallelism ([Note: expert parallelism] in fsdpkit.sharding.experts) -> activation
+checkpointing -> compile each block (``train.compile``) -> optional fp32 norm units ->
+``fully_shard`` per block (or group of k blocks; under ep a block's routed experts
+first, as units of their own), bottom-up -> an untied embedding and head ([Note: edge
+units] in fsdpkit.sharding.edges) -> root -> explicit prefetching
 (``parallel.forward_prefetch`` / ``backward_prefetch``) -> materialize local shards
 (meta models only). The optimizer must be built after this.
 
@@ -42,6 +44,7 @@ from fsdpkit.sharding.blocks import choose_blocks
 from fsdpkit.sharding.compile import compile_blocks, enable_async_tp
 from fsdpkit.sharding.context import apply_context_parallel
 from fsdpkit.sharding.edges import edge_modules
+from fsdpkit.sharding.experts import expert_parallel, shard_experts
 from fsdpkit.sharding.heads import CP_ATTENTION, heads_cp
 from fsdpkit.sharding.materialize import is_meta, materialize
 from fsdpkit.sharding.mesh import cp_mesh, fsdp_mesh, tp_mesh
@@ -155,7 +158,9 @@ def shard(
     choice = choose_blocks(model, class_names=cfg.parallel.block_classes or None)
     blocks = list(choice.blocks)  # the class name is taken before FSDP renames it
     model_parallel = _model_parallel(model, mesh=mesh, blocks=blocks, cfg=cfg.parallel)
-    mesh = fsdp_mesh(mesh)  # FSDP2 shards over the data axes only
+    experts = expert_parallel(model, mesh=mesh, capacity=cfg.model.capacity_factor)
+    model_parallel = "; ".join(d for d in (model_parallel, experts) if d) or None
+    full_mesh, mesh = mesh, fsdp_mesh(mesh)  # FSDP2 shards over the data axes only
     edges = edge_modules(model, blocks=blocks, enabled=cfg.parallel.edge_units)
     fp32_norms = cfg.precision.norms_fp32 and precision.low_precision
     if fp32_norms:  # every norm is an fp32 unit of its own already
@@ -176,6 +181,9 @@ def shard(
     for spec in specs:
         units = _unit_modules(spec, model=model, blocks=blocks, edges=edges)
         raf = spec.reshard_after_forward
+        shard_experts(
+            units, mesh=full_mesh, reshard_after_forward=raf, mp_policy=mp, offload_policy=off
+        )
         fully_shard(units, mesh=mesh, reshard_after_forward=raf, mp_policy=mp, offload_policy=off)
     _set_prefetch(model, [blocks[s.blocks[0]] for s in block_specs(specs)], cfg.parallel)
     if is_meta(model):

@@ -33,6 +33,7 @@ def build_mesh(
     cp: int = 1,
     tp: int = 1,
     pp: int = 1,
+    ep: int = 1,
     device_type: str | None = None,
     world_size: int | None = None,
 ) -> DeviceMesh:
@@ -45,6 +46,8 @@ def build_mesh(
     > 1, "shard" always, then "cp", "tp" where > 1). The process group must be
     initialized. DTensor's caches are dropped first ([Note: equal meshes]). With ``pp``
     > 1 a "pp" axis comes first and the rest describes each stage's world / pp ranks.
+    ``ep`` > 1 splits the shard axis into "efsdp" x "ep" ([Note: parallel dimensions];
+    "shard" is then their flattening).
     """
     forget_meshes()
     world = world_size if world_size is not None else dist.get_world_size()
@@ -53,9 +56,10 @@ def build_mesh(
             f"mesh pp={pp} x cp={cp} x tp={tp} must be >= 1 and divide the world size {world} "
             "(parallel.pp, parallel.cp, parallel.tp)."
         )
-    if pp * cp * tp > 1:
+    if pp * cp * tp * ep > 1:
+        degrees = {"cp": cp, "tp": tp, "pp": pp, "ep": ep}
         return _model_parallel_mesh(
-            shard=shard, replicate=replicate, cp=cp, tp=tp, pp=pp, world=world, dev=device_type
+            shard=shard, replicate=replicate, degrees=degrees, world=world, dev=device_type
         )
     if replicate < 1 or (shard is not None and shard < 1):
         raise MeshError(f"mesh degrees must be >= 1, got replicate={replicate}, shard={shard}")
@@ -99,24 +103,32 @@ def forget_meshes() -> None:
 
 
 def _model_parallel_mesh(
-    *, shard: int | None, replicate: int, cp: int, tp: int, pp: int, world: int, dev: str | None
+    *, shard: int | None, replicate: int, degrees: dict[str, int], world: int, dev: str | None
 ) -> DeviceMesh:
-    """The N-D mesh of [Note: parallel dimensions] ("pp" first where > 1)."""
+    """The N-D mesh of [Note: parallel dimensions] ("pp" first where > 1; ``degrees``:
+    cp, tp, pp, ep)."""
+    cp, tp, pp, ep = degrees["cp"], degrees["tp"], degrees["pp"], degrees["ep"]
     dp = world // (pp * cp * tp)
     shard = shard if shard is not None else dp // max(replicate, 1)
-    if replicate < 1 or shard < 1 or replicate * shard != dp:
+    if replicate < 1 or shard < 1 or replicate * shard != dp or shard % ep:
         raise MeshError(
             f"mesh replicate={replicate} x shard={shard} must multiply to the {dp} "
-            f"data-parallel ranks (world {world} / (pp {pp} x cp {cp} x tp {tp}))."
+            f"data-parallel ranks (world {world} / (pp {pp} x cp {cp} x tp {tp})), and "
+            f"ep={ep} divide shard."
         )
-    named = [("pp", pp), ("replicate", replicate), ("shard", shard), ("cp", cp), ("tp", tp)]
-    kept = [(n, d) for n, d in named if d > 1 or n == "shard"]
+    data = [("shard", shard)] if ep == 1 else [("efsdp", shard // ep)]
+    named = [("pp", pp), ("replicate", replicate), *data, ("cp", cp), ("ep", ep), ("tp", tp)]
+    kept = [(n, d) for n, d in named if d > 1 or n in ("shard", "efsdp")]
     dev = dev or local_device_type()
     mesh = init_device_mesh(
         dev, tuple(d for _, d in kept), mesh_dim_names=tuple(n for n, _ in kept)
     )
+    if ep > 1:  # the data axes as without ep, and the experts' FSDP axis
+        mesh["efsdp", "ep"]._flatten("shard")
     if cp > 1:  # FSDP shards over shard x cp ([Note: parallel dimensions])
-        mesh["shard", "cp"]._flatten("shard_cp")
+        mesh[("efsdp", "cp", "ep") if ep > 1 else ("shard", "cp")]._flatten("shard_cp")
+        if ep > 1:
+            mesh["efsdp", "cp"]._flatten("efsdp_cp")
     return mesh
 
 
@@ -125,17 +137,32 @@ def _names(mesh: DeviceMesh) -> tuple[str, ...]:
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh FSDP2 shards over: the whole mesh without tp/cp/pp axes, else its data
-    axes with cp folded into the shard axis (one stage's, under pp)."""
+    """The mesh FSDP2 shards over: the whole mesh without tp/cp/pp/ep axes, else its
+    data axes with cp folded into the shard axis (one stage's, under pp)."""
     names = _names(mesh)
-    if "tp" not in names and "cp" not in names and "pp" not in names:
+    if not {"tp", "cp", "pp", "ep"} & set(names):
         return mesh
-    shard = "shard_cp" if "cp" in names else "shard"
+    return _data_mesh(mesh, "shard_cp" if "cp" in names else "shard")
+
+
+def _data_mesh(mesh: DeviceMesh, shard: str) -> DeviceMesh:
+    """The replicate axis (where there is one) and the (flattened) axis ``shard``."""
     with warnings.catch_warnings():
-        # torch 2.13 slices the flattened shard x cp axis from the root mesh as asked,
-        # and announces a future deprecation of doing so on every call
+        # torch 2.13 slices a flattened axis from the root mesh as asked, and announces
+        # a future deprecation of doing so on every call
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")
-        return mesh["replicate", shard] if "replicate" in names else mesh[shard]
+        return mesh["replicate", shard] if "replicate" in _names(mesh) else mesh[shard]
+
+
+def ep_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The expert-parallel axis, or None."""
+    return mesh["ep"] if "ep" in _names(mesh) else None
+
+
+def expert_fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards the routed experts over under expert parallelism: the data
+    axes without ep (cp folded in), [Note: parallel dimensions]."""
+    return _data_mesh(mesh, "efsdp_cp" if "cp" in _names(mesh) else "efsdp")
 
 
 def tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:

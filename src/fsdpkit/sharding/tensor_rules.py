@@ -21,7 +21,8 @@ from fsdpkit.models.accessors import input_embeddings, is_norm_class, output_emb
 from fsdpkit.models.errors import ModelError
 from fsdpkit.models.experts import expert_field
 from fsdpkit.models.hf_dir import read_hf_dir
-from fsdpkit.models.llama import Llama, preset
+from fsdpkit.models.llama import Llama
+from fsdpkit.models.presets import preset
 from fsdpkit.sharding.heads import check_cp_heads, heads_cp
 from fsdpkit.sharding.pipeline_parts import StageInput, StageOutput
 
@@ -48,7 +49,7 @@ class TensorParallelError(ModelError):
 
 def block_plan(model: nn.Module, *, tp: int) -> tuple[dict[str, str], str]:
     """(module name in a block -> "colwise" / "rowwise", where it came from)."""
-    if isinstance(model, Llama):
+    if isinstance(model, Llama) and expert_field(model.config) is None:
         return dict(LLAMA_BLOCK), "fsdpkit's Llama plan"
     return _hf_block_plan(getattr(model, "config", None), name=type(model).__name__, tp=tp)
 
@@ -78,7 +79,8 @@ def _hf_block_plan(config: Any, *, name: str, tp: int) -> tuple[dict[str, str], 
             f"it is a mixture-of-experts model ({experts} in its config), and fsdpkit splits "
             "dense blocks only (colwise / rowwise linears of transformers' "
             "base_model_tp_plan), not expert layers. Use parallel.tp = 1 (FSDP over all "
-            "ranks; parallel.cp splits long sequences instead), or a dense model family."
+            "ranks; parallel.ep splits the experts, parallel.cp long sequences), or a dense "
+            "model family."
         )
     hf_plan = getattr(config, "base_model_tp_plan", None) or {}
     translated = {k.split("layers.*.", 1)[1]: v for k, v in hf_plan.items() if "layers.*." in k}
@@ -117,6 +119,13 @@ def check_layout(cfg: RunConfig) -> None:
         kv = getattr(config, "num_key_value_heads", None) or heads
     else:
         shape = preset(m.preset)
+        if p.tp > 1 and expert_field(shape) is not None:
+            raise TensorParallelError(
+                f"parallel.tp = {p.tp}: model.preset = {m.preset} is a mixture-of-experts "
+                "model, and fsdpkit splits dense blocks only, not expert layers. Use "
+                "parallel.tp = 1 and parallel.ep to split the experts over the data ranks "
+                "(parallel.cp splits long sequences)."
+            )
         heads, kv = m.n_heads or shape.n_heads, m.n_kv_heads or shape.n_kv_heads
     check_heads(
         n_heads=heads, n_kv_heads=kv, tp=p.tp, cp=heads_cp(cp=p.cp, attention=p.cp_attention)

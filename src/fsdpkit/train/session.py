@@ -167,6 +167,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         cp=dims.cp,
         tp=dims.tp,
         pp=dims.pp,
+        ep=dims.ep,
         device_type=env.device_type,
     )
     run = shard_trainable(unsharded, cfg, mesh=mesh, device=device)

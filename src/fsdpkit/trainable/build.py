@@ -40,10 +40,12 @@ from fsdpkit.models.buffers import require_buffer_source
 from fsdpkit.models.factory import BuiltModel, build_model
 from fsdpkit.models.hf import HFWeights, construct
 from fsdpkit.models.hf_init import is_hf_model
-from fsdpkit.models.llama import Llama, LlamaConfig
+from fsdpkit.models.llama import LlamaConfig
+from fsdpkit.models.presets import builtin_model
 from fsdpkit.precision import Precision
 from fsdpkit.sharding import ShardPlan, detect_blocks, resolve_precision, shard
 from fsdpkit.sharding.context_batch import context_parallel_loss
+from fsdpkit.sharding.experts import check_model as check_experts
 from fsdpkit.sharding.heads import heads_cp
 from fsdpkit.sharding.materialize import is_meta
 from fsdpkit.sharding.mesh import cp_mesh
@@ -111,6 +113,8 @@ def build_unsharded(
             cp=heads_cp(cp=cfg.parallel.cp, attention=cfg.parallel.cp_attention),
             blocks=blocks,
         )
+    if cfg.parallel.ep > 1 or cfg.model.capacity_factor is not None:
+        check_experts(built.module, ep=cfg.parallel.ep, capacity=cfg.model.capacity_factor)
     return Unsharded(built, finetune, precision, loss.loss_fn, loss.note)
 
 
@@ -120,7 +124,7 @@ def _built(cfg: RunConfig, *, vocab_size: int, shape: LlamaConfig | None) -> Bui
             cfg.model, vocab_size=vocab_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed
         )
     with torch.device("meta"):
-        return BuiltModel(module=Llama(shape), loss_fn=None, llama=shape)
+        return BuiltModel(module=builtin_model(shape), loss_fn=None, llama=shape)
 
 
 def shard_trainable(
@@ -163,7 +167,7 @@ def shard_trainable(
         precision=unsharded.precision,
         finetune=unsharded.finetune,
         llama=unsharded.built.llama,
-        loss_note=_notes(unsharded, loss_fn),
+        loss_note=_notes(unsharded, loss_fn, capacity=cfg.model.capacity_factor),
     )
 
 
@@ -182,17 +186,17 @@ def _pipelined(
         precision=unsharded.precision,
         finetune=unsharded.finetune,
         llama=unsharded.built.llama,
-        loss_note=_notes(unsharded, built.loss_fn),
+        loss_note=_notes(unsharded, built.loss_fn, capacity=cfg.model.capacity_factor),
         pipeline=built.pipeline,
     )
 
 
-def _notes(unsharded: Unsharded, loss_fn: LossFn) -> str | None:
+def _notes(unsharded: Unsharded, loss_fn: LossFn, *, capacity: float | None) -> str | None:
     """For the run's first lines: where a model.hf model's weights came from, the
     chunked-loss choice, the router loss."""
     init = unsharded.built.init
     weights = init.describe() if isinstance(init, HFWeights) else None
-    router = describe(loss_fn.spec) if isinstance(loss_fn, RouterLoss) else None
+    router = describe(loss_fn.spec, capacity=capacity) if isinstance(loss_fn, RouterLoss) else None
     return "\n".join(n for n in (weights, unsharded.loss_note, router) if n) or None
 
 
