@@ -77,7 +77,8 @@ from fsdpkit.sharding.pipeline_parts import (
     model_ends,
     stage_module,
 )
-from fsdpkit.sharding.pipeline_split import StageSplit, stage_split
+from fsdpkit.sharding.pipeline_split import StageSplit, stage_split, tied_refusal
+from fsdpkit.sharding.pipeline_tied import TiedCopy, share_first_copy, tie_group
 from fsdpkit.sharding.policy import resolve_precision
 
 
@@ -127,6 +128,11 @@ def _same(a: Any, b: Any) -> bool:
 class StageModule(nn.Module):
     """One pipeline stage as the schedule runs it ([Note: a stage's forward])."""
 
+    entry: StageInput | None
+    """The stage's input embedding stand-in (None on the first stage)."""
+    exit: StageOutput | None
+    """The stage's output head stand-in (None on the last stage)."""
+
     def __init__(
         self, part: nn.Module, *, stage: int, last: bool, loss_fn: LossFn, blocks: list[nn.Module]
     ) -> None:
@@ -140,8 +146,14 @@ class StageModule(nn.Module):
         """What the last stage divides each micro-batch's loss by (their count)."""
         self.micro_batch: int | None = None
         """The micro-batch the schedule runs next (set by its PipelineStage)."""
-        self.entry = next((m for m in part.modules() if isinstance(m, StageInput)), None)
-        self.exit = next((m for m in part.modules() if isinstance(m, StageOutput)), None)
+        # plain attributes, not submodules: a tied last stage's entry holds a weight
+        # that ``part``'s FSDP units own (the stage root must not shard it again)
+        self.__dict__["entry"] = next(
+            (m for m in part.modules() if isinstance(m, StageInput)), None
+        )
+        self.__dict__["exit"] = next(
+            (m for m in part.modules() if isinstance(m, StageOutput)), None
+        )
         self._last: Any = None
         self._check_boundaries(blocks)
         if not last:
@@ -244,6 +256,11 @@ class Pipeline:
     group_names: list[list[str]] | None = None
     """The whole model's parameter names per optimizer group, for checkpoints ([Note:
     optimizer groups across stages] in fsdpkit.checkpoint.state)."""
+    tied: TiedCopy | None = None
+    """This rank's copy of a tied embedding and head ([Note: tied embeddings across
+    stages] in fsdpkit.sharding.pipeline_tied); None when untied or on a middle stage."""
+    tied_names: dict[str, str] = field(default_factory=dict)
+    """The whole model's tied aliases (``{alias: name}``), for the checkpoint's record."""
 
     @property
     def holds_last(self) -> bool:
@@ -305,6 +322,9 @@ def shard_pipeline(
     choice = choose_blocks(model, class_names=cfg.parallel.block_classes or None)
     blocks = list(choice.blocks)
     ends = model_ends(model, blocks=blocks)
+    why = tied_refusal(cfg.parallel.pp_schedule) if ends.tied else None
+    if why is not None:
+        raise ConfigError(f"parallel.pp with {type(model).__name__}'s tied head: {why}")
     split = _split(model, ends, cfg)
     local = split.local(group.get_local_rank())
     last = split.stages - 1
@@ -314,7 +334,8 @@ def shard_pipeline(
         s: stage_module(model, ends, keep=set(split.blocks[s]), first=s == 0, last=s == last)
         for s in local
     }
-    view = parts[local[0]] if len(local) == 1 else _view(model, ends, split, local)
+    entry = parts[last].get_submodule(ends.embedding) if last in parts else None
+    view = parts[local[0]] if len(local) == 1 else _view(model, ends, split, local, entry)
     precision = resolve_precision(cfg.precision, device_type=device.type)
     stages, plans = [], []
     for s, part in parts.items():
@@ -327,12 +348,34 @@ def shard_pipeline(
     schedule = _schedule(
         cfg.parallel.pp_schedule, stages, split=split, group=group, device=device, n=micro_batches
     )
-    return Pipeline(schedule, stages, split, group.get_group(), micro_batches, plans), view
+    pipe = Pipeline(schedule, stages, split, group.get_group(), micro_batches, plans)
+    if ends.tied:
+        pipe.tied = _tied_copy(stages, ends, split=split, mesh=mesh)
+    return pipe, view
 
 
-def _view(model: nn.Module, ends: ModelEnds, split: StageSplit, local: list[int]) -> nn.Module:
+def _view(
+    model: nn.Module, ends: ModelEnds, split: StageSplit, local: list[int], entry: Any
+) -> nn.Module:
     keep = {b for s in local for b in split.blocks[s]}
-    return stage_module(model, ends, keep=keep, first=0 in local, last=split.stages - 1 in local)
+    last = split.stages - 1 in local
+    return stage_module(model, ends, keep=keep, first=0 in local, last=last, entry=entry)
+
+
+def _tied_copy(
+    stages: list[StageModule], ends: ModelEnds, *, split: StageSplit, mesh: DeviceMesh
+) -> TiedCopy | None:
+    """This rank's copy of the tied weight, made equal to the first stage's ([Note:
+    tied embeddings across stages]); every rank takes part in making the groups."""
+    group, source = tie_group(mesh, first=split.ranks[0], last=split.ranks[-1])
+    if group is None:
+        return None
+    first = next((s for s in stages if s.stage == 0), None)
+    stage, path = (first, ends.embedding) if first else (stages[-1], ends.head)
+    weight = stage.part.get_submodule(path).weight
+    copy = TiedCopy(param=weight, group=group, source=source, counted=first is not None)
+    share_first_copy(copy)
+    return copy
 
 
 def _schedule(

@@ -11,10 +11,13 @@ fsdpkit.sharding.pipeline). Then, as in ``train_step``:
 - the step's loss is the sum of the last stage's micro-batch losses (each already
   divided by the micro-batch count), summed over the pipeline group so every rank
   reports the same number (the other stages contribute zero);
+- a tied embedding and head: the first and last stages' gradients of their copies
+  are summed ([Note: tied embeddings across stages] in fsdpkit.sharding.pipeline_tied);
 - global-norm clipping over every stage: each rank's squared gradient norm (over its
   stages' shards, reduced over the stage's own ranks as without pp) is summed over the
   pipeline group before the square root, so the norm, and the clipping factor, are
-  those of the whole model (``clip_grad_norm_(..., across=group)``);
+  those of the whole model (``clip_grad_norm_(..., across=group)``; a tied weight's
+  last-stage copy is not counted again);
 - the optimizer steps each rank's own parameters, and zero_grad.
 
 [Note: pipelined evaluation]
@@ -36,6 +39,7 @@ from torch import nn
 
 from fsdpkit.sharding.grads import clip_grad_norm_
 from fsdpkit.sharding.pipeline import Pipeline
+from fsdpkit.sharding.pipeline_tied import sum_tied_grads
 from fsdpkit.trainable.step import StepResult
 
 
@@ -76,7 +80,11 @@ def pipeline_step(
             f"{len(micro_batches)}"
         )
     total = _train(pipe, micro_batches)
-    norm = clip_grad_norm_(view, max_norm, foreach=foreach, across=pipe.group)
+    tied = pipe.tied
+    if tied is not None:  # [Note: tied embeddings across stages]
+        sum_tied_grads(tied)
+    skip = [tied.param] if tied is not None and not tied.counted else []
+    norm = clip_grad_norm_(view, max_norm, foreach=foreach, across=pipe.group, skip=skip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss=total, grad_norm=norm)
