@@ -66,10 +66,13 @@ LAYOUTS: dict[str, list[str]] = {
     "factory-mlp-pp2xdp2": ["parallel.pp=2"],
     "sft-hf-llama-pp2xcp2": ["parallel.pp=2", "parallel.cp=2"],
     "tied-pp2xdp2-1f1b": ["parallel.pp=2"],
+    "tied-pp2xdp2-zbv": ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"],
+    "tied-pp2xdp2-dualpipev": ["parallel.pp=2", "parallel.pp_schedule=DualPipeV"],
     "tied-pp4": ["parallel.pp=4"],
     "tied-pp2xtp2-interleaved": [
         *("parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=Interleaved1F1B"),
     ],
+    "tied-hf-llama-pp2xdp2": ["parallel.pp=2"],
     "tied-hf-gemma-pp2xdp2": ["parallel.pp=2"],
 }
 """Layout name -> its overrides; "hf-" layouts train a transformers Llama directory,
@@ -122,11 +125,30 @@ def _overrides(name: str, tmp: Path) -> list[str]:
         return [*BASE, *BATCH]
     from fsdpkit.testing.hf import write_tiny_model
 
-    arch = "gemma" if name.startswith("tied-") else "llama"  # transformers' Gemma is tied
-    model = tmp / f"hf-{arch}"
-    if not model.exists():
+    arch = name.split("-")[-2] if name.startswith("tied-") else "llama"
+    model = tmp / name.removesuffix("-pp2xdp2")
+    if not model.exists() and arch == "llama" and name.startswith("tied-"):
+        _write_tied_llama(model)
+    elif not model.exists():  # transformers' Gemma is tied
         write_tiny_model(model, arch=arch, layers=4)
     return [*common, f"model.hf={model}"]
+
+
+def _write_tied_llama(out: Path) -> None:
+    """A tiny transformers Llama with ``tie_word_embeddings`` (its file holds the
+    embedding only)."""
+    import torch
+    import transformers as T
+
+    from fsdpkit.testing.hf import tiny_config, write_tokenizer
+
+    config = tiny_config("llama", layers=4)
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(str(out))
+    write_tokenizer(out, vocab_size=config.vocab_size)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +158,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _reference(refs: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    prefixes = ("tied-hf-", "hf-", "factory-", "sft-", "tied-")
+    prefixes = ("tied-hf-llama", "tied-hf-gemma", "hf-", "factory-", "sft-", "tied-")
     kind = next((p for p in prefixes if name.startswith(p)), "llama")
     if kind not in refs:
         tmp: Path = refs["tmp"]
@@ -158,13 +180,17 @@ def _check(name: str, refs: dict[str, Any]) -> None:
     assert len(got["loss"]) == STEPS
     for key in ("loss", "grad_norm") + (("val_loss",) if name in SINGLE_DP else ()):
         worst = max(abs(a - b) for a, b in zip(got[key], ref_metrics[key], strict=True))
+        print(f"{name}: {key} worst difference {worst:.2e}")
         assert worst < TOL, f"{name}: {key} {got[key]} vs {ref_metrics[key]}"
     names: set[str] = set()
+    worst = 0.0
     for rank, out in enumerate(ranks):  # a tied weight: both stages' copies
         names.update(out["params"])
         for key, value in out["params"].items():
             diff = (value - ref_out["params"][key]).abs().max().item()
             assert diff < TOL, f"{name}: {key} on rank {rank} differs by {diff:.2e}"
+            worst = max(worst, diff)
+    print(f"{name}: final parameters worst difference {worst:.2e}")
     assert names == set(ref_out["params"])  # every parameter, the model's names
 
 

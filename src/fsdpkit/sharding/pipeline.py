@@ -74,11 +74,12 @@ from fsdpkit.sharding.pipeline_parts import (
     ModelEnds,
     StageInput,
     StageOutput,
+    TiedHeadView,
     model_ends,
     stage_module,
 )
-from fsdpkit.sharding.pipeline_split import StageSplit, stage_split, tied_refusal
-from fsdpkit.sharding.pipeline_tied import TiedCopy, share_first_copy, tie_group
+from fsdpkit.sharding.pipeline_split import StageSplit, stage_split
+from fsdpkit.sharding.pipeline_tied import TiedCopy, tied_copy
 from fsdpkit.sharding.policy import resolve_precision
 
 
@@ -322,9 +323,6 @@ def shard_pipeline(
     choice = choose_blocks(model, class_names=cfg.parallel.block_classes or None)
     blocks = list(choice.blocks)
     ends = model_ends(model, blocks=blocks)
-    why = tied_refusal(cfg.parallel.pp_schedule) if ends.tied else None
-    if why is not None:
-        raise ConfigError(f"parallel.pp with {type(model).__name__}'s tied head: {why}")
     split = _split(model, ends, cfg)
     local = split.local(group.get_local_rank())
     last = split.stages - 1
@@ -350,7 +348,7 @@ def shard_pipeline(
     )
     pipe = Pipeline(schedule, stages, split, group.get_group(), micro_batches, plans)
     if ends.tied:
-        pipe.tied = _tied_copy(stages, ends, split=split, mesh=mesh)
+        pipe.tied = tied_copy(stages, ends, split=split, mesh=mesh, view=view)
     return pipe, view
 
 
@@ -358,24 +356,11 @@ def _view(
     model: nn.Module, ends: ModelEnds, split: StageSplit, local: list[int], entry: Any
 ) -> nn.Module:
     keep = {b for s in local for b in split.blocks[s]}
-    last = split.stages - 1 in local
-    return stage_module(model, ends, keep=keep, first=0 in local, last=last, entry=entry)
-
-
-def _tied_copy(
-    stages: list[StageModule], ends: ModelEnds, *, split: StageSplit, mesh: DeviceMesh
-) -> TiedCopy | None:
-    """This rank's copy of the tied weight, made equal to the first stage's ([Note:
-    tied embeddings across stages]); every rank takes part in making the groups."""
-    group, source = tie_group(mesh, first=split.ranks[0], last=split.ranks[-1])
-    if group is None:
-        return None
-    first = next((s for s in stages if s.stage == 0), None)
-    stage, path = (first, ends.embedding) if first else (stages[-1], ends.head)
-    weight = stage.part.get_submodule(path).weight
-    copy = TiedCopy(param=weight, group=group, source=source, counted=first is not None)
-    share_first_copy(copy)
-    return copy
+    first, last = 0 in local, split.stages - 1 in local
+    head = TiedHeadView() if ends.tied and first and last else None  # [Note: tied embeddings
+    return stage_module(  # across stages] in fsdpkit.sharding.pipeline_tied
+        model, ends, keep=keep, first=first, last=last, entry=entry, head=head
+    )
 
 
 def _schedule(

@@ -93,6 +93,13 @@ class TiedStageInput(StageInput):
         self.weight = weight
 
 
+class TiedHeadView(nn.Module):
+    """The output head in the view of a rank that holds both the first and the last
+    stage of a tied model (a V schedule): holds the first stage's copy as ``weight``
+    (set once the stages are sharded), so the view is a tied model and the optimizer
+    steps that copy only ([Note: tied embeddings across stages]). Never run."""
+
+
 class StageOutput(nn.Module):
     """The output head of a stage that sends hidden states on: returns its input and
     keeps it as ``seen``."""
@@ -187,10 +194,12 @@ def stage_module(
     first: bool,
     last: bool,
     entry: nn.Module | None = None,
+    head: nn.Module | None = None,
 ) -> nn.Module:
     """The stage holding blocks ``keep`` ([Note: stage modules]); ``first`` / ``last``:
     whether it holds the embedding / the norm and head; ``entry``: the stage input to
-    use (a rank's view shares its last stage's ``TiedStageInput``)."""
+    use (a rank's view shares its last stage's ``TiedStageInput``); ``head``: the head
+    to use (a ``TiedHeadView``)."""
     swap: dict[str, nn.Module] = {
         path: SkippedBlock(model.get_submodule(path))
         for i, path in enumerate(ends.blocks)
@@ -202,6 +211,8 @@ def stage_module(
         tied = ends.tied and last
         weight = model.get_submodule(ends.embedding).weight if tied else None
         swap[ends.embedding] = TiedStageInput(weight) if weight is not None else StageInput()
+    if head is not None:
+        swap[ends.head] = head
     if not last:
         swap[ends.head] = StageOutput()
         if ends.norm is not None:

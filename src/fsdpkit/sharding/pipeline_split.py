@@ -153,38 +153,18 @@ def stage_split(
     return StageSplit(blocks=blocks, ranks=ranks, params=params)
 
 
-def tied_refusal(schedule: str) -> str | None:
-    """Why ``schedule`` cannot run a model whose embedding and head are tied ([Note:
-    tied embeddings across stages] in fsdpkit.sharding.pipeline_tied), None if it can."""
-    if SCHEDULES[schedule].style != "v":
-        return None
-    return (
-        f"parallel.pp_schedule = {schedule!r} puts the first and the last stage on one rank, "
-        "and fsdpkit gives the tied embedding and head one copy per stage on different "
-        "ranks. Choose 1F1B, GPipe, Interleaved1F1B, LoopedBFS or InterleavedZeroBubble, "
-        "or set model.tie_embeddings = false (built-in presets)."
-    )
-
-
 def check_pipeline_layout(cfg: RunConfig) -> None:
     """Refuse a pipeline layout the configured model cannot take, from the config alone
     (the launcher calls this before any process starts): blocks that do not split into
-    the stages, a tied embedding and head on a V schedule. A factory model is checked
-    when it is built."""
+    the stages. A factory model is checked when it is built."""
     p, m = cfg.parallel, cfg.model
     if p.pp == 1 or m.factory:
         return
     if m.hf:
         config = read_hf_dir(m.hf).config
         n_blocks = getattr(config, "num_hidden_layers", None)
-        tied = bool(getattr(config, "tie_word_embeddings", False))
     else:
-        shape = preset(m.preset)
-        n_blocks = m.n_layers or shape.n_layers
-        tied = shape.tie_embeddings if m.tie_embeddings is None else m.tie_embeddings
-    why = tied_refusal(p.pp_schedule) if tied else None
-    if why is not None:
-        raise ConfigError(f"parallel.pp = {p.pp} with a tied embedding and head: {why}")
+        n_blocks = m.n_layers or preset(m.preset).n_layers
     if isinstance(n_blocks, int):
         stages = p.pp * stages_per_rank(schedule=p.pp_schedule, configured=p.pp_stages_per_rank)
         split_stages(block_params=[1] * n_blocks, stages=stages, mode=p.pp_split)

@@ -12,7 +12,8 @@ fsdpkit.sharding.pipeline). Then, as in ``train_step``:
   divided by the micro-batch count), summed over the pipeline group so every rank
   reports the same number (the other stages contribute zero);
 - a tied embedding and head: the first and last stages' gradients of their copies
-  are summed ([Note: tied embeddings across stages] in fsdpkit.sharding.pipeline_tied);
+  are summed (where one rank holds both, its last copy first takes the first's
+  values: [Note: tied embeddings across stages] in fsdpkit.sharding.pipeline_tied);
 - global-norm clipping over every stage: each rank's squared gradient norm (over its
   stages' shards, reduced over the stage's own ranks as without pp) is summed over the
   pipeline group before the square root, so the norm, and the clipping factor, are
@@ -39,7 +40,7 @@ from torch import nn
 
 from fsdpkit.sharding.grads import clip_grad_norm_
 from fsdpkit.sharding.pipeline import Pipeline
-from fsdpkit.sharding.pipeline_tied import sum_tied_grads
+from fsdpkit.sharding.pipeline_tied import refresh_twin, sum_tied_grads
 from fsdpkit.trainable.step import StepResult
 
 
@@ -79,6 +80,7 @@ def pipeline_step(
             f"the pipeline schedule runs {pipe.micro_batches} micro-batches a step, got "
             f"{len(micro_batches)}"
         )
+    refresh_twin(pipe.tied)
     total = _train(pipe, micro_batches)
     tied = pipe.tied
     if tied is not None:  # [Note: tied embeddings across stages]
@@ -98,6 +100,7 @@ def pipeline_eval(pipe: Pipeline, micro_batches: Sequence[Any]) -> torch.Tensor:
     me = dist.get_rank(pipe.group)
     local = {stage.stage: stage for stage in pipe.stages}
     total = torch.zeros((), device=micro_batches[0].device)
+    refresh_twin(pipe.tied)
     for stage in pipe.stages:
         stage.eval()
         stage.batches, stage.mean_over = micro_batches, n
