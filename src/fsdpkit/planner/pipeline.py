@@ -27,13 +27,14 @@ them in memory).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
 from fsdpkit.config import RunConfig
 from fsdpkit.config.pipeline import SCHEDULES, stage_rank, stages_per_rank
-from fsdpkit.planner.layout import ModelLayout, Units, units
+from fsdpkit.planner.layout import EdgeLayout, ModelLayout, Units, units
 from fsdpkit.planner.mparallel import tp_layout
 from fsdpkit.planner.result import CommVolume, MemoryPlan
 from fsdpkit.planner.scenario import Scenario
@@ -116,12 +117,31 @@ def _with_reduce(actions: list[Action], *, n: int) -> tuple[Action, ...]:
     return tuple(out)
 
 
+def tied_index(layout: ModelLayout) -> int | None:
+    """Where a tied embedding and head's weight lies in ``layout.root`` (a tied model
+    has no edge units: fsdpkit.sharding.edges); None when untied.
+
+    [Note: tied stages in the plan]
+    Under pp the trainer gives the first stage the embedding (a stage without the head:
+    an edge unit of its own) and the last stage a copy as its head, in its root
+    ([Note: tied embeddings across stages] in fsdpkit.sharding.pipeline_tied). Each is
+    planned as the real run holds it: the first stage's embedding backward is an untied
+    one's, and the last stage's head with its gradient and optimizer state, but on a
+    rank that holds both (a V schedule), where the optimizer steps the first copy
+    only and the last copy's gradient is dropped before the step."""
+    if any(e.role in ("embedding", "head") for e in layout.edges):
+        return None
+    rows = layout.embedding_rows
+    return next((i for i, (r, c) in enumerate(layout.root) if r == rows and c > 1), None)
+
+
 def pipeline_split(cfg: RunConfig, layout: ModelLayout) -> StageSplit:
     """The trainer's split of this model ([Note: stage split]) from its layout."""
     per_block = [sum(r * c for r, c in block) for block in layout.blocks]
     edge = {e.role: sum(r * c for r, c in e.shapes) for e in layout.edges}
     root = sum(r * c for r, c in layout.root)  # the final norm when the head is in the root
-    first = edge.get("embedding", 0)
+    tied = tied_index(layout)  # counted on the first stage too ([Note: tied stages in the plan])
+    first = edge.get("embedding", 0) + (math.prod(layout.root[tied]) if tied is not None else 0)
     last = edge.get("norm", 0) + edge.get("head", 0) + root
     return stage_split(cfg, block_params=per_block, edge_params=(first, last))
 
@@ -132,11 +152,16 @@ def stage_units(cfg: RunConfig, sc: Scenario, split: StageSplit, stage: int) -> 
     local = tp_layout(sc.layout, tp=sc.tp, vocab=sc.vocab_size if sc.vocab_parallel else None)
     first, last = stage == 0, stage == split.stages - 1
     roles = ({"embedding"} if first else set()) | ({"norm", "head"} if last else set())
+    edges = tuple(e for e in local.edges if e.role in roles)
+    tied = tied_index(sc.layout)
+    if tied is not None and first:  # [Note: tied stages in the plan]
+        frozen = (local.root_frozen[tied],) if local.root_frozen else ()
+        edges = (EdgeLayout(role="embedding", shapes=(local.root[tied],), frozen=frozen), *edges)
     part = replace(
         local,
         blocks=tuple(local.blocks[b] for b in split.blocks[stage]),
         frozen=tuple(local.frozen[b] for b in split.blocks[stage]) if local.frozen else (),
-        edges=tuple(e for e in local.edges if e.role in roles),
+        edges=edges,
         root=local.root if last else (),
     )
     return units(part, shard=sc.shard, parallel=cfg.parallel, activations=cfg.activations)
@@ -150,7 +175,8 @@ def stage_scenario(cfg: RunConfig, sc: Scenario, split: StageSplit, stage: int) 
         replace(u, name=_shifted(u.name, offset), blocks=tuple(b + offset for b in u.blocks))
         for u in made.blocks
     )
-    return sc.with_(root=made.root, edges=made.edges, units=blocks)
+    untied = replace(sc.model, tie_embeddings=False) if sc.model is not None else None
+    return sc.with_(root=made.root, edges=made.edges, units=blocks, model=untied)
 
 
 def _shifted(name: str, offset: int) -> str:
@@ -264,6 +290,15 @@ def stages_of(cfg: RunConfig) -> int:
     return stages_per_rank(schedule=p.pp_schedule, configured=p.pp_stages_per_rank)
 
 
+def _twin(sc: Scenario, local: dict[int, Scenario], *, last: int) -> int:
+    """The sharded elements of the tied head's copy that a rank holding both the first
+    and the last stage does not step ([Note: tied stages in the plan]); 0 otherwise."""
+    if tied_index(sc.layout) is None or 0 not in local or last not in local:
+        return 0
+    embedding = local[0].edge("embedding")
+    return embedding.trainable_sharded if embedding is not None else 0
+
+
 def pipeline_plan(cfg: RunConfig, sc: Scenario) -> PipelinePlan:
     """Every pipeline rank's memory and traffic, and the bubble, of ``sc`` ([Note:
     pipeline plans]); ``cfg`` holds the schedule and the split."""
@@ -279,7 +314,13 @@ def pipeline_plan(cfg: RunConfig, sc: Scenario) -> PipelinePlan:
     for r in range(p.pp):
         local = {s: scs[s] for s in split.local(r)}
         memory = rank_memory(
-            local, actions[r], last_stage=split.stages - 1, micro_batches=n, schedule=p.pp_schedule
+            local,
+            actions[r],
+            last_stage=split.stages - 1,
+            micro_batches=n,
+            schedule=p.pp_schedule,
+            tied=tied_index(sc.layout) is not None,
+            twin=_twin(sc, local, last=split.stages - 1),
         )
         ranks.append(
             RankPlan(

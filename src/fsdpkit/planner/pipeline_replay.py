@@ -55,15 +55,30 @@ class StageStep(Step):
     """One stage's units in a rank's shared ledger."""
 
     def __init__(
-        self, sc: Scenario, *, stage: int, first: bool, last: bool, local: set[int], led: Ledger
+        self,
+        sc: Scenario,
+        *,
+        stage: int,
+        first: bool,
+        last: bool,
+        local: set[int],
+        led: Ledger,
+        tied: bool = False,
     ) -> None:
-        """``local``: the rank's stages (a V schedule hands over between two of them)."""
+        """``local``: the rank's stages (a V schedule hands over between two of them);
+        ``tied``: the model's head is its embedding."""
         super().__init__(sc.with_(keep_unsharded=True, accum_sync="last", grad_accum=2))
         self.led = led
         self.stage, self.first, self.last = stage, first, last
         self.local_next = not last and stage + 1 in local
         self.local_prev = not first and stage - 1 in local
         self.edge_names = {"head", "norm"}  # their units (``Scenario.edge``)
+        self.head_in_root = tied and last and sc.root.grads_numel > 0
+        """A tied head's copy in the stage's root ([Note: tied stages in the plan] in
+        fsdpkit.planner.pipeline): its gradient, and the final norm's, sum into the
+        accumulated ones right after the head's backward, not at the stage's end."""
+        if self.head_in_root:
+            self.edge_names.add(sc.root.name)
         self.last_micro = False
         self.sending = 0
         """Bytes of the input gradient its last backward handed to an asynchronous send."""
@@ -120,11 +135,13 @@ class StageStep(Step):
     def input_action(self, mb: int, *, keep_output: bool) -> None:
         """torch's I: the backward towards the stage's input, each block's weight pass
         kept for ``weight_action`` ([Note: zero-bubble backward])."""
-        self.splitting = self.weight_passes.setdefault(mb, [])
+        self.splitting = parts = self.weight_passes.setdefault(mb, [])
         try:
             self.backward_action(keep_output=keep_output)
         finally:
             self.splitting = None
+        if self.head_in_root:  # its weight, named the embedding's, is the stage's first
+            parts.append(parts.pop(0))  # parameter: its weight pass goes first
 
     def weight_action(self, mb: int) -> None:
         """torch's W: micro-batch ``mb``'s weight passes, in the parameters' order."""
@@ -136,6 +153,11 @@ class StageStep(Step):
                 part()
         if not self.first:
             self.led.add(ACT, self.s.nde)  # the receive buffer (see ``_input_gradient``)
+
+    def loss_and_head_backward(self, *, sync: bool) -> None:
+        super().loss_and_head_backward(sync=sync)
+        if self.head_in_root:
+            self.post_backward(self.root, sync=sync)
 
     def head_events(self, *, weight_grad: bool) -> list[Event]:
         events = super().head_events(weight_grad=weight_grad)
@@ -184,7 +206,8 @@ class StageStep(Step):
         saved input, persists."""
         led = self.led
         led.at("backward", f"stage {self.stage} input gradient")
-        self.post_backward(self.root, sync=False)
+        if not self.head_in_root:
+            self.post_backward(self.root, sync=False)
         for flat in self.prefetched.values():
             led.add(COLL, -flat)
         self.prefetched.clear()
@@ -268,21 +291,31 @@ def rank_memory(
     last_stage: int,
     micro_batches: int,
     schedule: str,
+    tied: bool = False,
+    twin: int = 0,
 ) -> MemoryPlan:
     """One pipeline rank's steady-state step ([Note: what a pipeline stage holds]):
-    ``stages`` are its stages' scenarios by stage index, ``actions`` its schedule's."""
+    ``stages`` are its stages' scenarios by stage index, ``actions`` its schedule's;
+    ``tied``: the model's head is its embedding ([Note: tied stages in the plan] in
+    fsdpkit.planner.pipeline); ``twin``: the sharded elements of the tied head's copy
+    the rank's optimizer does not step (it steps the first stage's): no optimizer
+    state, its gradient dropped before the step."""
     led = Ledger()
     steps = {
-        s: StageStep(sc, stage=s, first=s == 0, last=s == last_stage, local=set(stages), led=led)
+        s: StageStep(
+            sc, stage=s, first=s == 0, last=s == last_stage, local=set(stages), led=led, tied=tied
+        )
         for s, sc in stages.items()
     }
     for step in steps.values():
         step.stage_persistent(micro_batches=micro_batches)
     any_sc = next(iter(stages.values()))
     led.add("buffers_inputs", micro_batches * any_sc.micro_batch * (any_sc.seq_len + 1) * 8)
+    led.add("optimizer_states", -8 * twin)
     _replay(steps, actions, led=led, schedule=schedule)
+    led.add("gradients", -4 * twin)
     _optimizer(led, list(stages.values()))
-    states: dict[str, int] = {}
+    states: dict[str, int] = {"optimizer_states": -8 * twin}
     for sc in stages.values():
         for key, value in model_states(sc).items():
             states[key] = states.get(key, 0) + value
