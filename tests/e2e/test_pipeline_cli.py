@@ -38,6 +38,7 @@ def test_pipelined_run_states_its_split_and_trains(tmp_path: Path) -> None:
     assert "pipeline: 2 ranks x 1 stage(s), Schedule1F1B over 4 micro-batches" in out, out[:3000]
     assert "pp rank 0: stage 0: embedding + blocks 0-1" in out
     assert "pp rank 1: stage 1: blocks 2-3 + norm, head, loss" in out
+    assert "tied embedding and head: the last stage holds a copy of the weight" in out
     assert "validation loss" in out
     curve = losses(tmp_path / "run")
     assert len(curve) == 6 and curve[-1] < curve[0]

@@ -274,7 +274,13 @@ class Pipeline:
             f"pipeline: {len(set(p.ranks))} ranks x {p.stages // len(set(p.ranks))} stage(s), "
             f"{type(self.schedule).__name__} over {self.micro_batches} micro-batches"
         )
-        return head + "\n" + p.describe()
+        tied = (  # [Note: tied embeddings across stages] in fsdpkit.sharding.pipeline_tied
+            "\ntied embedding and head: the last stage holds a copy of the weight, its "
+            "gradient summed with the first stage's every step"
+            if self.tied_names
+            else ""
+        )
+        return head + "\n" + p.describe() + tied
 
 
 def _stage_class() -> type:
