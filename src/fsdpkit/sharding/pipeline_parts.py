@@ -208,9 +208,11 @@ def stage_module(
     if not first and entry is not None:
         swap[ends.embedding] = entry
     elif not first:
-        tied = ends.tied and last
-        weight = model.get_submodule(ends.embedding).weight if tied else None
-        swap[ends.embedding] = TiedStageInput(weight) if weight is not None else StageInput()
+        weight = model.get_submodule(ends.embedding).weight if ends.tied and last else None
+        if isinstance(weight, nn.Parameter):
+            swap[ends.embedding] = TiedStageInput(weight)
+        else:
+            swap[ends.embedding] = StageInput()
     if head is not None:
         swap[ends.head] = head
     if not last:

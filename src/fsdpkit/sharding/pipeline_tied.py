@@ -99,6 +99,7 @@ def tied_copy(
         if group is None:
             return None
         stage, path = (first, ends.embedding) if first is not None else (last, ends.head)
+        assert stage is not None  # the tie group holds this rank: it has either end
         weight = stage.part.get_submodule(path).weight
         copy = TiedCopy(param=weight, group=group, source=source, counted=first is not None)
     share_first_copy(copy)
