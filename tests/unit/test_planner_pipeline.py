@@ -78,7 +78,7 @@ def test_tied_stages_hold_what_the_trainer_gives_them() -> None:
     stage's head hold the tied weight each; where one rank holds both (ZBVZeroBubble),
     the last stage's copy has no optimizer state."""
     vocab, dim, shard = 1024, 128, 2
-    plans = {}
+    plans, comms = {}, {}
     for tied in ("false", "true"):
         for schedule in ("1F1B", "ZBVZeroBubble"):
             pp = ["parallel.pp=2", f"parallel.pp_schedule={schedule}"]
@@ -86,7 +86,11 @@ def test_tied_stages_hold_what_the_trainer_gives_them() -> None:
             pipe = plan(cfg, world_size=4).pipeline
             assert pipe is not None
             plans[tied, schedule] = [r.memory.model_states for r in pipe.ranks]
+            comms[tied, schedule] = [r.comm.all_reduce for r in pipe.ranks]
     assert plans["true", "1F1B"] == plans["false", "1F1B"]  # one copy on each end
+    tie = [a - b for a, b in zip(comms["true", "1F1B"], comms["false", "1F1B"], strict=True)]
+    assert tie == [vocab * dim // shard * 4] * 2  # each end sends its copy's gradient
+    assert comms["true", "ZBVZeroBubble"] == comms["false", "ZBVZeroBubble"]  # on one rank
     states = vocab * dim // shard * 8
     untied, tied_v = plans["false", "ZBVZeroBubble"], plans["true", "ZBVZeroBubble"]
     assert tied_v[0]["optimizer_states"] == untied[0]["optimizer_states"] - states

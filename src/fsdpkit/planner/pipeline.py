@@ -36,6 +36,7 @@ from fsdpkit.config import RunConfig
 from fsdpkit.config.pipeline import SCHEDULES, stage_rank, stages_per_rank
 from fsdpkit.planner.layout import EdgeLayout, ModelLayout, Units, units
 from fsdpkit.planner.mparallel import tp_layout
+from fsdpkit.planner.pipeline_tied import tied_index, twin_elements, with_tie_all_reduce
 from fsdpkit.planner.result import CommVolume, MemoryPlan
 from fsdpkit.planner.scenario import Scenario
 from fsdpkit.planner.sizing import sizes
@@ -117,30 +118,12 @@ def _with_reduce(actions: list[Action], *, n: int) -> tuple[Action, ...]:
     return tuple(out)
 
 
-def tied_index(layout: ModelLayout) -> int | None:
-    """Where a tied embedding and head's weight lies in ``layout.root`` (a tied model
-    has no edge units: fsdpkit.sharding.edges); None when untied.
-
-    [Note: tied stages in the plan]
-    Under pp the trainer gives the first stage the embedding (a stage without the head:
-    an edge unit of its own) and the last stage a copy as its head, in its root
-    ([Note: tied embeddings across stages] in fsdpkit.sharding.pipeline_tied). Each is
-    planned as the real run holds it: the first stage's embedding backward is an untied
-    one's, and the last stage's head with its gradient and optimizer state, but on a
-    rank that holds both (a V schedule), where the optimizer steps the first copy
-    only and the last copy's gradient is dropped before the step."""
-    if any(e.role in ("embedding", "head") for e in layout.edges):
-        return None
-    rows = layout.embedding_rows
-    return next((i for i, (r, c) in enumerate(layout.root) if r == rows and c > 1), None)
-
-
 def pipeline_split(cfg: RunConfig, layout: ModelLayout) -> StageSplit:
     """The trainer's split of this model ([Note: stage split]) from its layout."""
     per_block = [sum(r * c for r, c in block) for block in layout.blocks]
     edge = {e.role: sum(r * c for r, c in e.shapes) for e in layout.edges}
     root = sum(r * c for r, c in layout.root)  # the final norm when the head is in the root
-    tied = tied_index(layout)  # counted on the first stage too ([Note: tied stages in the plan])
+    tied = tied_index(layout)  # on the first stage too ([Note: tied stages in the plan])
     first = edge.get("embedding", 0) + (math.prod(layout.root[tied]) if tied is not None else 0)
     last = edge.get("norm", 0) + edge.get("head", 0) + root
     return stage_split(cfg, block_params=per_block, edge_params=(first, last))
@@ -290,15 +273,6 @@ def stages_of(cfg: RunConfig) -> int:
     return stages_per_rank(schedule=p.pp_schedule, configured=p.pp_stages_per_rank)
 
 
-def _twin(sc: Scenario, local: dict[int, Scenario], *, last: int) -> int:
-    """The sharded elements of the tied head's copy that a rank holding both the first
-    and the last stage does not step ([Note: tied stages in the plan]); 0 otherwise."""
-    if tied_index(sc.layout) is None or 0 not in local or last not in local:
-        return 0
-    embedding = local[0].edge("embedding")
-    return embedding.trainable_sharded if embedding is not None else 0
-
-
 def pipeline_plan(cfg: RunConfig, sc: Scenario) -> PipelinePlan:
     """Every pipeline rank's memory and traffic, and the bubble, of ``sc`` ([Note:
     pipeline plans]); ``cfg`` holds the schedule and the split."""
@@ -320,15 +294,16 @@ def pipeline_plan(cfg: RunConfig, sc: Scenario) -> PipelinePlan:
             micro_batches=n,
             schedule=p.pp_schedule,
             tied=tied_index(sc.layout) is not None,
-            twin=_twin(sc, local, last=split.stages - 1),
+            twin=twin_elements(sc, scs, local=list(local)),
         )
+        comm = comm_volume(rank_scenario(list(local.values())))
         ranks.append(
             RankPlan(
                 rank=r,
                 stages=tuple(local),
                 memory=memory,
                 p2p_bytes=p2p_bytes(sc, split, rank=r, n=n),
-                comm=comm_volume(rank_scenario(list(local.values()))),
+                comm=with_tie_all_reduce(comm, sc, scs, local=list(local)),
             )
         )
     return PipelinePlan(

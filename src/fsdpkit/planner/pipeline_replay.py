@@ -75,7 +75,7 @@ class StageStep(Step):
         self.edge_names = {"head", "norm"}  # their units (``Scenario.edge``)
         self.head_in_root = tied and last and sc.root.grads_numel > 0
         """A tied head's copy in the stage's root ([Note: tied stages in the plan] in
-        fsdpkit.planner.pipeline): its gradient, and the final norm's, sum into the
+        fsdpkit.planner.pipeline_tied): its gradient, and the final norm's, sum into the
         accumulated ones right after the head's backward, not at the stage's end."""
         if self.head_in_root:
             self.edge_names.add(sc.root.name)
@@ -297,7 +297,7 @@ def rank_memory(
     """One pipeline rank's steady-state step ([Note: what a pipeline stage holds]):
     ``stages`` are its stages' scenarios by stage index, ``actions`` its schedule's;
     ``tied``: the model's head is its embedding ([Note: tied stages in the plan] in
-    fsdpkit.planner.pipeline); ``twin``: the sharded elements of the tied head's copy
+    fsdpkit.planner.pipeline_tied); ``twin``: the sharded elements of the tied head's copy
     the rank's optimizer does not step (it steps the first stage's): no optimizer
     state, its gradient dropped before the step."""
     led = Ledger()
