@@ -9,8 +9,10 @@ pipelined run has one data-parallel rank, so it evaluates the same batches) and
 every final parameter (gathered by name from the rank that holds it) agree within
 1e-5. The fast test trains pp2 x dp2 with 1F1B, of the model with a tied embedding and
 head; the other layouts (untied 1F1B, Interleaved1F1B, pp4, pp2 x tp2, a transformers
-Llama, the remaining schedules, cp, AC, the chunked loss, and tied at pp4, at pp2 x tp2
-and in transformers' Gemma) are slow-marked and run in the same way.
+Llama, the remaining schedules, cp, AC, the chunked loss, and tied with the V
+schedules, at pp4, pp2 x tp2, pp2 x cp2, in transformers' Llama with
+``tie_word_embeddings`` and in transformers' Gemma) are slow-marked and run in the same
+way.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ LAYOUTS: dict[str, list[str]] = {
     "tied-pp2xtp2-interleaved": [
         *("parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=Interleaved1F1B"),
     ],
+    "tied-pp2xcp2": ["parallel.pp=2", "parallel.cp=2"],
     "tied-hf-llama-pp2xdp2": ["parallel.pp=2"],
     "tied-hf-gemma-pp2xdp2": ["parallel.pp=2"],
 }
@@ -84,7 +87,7 @@ across stages]: each end's copy is checked against the one process's weight)."""
 FAST = ("tied-pp2xdp2-1f1b",)
 """In make test: pp2 x dp2 with 1F1B of the tied model (the untied one's path and the
 tie's)."""
-SINGLE_DP = ("pp4", "pp2xtp2", "pp2xcp2", "tied-pp4", "tied-pp2xtp2-interleaved")
+SINGLE_DP = ("pp4", "pp2xtp2", "pp2xcp2", "tied-pp4", "tied-pp2xtp2-interleaved", "tied-pp2xcp2")
 """Layouts with one data-parallel rank: they evaluate the one process's batches."""
 
 
