@@ -136,10 +136,20 @@ PP_LAYOUTS = (  # planned analytically per pipeline rank; the row is the highest
     ("Interleaved1F1B pp2 x dp2", ("parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B")),
     ("GPipe pp2 x dp2", ("parallel.pp=2", "parallel.pp_schedule=GPipe")),
     ("ZBVZeroBubble pp2 x dp2", ("parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble")),
+    (
+        "InterleavedZeroBubble pp2 x dp2",
+        ("parallel.pp=2", "parallel.pp_schedule=InterleavedZeroBubble"),
+    ),
+    ("DualPipeV pp2 x dp2", ("parallel.pp=2", "parallel.pp_schedule=DualPipeV")),
     ("1F1B pp4", ("parallel.pp=4",)),
     ("1F1B pp2 x tp2", ("parallel.pp=2", "parallel.tp=2")),
     ("1F1B pp2 x cp2", ("parallel.pp=2", "parallel.cp=2")),
     ("1F1B pp2 x dp2 +AC", ("parallel.pp=2", "activations.mode=full")),
+    ("tied 1F1B pp2 x dp2", ("model.tie_embeddings=true", "parallel.pp=2")),
+    (
+        "tied ZBVZeroBubble pp2 x dp2",
+        ("model.tie_embeddings=true", "parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"),
+    ),
 )
 SEL, ACT_MODES = "activations.mode=selective", ("none", "selective", "full")
 MODELS["E"] = [  # issue 37: the built-in MoE model (8 experts, top 2), traced

@@ -43,8 +43,8 @@ def _metrics(run_dir: Path) -> list[tuple[float, float]]:
     return [(r["loss"], r["grad_norm"]) for r in records if "loss" in r]
 
 
-def _spawn(run_dir: Path, *overrides: str) -> None:
-    args = ([*BASE, *overrides, f"logging.run_dir={run_dir}"],)
+def _spawn(run_dir: Path, *overrides: str, base: list[str] = BASE) -> None:
+    args = ([*base, *overrides, f"logging.run_dir={run_dir}"],)
     run_ranks(_train, world_size=4, args=args, timeout_s=600)
 
 
@@ -65,3 +65,59 @@ def test_pipelined_checkpoint_resumes_at_other_layouts(tmp_path: Path) -> None:
         for (loss, norm), (ref_loss, ref_norm) in zip(got, want, strict=True):
             assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), (name, got, want)
             assert abs(norm - ref_norm) <= 1e-5 * abs(ref_norm), (name, got, want)
+
+
+TIED_RESUMES = {"1F1B": ("dp4",), "ZBVZeroBubble": ("dp4", "zbv")}
+"""The schedule of the pipelined run -> the layouts its checkpoint resumes at: 1F1B
+holds the two copies on two ranks, ZBVZeroBubble on one (and resumes into that)."""
+
+
+def _saved_keys(step: Path) -> list[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return sorted(FileSystemReader(str(step)).read_metadata().state_dict_metadata)
+
+
+@pytest.mark.parametrize(
+    "schedule", ["1F1B", pytest.param("ZBVZeroBubble", marks=pytest.mark.slow)]
+)
+def test_tied_pipelined_checkpoint_resumes_without_pp_and_exports_as_one(
+    tmp_path: Path, schedule: str
+) -> None:
+    """A tied embedding and head ([Note: tied embeddings across stages]): the
+    checkpoint holds the one tensor under the embedding's name (and its optimizer
+    state once), the record says which alias it stands for, the run resumes at dp4
+    (and into the V schedule) with the same next losses, and the export is the one a
+    run without pp writes (the same keys; the values agree)."""
+    from safetensors.torch import load_file
+
+    from fsdpkit.export.offline import export
+
+    tied = [o for o in BASE if not o.startswith("model.tie")] + ["model.tie_embeddings=true"]
+    straight = tmp_path / "straight"
+    pp = ["parallel.pp=2", f"parallel.pp_schedule={schedule}"]
+    _spawn(straight, *pp, "train.steps=4", base=tied)
+    step2 = straight / "checkpoints" / "step-00000002"
+    meta: dict[str, Any] = json.loads((step2 / "fsdpkit.json").read_text())
+    assert meta["state"]["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    keys = _saved_keys(step2)
+    assert not [k for k in keys if "lm_head" in k], keys
+    assert [k for k in keys if "embed_tokens.weight.exp_avg_sq" in k], keys
+    want = _metrics(straight)[2:]
+    for name in TIED_RESUMES[schedule]:
+        resumed = tmp_path / name
+        shutil.copytree(straight, resumed)
+        shutil.rmtree(resumed / "checkpoints" / "step-00000004")
+        _spawn(resumed, "train.steps=4", *(pp if name == "zbv" else []), base=tied)
+        got = _metrics(resumed)[2:]
+        assert len(got) == 2
+        for (loss, norm), (ref_loss, ref_norm) in zip(got, want, strict=True):
+            assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), (name, got, want)
+            assert abs(norm - ref_norm) <= 1e-5 * abs(ref_norm), (name, got, want)
+    exported = {}
+    for name in ("straight", "dp4"):
+        out = export(tmp_path / name / "checkpoints" / "step-00000004", tmp_path / f"hf-{name}")
+        exported[name] = load_file(str(next(out.glob("*.safetensors"))))
+    assert sorted(exported["straight"]) == sorted(exported["dp4"])
+    for key, value in exported["dp4"].items():
+        assert (exported["straight"][key] - value).abs().max().item() <= 1e-5, key

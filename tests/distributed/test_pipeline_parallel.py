@@ -7,9 +7,12 @@ an evaluation at steps 5 and 10, against the same config trained by one process
 (``parallel.pp = 1``, world 1). Losses, grad norms, validation losses (where the
 pipelined run has one data-parallel rank, so it evaluates the same batches) and
 every final parameter (gathered by name from the rank that holds it) agree within
-1e-5. The fast test trains pp2 x dp2 with 1F1B; the other layouts (Interleaved1F1B,
-pp4, pp2 x tp2, a transformers Llama, the remaining schedules, cp, AC and the chunked
-loss) are slow-marked and run in the same way.
+1e-5. The fast test trains pp2 x dp2 with 1F1B, of the model with a tied embedding and
+head; the other layouts (untied 1F1B, Interleaved1F1B, pp4, pp2 x tp2, a transformers
+Llama, the remaining schedules, cp, AC, the chunked loss, and tied with the V
+schedules, at pp4, pp2 x tp2, pp2 x cp2, in transformers' Llama with
+``tie_word_embeddings`` and in transformers' Gemma) are slow-marked and run in the same
+way.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from fsdpkit.config import load
 from fsdpkit.runtime.distenv import joined_env
@@ -65,14 +67,27 @@ LAYOUTS: dict[str, list[str]] = {
     "pp2-hybrid": ["parallel.pp=2", "parallel.strategy=hybrid", "parallel.shard_degree=1"],
     "factory-mlp-pp2xdp2": ["parallel.pp=2"],
     "sft-hf-llama-pp2xcp2": ["parallel.pp=2", "parallel.cp=2"],
+    "tied-pp2xdp2-1f1b": ["parallel.pp=2"],
+    "tied-pp2xdp2-zbv": ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"],
+    "tied-pp2xdp2-dualpipev": ["parallel.pp=2", "parallel.pp_schedule=DualPipeV"],
+    "tied-pp4": ["parallel.pp=4"],
+    "tied-pp2xtp2-interleaved": [
+        *("parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=Interleaved1F1B"),
+    ],
+    "tied-pp2xcp2": ["parallel.pp=2", "parallel.cp=2"],
+    "tied-hf-llama-pp2xdp2": ["parallel.pp=2"],
+    "tied-hf-gemma-pp2xdp2": ["parallel.pp=2"],
 }
 """Layout name -> its overrides; "hf-" layouts train a transformers Llama directory,
 "factory-" ones a ``model.factory`` model without HF's accessors (residual-MLP blocks,
 its embedding and head found as the one nn.Embedding and nn.Linear outside them), "sft-"
 ones packed chat rows (examples/sft_tiny.jsonl) on a transformers Llama with a chat
-template."""
-FAST = ("pp2xdp2-1f1b",)
-SINGLE_DP = ("pp4", "pp2xtp2", "pp2xcp2")
+template, "tied-" ones a model whose head is its embedding ([Note: tied embeddings
+across stages]: each end's copy is checked against the one process's weight)."""
+FAST = ("tied-pp2xdp2-1f1b",)
+"""In make test: pp2 x dp2 with 1F1B of the tied model (the untied one's path and the
+tie's)."""
+SINGLE_DP = ("pp4", "pp2xtp2", "pp2xcp2", "tied-pp4", "tied-pp2xtp2-interleaved", "tied-pp2xcp2")
 """Layouts with one data-parallel rank: they evaluate the one process's batches."""
 
 
@@ -103,14 +118,40 @@ def _overrides(name: str, tmp: Path) -> list[str]:
         rows = Path(__file__).parents[2] / "examples" / "sft_tiny.jsonl"
         sft = [f"model.hf={chat}", f"data.path={rows}", "data.seq_len=128"]
         return [*[o for o in common if not o.startswith("data.seq_len")], *sft]
-    if not name.startswith("hf-"):
+    if name.startswith("tied-") and not name.startswith("tied-hf-"):
+        return [
+            *[o for o in BASE if not o.startswith("model.tie")],
+            "model.tie_embeddings=true",
+            *BATCH,
+        ]
+    if not name.startswith(("hf-", "tied-hf-")):
         return [*BASE, *BATCH]
     from fsdpkit.testing.hf import write_tiny_model
 
-    model = tmp / "hf-llama"
-    if not model.exists():
-        write_tiny_model(model, arch="llama", layers=4)
+    arch = name.split("-")[-2] if name.startswith("tied-") else "llama"
+    model = tmp / name.removesuffix("-pp2xdp2")
+    if not model.exists() and arch == "llama" and name.startswith("tied-"):
+        _write_tied_llama(model)
+    elif not model.exists():  # transformers' Gemma is tied
+        write_tiny_model(model, arch=arch, layers=4)
     return [*common, f"model.hf={model}"]
+
+
+def _write_tied_llama(out: Path) -> None:
+    """A tiny transformers Llama with ``tie_word_embeddings`` (its file holds the
+    embedding only)."""
+    import torch
+    import transformers as T
+
+    from fsdpkit.testing.hf import tiny_config, write_tokenizer
+
+    config = tiny_config("llama", layers=4)
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(str(out))
+    write_tokenizer(out, vocab_size=config.vocab_size)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +161,8 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _reference(refs: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    kind = name.split("-")[0] if name.startswith(("hf-", "factory-", "sft-")) else "llama"
+    prefixes = ("tied-hf-llama", "tied-hf-gemma", "hf-", "factory-", "sft-", "tied-")
+    kind = next((p for p in prefixes if name.startswith(p)), "llama")
     if kind not in refs:
         tmp: Path = refs["tmp"]
         run_dir = tmp / f"ref-{kind}"
@@ -141,14 +183,18 @@ def _check(name: str, refs: dict[str, Any]) -> None:
     assert len(got["loss"]) == STEPS
     for key in ("loss", "grad_norm") + (("val_loss",) if name in SINGLE_DP else ()):
         worst = max(abs(a - b) for a, b in zip(got[key], ref_metrics[key], strict=True))
+        print(f"{name}: {key} worst difference {worst:.2e}")
         assert worst < TOL, f"{name}: {key} {got[key]} vs {ref_metrics[key]}"
-    params: dict[str, torch.Tensor] = {}
-    for out in ranks:
-        params.update(out["params"])
-    assert sorted(params) == sorted(ref_out["params"])  # every parameter, the model's names
-    for key, ref in ref_out["params"].items():
-        diff = (params[key] - ref).abs().max().item()
-        assert diff < TOL, f"{name}: {key} differs by {diff:.2e}"
+    names: set[str] = set()
+    worst = 0.0
+    for rank, out in enumerate(ranks):  # a tied weight: both stages' copies
+        names.update(out["params"])
+        for key, value in out["params"].items():
+            diff = (value - ref_out["params"][key]).abs().max().item()
+            assert diff < TOL, f"{name}: {key} on rank {rank} differs by {diff:.2e}"
+            worst = max(worst, diff)
+    print(f"{name}: final parameters worst difference {worst:.2e}")
+    assert names == set(ref_out["params"])  # every parameter, the model's names
 
 
 @pytest.mark.parametrize("name", FAST)

@@ -4,12 +4,20 @@ CPU peaks]): the typical (median) of 5 steady-state steps of every pipeline rank
 max over the ranks of its stage, within 1% of the plan of that rank.
 
 Measured 2026-12 on a tiny Llama (4 blocks, d 128, seq 64, fp32, 8 sequences a step,
-micro-batch 1), every rank's error: 1F1B pp2 x dp2 0.00% / 0.00%; Interleaved1F1B
--0.49% / 0.00%; GPipe -0.76% / +0.01%; pp2 x tp2 -0.73% / +0.01%; pp2 x cp2 0.00% /
-0.00% (the layouts in make test: 1F1B and Interleaved1F1B; the rest slow). Known
-outside 1% (docs/planner.md): pp4's middle stages (-1.3%, -1.5%), full activation
-checkpointing (-1.5% / -1.1%) and ZBVZeroBubble's rank 1 (-1.8%), whose I and W halves
-are replayed as one backward.
+micro-batch 1), every rank's error: 1F1B pp2 x dp2, Interleaved1F1B, GPipe, LoopedBFS,
+pp2 x cp2, 1F1B pp4, full activation checkpointing, ZBVZeroBubble,
+InterleavedZeroBubble and DualPipeV all within 0.01% on every rank; pp2 x tp2 -0.49%
+on rank 0 (the vocabulary-split embedding's gradient, kept whole while no-sync
+micro-batches accumulate) and +0.01% on rank 1. Before [Note: pipeline sends], the
+received gradient in ``block_backward`` and ``transient_grads`` were modelled, pp4's
+middle stages read -1.3% / -1.5% and full checkpointing -1.5% / -1.1%; before [Note:
+zero-bubble backward], ZBVZeroBubble's rank 1 read -1.8%. The same model with a tied
+embedding and head ([Note: tied stages in the plan]): 1F1B, pp4, Interleaved1F1B,
+InterleavedZeroBubble, ZBVZeroBubble and DualPipeV within 0.01% on every rank, pp2 x
+tp2 -0.49% / +0.01%; before the tied head's weight pass went first in W (its weight
+is named the embedding's: the stage's first parameter), ZBVZeroBubble's rank 0 read
+-3.4%. (The layouts in make test: 1F1B and ZBVZeroBubble, untied and tied; the rest
+slow.)
 """
 
 from __future__ import annotations
@@ -34,12 +42,37 @@ TINY = [
 ]  # fmt: skip
 FAST = {
     "1F1B pp2 x dp2": ["parallel.pp=2"],
-    "Interleaved1F1B pp2 x dp2": ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"],
+    "ZBVZeroBubble pp2 x dp2": ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"],
+    "tied ZBVZeroBubble pp2 x dp2": [
+        *("model.tie_embeddings=true", "parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"),
+    ],
 }
 SLOW = {
+    "Interleaved1F1B pp2 x dp2": ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"],
     "GPipe pp2 x dp2": ["parallel.pp=2", "parallel.pp_schedule=GPipe"],
+    "LoopedBFS pp2 x dp2": ["parallel.pp=2", "parallel.pp_schedule=LoopedBFS"],
+    "InterleavedZeroBubble pp2 x dp2": [
+        "parallel.pp=2",
+        "parallel.pp_schedule=InterleavedZeroBubble",
+    ],
+    "DualPipeV pp2 x dp2": ["parallel.pp=2", "parallel.pp_schedule=DualPipeV"],
+    "1F1B pp4": ["parallel.pp=4"],
+    "1F1B pp2 x dp2 +AC": ["parallel.pp=2", "activations.mode=full"],
     "1F1B pp2 x tp2": ["parallel.pp=2", "parallel.tp=2"],
     "1F1B pp2 x cp2": ["parallel.pp=2", "parallel.cp=2"],
+    "tied 1F1B pp2 x dp2": ["model.tie_embeddings=true", "parallel.pp=2"],
+    "tied 1F1B pp4": ["model.tie_embeddings=true", "parallel.pp=4"],
+    "tied DualPipeV pp2 x dp2": [
+        *("model.tie_embeddings=true", "parallel.pp=2", "parallel.pp_schedule=DualPipeV"),
+    ],
+    "tied Interleaved1F1B pp2 x dp2": [
+        *("model.tie_embeddings=true", "parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"),
+    ],
+    "tied InterleavedZeroBubble pp2 x dp2": [
+        *("model.tie_embeddings=true", "parallel.pp=2"),
+        "parallel.pp_schedule=InterleavedZeroBubble",
+    ],
+    "tied 1F1B pp2 x tp2": ["model.tie_embeddings=true", "parallel.pp=2", "parallel.tp=2"],
 }
 STEPS = 5
 BOUND = 0.01

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.distributed.pipelining.schedules import get_schedule_class
 
+from fsdpkit.checkpoint.state import tied_aliases
 from fsdpkit.config import ConfigError, load, parallel_dims, validate_for_world
 from fsdpkit.config.pipeline import SCHEDULES, micro_batch_need, stage_rank, stages_per_rank
 from fsdpkit.models.llama import Llama, LlamaConfig
@@ -16,6 +17,8 @@ from fsdpkit.sharding.pipeline_parts import (
     SkippedBlock,
     StageInput,
     StageOutput,
+    TiedHeadView,
+    TiedStageInput,
     model_ends,
     stage_module,
 )
@@ -106,10 +109,21 @@ def test_refusals_name_the_field() -> None:
     )
     few = _refusal("parallel.pp=4", untied, "train.global_batch_size=6")
     assert "1F1B needs at least pp = 4 micro-batches" in few and "gives 2 micro-batch" in few
-    assert "ties its input embedding" in _refusal("parallel.pp=2", *batch)
     assert "offload.params = true" in _refusal("parallel.pp=2", "offload.params=true")
     assert "parallel.accum_sync = every" in _refusal("parallel.pp=2", "parallel.accum_sync=every")
     assert "pp_stages_per_rank = 3" in _refusal("parallel.pp=2", "parallel.pp_stages_per_rank=3")
+    zbv = ("parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble", untied)
+    assert "activations.mode = full with ZBVZeroBubble" in _refusal(*zbv, "activations.mode=full")
+
+
+def test_tied_models_pass_at_every_schedule() -> None:
+    """[Note: tied embeddings across stages]: the built-in preset (tied by default)
+    under 1F1B and a V schedule, before any process starts."""
+    batch = ["train.global_batch_size=8", "train.micro_batch_size=1"]
+    for schedule in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble"):
+        cfg = load(None, ["parallel.pp=2", f"parallel.pp_schedule={schedule}", *batch])
+        validate_for_world(cfg, world_size=4, local_world_size=4)
+        check_pipeline_layout(cfg)
 
 
 def test_stage_modules_keep_the_models_names() -> None:
@@ -132,6 +146,26 @@ def test_stage_modules_keep_the_models_names() -> None:
     h = torch.randn(2, 5, 64)
     skip = SkippedBlock(model.model.layers[0])  # type: ignore[index]
     assert skip(h, None, None, None) is h
+
+
+def test_a_tied_last_stage_is_a_tied_model_under_the_models_names() -> None:
+    """[Note: tied embeddings across stages]: the last stage holds the head's weight
+    under the embedding's name too, so init, HF weights and checkpoints see the whole
+    model's names (the alias recorded as in any tied model)."""
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(n_layers=4, tie_embeddings=True))
+    ends = model_ends(model, blocks=list(choose_blocks(model).blocks))
+    assert ends.tied
+    first = stage_module(model, ends, keep={0, 1}, first=True, last=False)
+    last = stage_module(model, ends, keep={2, 3}, first=False, last=True)
+    weight = model.model.embed_tokens.weight
+    assert dict(first.named_parameters())["model.embed_tokens.weight"] is weight
+    assert isinstance(last.model.embed_tokens, TiedStageInput)
+    assert dict(last.named_parameters())["model.embed_tokens.weight"] is weight
+    assert tied_aliases(last) == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert tied_aliases(first) == {}
+    both = stage_module(model, ends, keep={0, 1, 2, 3}, first=True, last=True, head=TiedHeadView())
+    assert isinstance(both.lm_head, TiedHeadView) and not dict(both.lm_head.named_parameters())
 
 
 def test_loose_parameters_are_refused() -> None:

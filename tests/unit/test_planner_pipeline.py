@@ -60,13 +60,41 @@ def test_1f1b_bubble_over_equal_stages_is_the_textbook_one(pp: int, n: int) -> N
     assert bubble_fraction(looped, costs=[0.5] * 2 * pp) < got  # v stages shrink it
 
 
-def test_the_planner_splits_as_the_trainer() -> None:
-    cfg = load(None, [*TINY, "parallel.pp=2", "parallel.pp_split=params", "model.n_layers=5"])
+@pytest.mark.parametrize("tied", ["false", "true"])
+def test_the_planner_splits_as_the_trainer(tied: str) -> None:
+    """A tied weight counts on the first stage and the last ([Note: tied stages in the
+    plan])."""
+    split = ["parallel.pp=2", "parallel.pp_split=params", "model.n_layers=5"]
+    cfg = load(None, [*TINY, *split, f"model.tie_embeddings={tied}"])
     with torch.device("meta"):
         model = Llama(model_shape(cfg))
     ends = model_ends(model, blocks=list(choose_blocks(model).blocks))
     sc = scenario(cfg, world_size=4)
     assert pipeline_split(cfg, sc.layout) == _split(model, ends, cfg)
+
+
+def test_tied_stages_hold_what_the_trainer_gives_them() -> None:
+    """[Note: tied stages in the plan]: the first stage's embedding unit and the last
+    stage's head hold the tied weight each; where one rank holds both (ZBVZeroBubble),
+    the last stage's copy has no optimizer state."""
+    vocab, dim, shard = 1024, 128, 2
+    plans, comms = {}, {}
+    for tied in ("false", "true"):
+        for schedule in ("1F1B", "ZBVZeroBubble"):
+            pp = ["parallel.pp=2", f"parallel.pp_schedule={schedule}"]
+            cfg = load(None, [*TINY, *pp, f"model.tie_embeddings={tied}"])
+            pipe = plan(cfg, world_size=4).pipeline
+            assert pipe is not None
+            plans[tied, schedule] = [r.memory.model_states for r in pipe.ranks]
+            comms[tied, schedule] = [r.comm.all_reduce for r in pipe.ranks]
+    assert plans["true", "1F1B"] == plans["false", "1F1B"]  # one copy on each end
+    tie = [a - b for a, b in zip(comms["true", "1F1B"], comms["false", "1F1B"], strict=True)]
+    assert tie == [vocab * dim // shard * 4] * 2  # each end sends its copy's gradient
+    assert comms["true", "ZBVZeroBubble"] == comms["false", "ZBVZeroBubble"]  # on one rank
+    states = vocab * dim // shard * 8
+    untied, tied_v = plans["false", "ZBVZeroBubble"], plans["true", "ZBVZeroBubble"]
+    assert tied_v[0]["optimizer_states"] == untied[0]["optimizer_states"] - states
+    assert tied_v[1] == untied[1]
 
 
 def test_every_rank_is_planned_and_the_worst_reported() -> None:

@@ -67,7 +67,7 @@ def state_info(state: dict[str, Any]) -> dict[str, Any]:
     return {
         "keys": sorted(state),
         "model_prefix": f"{model[0]}.{MODEL_KEY}." if model else None,
-        "tied": tied_aliases(state[model[0]].model) if model else {},
+        "tied": state[model[0]].whole_tied() if model else {},
         "rank_local": sorted(k for k, v in state.items() if isinstance(v, RankLocal)),
         "trainable_only": bool(model and state[model[0]].trainable_only),
     }
@@ -98,6 +98,7 @@ class ModelOptimizerState(Stateful):
         *,
         trainable_only: bool = False,
         group_names: list[list[str]] | None = None,
+        tied: dict[str, str] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -107,6 +108,13 @@ class ModelOptimizerState(Stateful):
         self.group_names = group_names
         """The whole model's parameter names per optimizer group, where ``model`` holds
         only some of them (a pipeline rank: [Note: optimizer groups across stages])."""
+        self.tied = tied
+        """The whole model's tied aliases where ``model`` holds part of it (a pipeline
+        rank), for the checkpoint's record (export restores them)."""
+
+    def whole_tied(self) -> dict[str, str]:
+        """The whole model's tied aliases ([Note: tied weights])."""
+        return tied_aliases(self.model) if self.tied is None else dict(self.tied)
 
     def _options(self) -> StateDictOptions:
         return StateDictOptions(

@@ -21,6 +21,11 @@ means the same with and without pp. torch.distributed.pipelining's schedules (2.
 - ``ZBVZeroBubble``, ``DualPipeV``: exactly two stages per rank in a V (rank ``r`` holds
   stages ``r`` and ``2 pp - 1 - r``, so the first and last stage share rank 0); at least
   ``2 pp - 1`` (ZBV) / ``2 pp`` (DualPipeV) micro-batches.
+
+The zero-bubble ones (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) take neither
+torch.compile'd blocks nor activation checkpointing: torch runs their backward in two
+passes over one autograd graph, and a checkpointed block recomputes for one backward
+only (torch 2.13 fails in the weight pass: checked at pp2 with every mode).
 """
 
 from __future__ import annotations
@@ -126,8 +131,18 @@ def _unsupported(cfg: RunConfig) -> list[tuple[str, str]]:
         )
     if cfg.precision.mode == "fp16" or cfg.precision.grad_scaler:
         found.append(("an fp16 gradient scaler", "the schedule runs each stage's backward"))
-    if t.compile and SCHEDULES[p.pp_schedule].zero_bubble:
+    zero_bubble = SCHEDULES[p.pp_schedule].zero_bubble
+    if t.compile and zero_bubble:
         found.append((f"train.compile with {p.pp_schedule}", "torch splits no compiled backward"))
+    if cfg.activations.mode != "none" and zero_bubble:
+        found.append(
+            (
+                f"activations.mode = {cfg.activations.mode} with {p.pp_schedule}",
+                "its backward runs twice over one graph (input, then weight gradients), and "
+                "torch's checkpoint recomputes a block for one backward only (the weight "
+                "pass fails); use 1F1B, Interleaved1F1B or LoopedBFS with checkpointing",
+            )
+        )
     return found
 
 

@@ -76,7 +76,7 @@ safe side). Measured (bench/plan_accuracy.py, the "MP ... selective" rows at wor
 
 from __future__ import annotations
 
-from fsdpkit.planner.blocksizes import ACT, GRAD, LOGITS, TEMP, XCHG, Event, Sizes
+from fsdpkit.planner.blocksizes import ACT, GRAD, LOGITS, TEMP, XCHG, Event, ForWeights, Sizes
 from fsdpkit.planner.ringmem import ring_backward, ring_forward
 
 __all__ = ["ACT", "GRAD", "LOGITS", "TEMP", "XCHG", "Event", "Sizes"]
@@ -179,10 +179,12 @@ def _grad_scatter(s: Sizes) -> list[Event]:
     return [(TEMP, s.nde), (TEMP, -s.nme)] if s.sp else []
 
 
-def _grad_gather(s: Sizes, sign: int) -> list[Event]:
+def _grad_gather(s: Sizes, sign: int, weights: bool = False) -> list[Event]:
     """Sequence parallelism, backward of a row-parallel output: the residual grad
-    all-gathered to ``m`` tokens (``sign`` 1) until the input grad is made (-1)."""
-    return [(XCHG, sign * s.nme)] if s.sp else []
+    all-gathered to ``m`` tokens (``sign`` 1) until the input grad is made (-1);
+    ``weights``: the weight's gradient is made from it too."""
+    size = ForWeights(-s.nme) if weights and sign < 0 else sign * s.nme
+    return [(XCHG, size)] if s.sp else []
 
 
 def norm_forward(s: Sizes, *, keep: bool) -> list[Event]:
@@ -319,7 +321,7 @@ def norm_backward(s: Sizes) -> list[Event]:
         ev = [(TEMP, s.nd4), (TEMP, -s.nde)] if s.cast else []
         if s.norm_grads:
             ev += [(TEMP, s.nd4), (TEMP, -s.nd4), (GRAD, s.d * s.e)]  # weight grad: (g*xn).sum
-            ev += [(TEMP, s.nd4), (TEMP, -s.nd4), (ACT, -s.nd4)]  # grad of xn; xn released
+            ev += [(TEMP, s.nd4), (TEMP, ForWeights(-s.nd4)), (ACT, -s.nd4)]  # grad of xn; g, xn
             ev += [(ACT, -4 * s.d)] if s.cast else []
         else:
             ev += [(TEMP, s.nd4), (TEMP, -s.nd4)]  # grad of xn (no weight grad, nothing saved)
@@ -336,7 +338,8 @@ def _cast_first_grad(s: Sizes) -> list[Event]:
     """``weight * xn.to(e)`` backward (``Sizes.norm_casts_first``): the weight's grad
     and the cast's in e, the output's grad dies, then the cast's grad to fp32 (xn's)."""
     w: list[Event] = [(TEMP, s.nde), (TEMP, -s.nde), (GRAD, s.d * s.e)] if s.norm_grads else []
-    ev = [*w, (TEMP, s.nde), (TEMP, -s.nde)] + ([(ACT, -s.nde)] if s.norm_grads else [])
+    g = ForWeights(-s.nde) if s.norm_grads else -s.nde
+    ev = [*w, (TEMP, s.nde), (TEMP, g)] + ([(ACT, -s.nde)] if s.norm_grads else [])
     return [*ev, (TEMP, s.nd4), (TEMP, -s.nde)]
 
 
@@ -345,11 +348,11 @@ def _mlp_backward(s: Sizes) -> list[Event]:
     dfe = s.d * s.f * s.e
     cat, y = _y(s)
     return [
-        *_grad_gather(s, 1), (TEMP, s.nfe), (GRAD, dfe), (ACT, -s.nfe), *_grad_gather(s, -1),
+        *_grad_gather(s, 1), (TEMP, s.nfe), (GRAD, dfe), (ACT, -s.nfe), *_grad_gather(s, -1, True),
         (TEMP, 2 * s.nfe), (TEMP, -s.nfe), (ACT, -2 * s.nfe),
-        (TEMP, s.nme), (GRAD, dfe), (TEMP, -s.nfe),
+        (TEMP, s.nme), (GRAD, dfe), (TEMP, ForWeights(-s.nfe)),
         (TEMP, s.nfe), (TEMP, -s.nfe), (ACT, -s.nfe),
-        (TEMP, s.nme), (GRAD, dfe), (TEMP, -s.nfe), (cat, -y), (TEMP, -s.nme),
+        (TEMP, s.nme), (GRAD, dfe), (TEMP, ForWeights(-s.nfe)), (cat, -y), (TEMP, -s.nme),
         *_grad_scatter(s),
     ]  # fmt: skip
 
@@ -368,7 +371,7 @@ def _attn_backward(s: Sizes, *, sdpa_workspace: int) -> list[Event]:
     rep = s.rep
     q, kv = s.nqe, s.nke
     wq, wkv = s.d * s.heads * s.head_dim * s.e, s.d * s.kv_heads * s.head_dim * s.e
-    ev: list[Event] = [*_grad_gather(s, 1), (TEMP, q), (GRAD, wq), *_grad_gather(s, -1)]  # o_proj
+    ev: list[Event] = [*_grad_gather(s, 1), (TEMP, q), (GRAD, wq), *_grad_gather(s, -1, True)]
     ev += [(ACT, -q)] if s.cp > 1 else []  # o_proj's input (the exchanged-back output)
     ev += _exchange(s, q)  # the output's grad: sequence for heads
     if s.ring and s.cp > 1:
@@ -383,19 +386,23 @@ def _attn_backward(s: Sizes, *, sdpa_workspace: int) -> list[Event]:
         ev += [(TEMP, kv), (TEMP, -q), (TEMP, kv), (TEMP, -q)]
     ev += _rope_backward(kv) + _rope_backward(q)
     cat, y = _y(s)
-    ev += [(TEMP, s.nme), (GRAD, wkv), (TEMP, -kv)]  # v_proj
-    ev += [(TEMP, s.nme), (GRAD, wkv), (TEMP, -kv), (TEMP, -s.nme)]  # k_proj, accumulated
-    ev += [(TEMP, s.nme), (GRAD, wq), (TEMP, -q), (TEMP, -s.nme), (cat, -y)]  # q_proj
+    kvf, qf = ForWeights(-kv), ForWeights(-q)
+    ev += [(TEMP, s.nme), (GRAD, wkv), (TEMP, kvf)]  # v_proj
+    ev += [(TEMP, s.nme), (GRAD, wkv), (TEMP, kvf), (TEMP, -s.nme)]  # k_proj, accumulated
+    ev += [(TEMP, s.nme), (GRAD, wq), (TEMP, qf), (TEMP, -s.nme), (cat, -y)]  # q_proj
     return ev + _grad_scatter(s)
 
 
-def block_backward(s: Sizes, *, sdpa_workspace: int = 0) -> list[Event]:
+def block_backward(s: Sizes, *, sdpa_workspace: int = 0, held: int = 0) -> list[Event]:
     """Backward of one block with its saved tensors live (kept or recomputed) and the
     output's grad (N*d*e, counted by the caller) live; ends with the input's grad in
-    the same buffer, all saved tensors freed and the weight grads (GRAD) allocated."""
-    return (
-        _mlp_backward(s)
-        + norm_backward(s)
-        + _attn_backward(s, sdpa_workspace=sdpa_workspace)
-        + norm_backward(s)
-    )
+    the same buffer, all saved tensors freed and the weight grads (GRAD) allocated.
+    ``held``: of the block's two residual sums (after the MLP's backward, then after
+    attention's), the first ``held`` cannot sum in place, because another holds the
+    summand (a pipeline stage's receive buffer; zero bubble's input pass keeping it
+    for a weight's gradient): each makes a new tensor."""
+    norms = [norm_backward(s), norm_backward(s)]
+    for i in range(held):
+        norms[i] = [*norms[i][:-1], (TEMP, s.nde), norms[i][-1]]
+    attn = _attn_backward(s, sdpa_workspace=sdpa_workspace)
+    return _mlp_backward(s) + norms[0] + attn + norms[1]

@@ -12,6 +12,13 @@ XCHG = "exchange_buffers"
 Event = tuple[str, int]
 
 
+class ForWeights(int):
+    """Bytes freed (negative) when a backward node that computes a weight's gradient
+    has run: the gradient of its output, which that weight's gradient is made from.
+    A plain int to everything but torch's zero-bubble split, whose input pass keeps
+    it for the weight pass ([Note: zero-bubble backward] in fsdpkit.planner.zerobubble)."""
+
+
 @dataclass(frozen=True)
 class Sizes:
     """Byte sizes of the tensors of one micro-batch through one block."""

@@ -17,6 +17,7 @@ from fsdpkit.planner.blockmem import (
     norm_backward,
     norm_forward,
 )
+from fsdpkit.planner.blocksizes import ForWeights
 
 
 def head_forward(s: Sizes) -> list[Event]:
@@ -69,14 +70,18 @@ def chunked_loss_backward(
     it in place, so from the second chunk on it coexists with a chunk's buffers
     ([Note: chunked cross-entropy peak]). Ends as ``head_backward`` ends."""
     w = s.vocab * s.d * s.e if weight_grad else 0
-    y = s.nde if s.cast else s.nd4
     rows = backward_chunks(s.n, chunk, cast=s.cast)[:2]
     ev: list[Event] = [(TEMP, s.nde)]
     ev += _chunk_backward(s, rows[0].stop - rows[0].start, grad=[(GRAD, w)])
     if len(rows) > 1:  # the second chunk, the largest beside the weight grad
         ev += _chunk_backward(s, rows[1].stop - rows[1].start, grad=[])
-    ev += [(LOGITS, -12 * s.n), (ACT, -y)]
-    return ev + (final_norm_backward(s) if norm else [])
+    return ev + chunked_loss_saved(s) + (final_norm_backward(s) if norm else [])
+
+
+def chunked_loss_saved(s: Sizes) -> list[Event]:
+    """The chunked loss node's saved log-sum-exp and targets, and the head's input,
+    freed after its backward."""
+    return [(LOGITS, -12 * s.n), (ACT, -(s.nde if s.cast else s.nd4))]
 
 
 def _chunk_backward(s: Sizes, c: int, *, grad: list[Event]) -> list[Event]:
@@ -101,7 +106,7 @@ def head_backward(s: Sizes, *, weight_grad: bool = True, norm: bool = True) -> l
     with the last block output's grad (N*d*e) live, the head weight grad kept."""
     w = s.vocab * s.d * s.e if weight_grad else 0
     y = s.nde if s.cast else s.nd4
-    ev: list[Event] = [(TEMP, s.nde), (GRAD, w), (LOGITS, -s.nve), (ACT, -y)]
+    ev: list[Event] = [(TEMP, s.nde), (GRAD, w), (LOGITS, ForWeights(-s.nve)), (ACT, -y)]
     return ev + (final_norm_backward(s) if norm else [])
 
 

@@ -27,14 +27,16 @@ them in memory).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
 from fsdpkit.config import RunConfig
 from fsdpkit.config.pipeline import SCHEDULES, stage_rank, stages_per_rank
-from fsdpkit.planner.layout import ModelLayout, Units, units
+from fsdpkit.planner.layout import EdgeLayout, ModelLayout, Units, units
 from fsdpkit.planner.mparallel import tp_layout
+from fsdpkit.planner.pipeline_tied import tied_index, twin_elements, with_tie_all_reduce
 from fsdpkit.planner.result import CommVolume, MemoryPlan
 from fsdpkit.planner.scenario import Scenario
 from fsdpkit.planner.sizing import sizes
@@ -121,7 +123,8 @@ def pipeline_split(cfg: RunConfig, layout: ModelLayout) -> StageSplit:
     per_block = [sum(r * c for r, c in block) for block in layout.blocks]
     edge = {e.role: sum(r * c for r, c in e.shapes) for e in layout.edges}
     root = sum(r * c for r, c in layout.root)  # the final norm when the head is in the root
-    first = edge.get("embedding", 0)
+    tied = tied_index(layout)  # on the first stage too ([Note: tied stages in the plan])
+    first = edge.get("embedding", 0) + (math.prod(layout.root[tied]) if tied is not None else 0)
     last = edge.get("norm", 0) + edge.get("head", 0) + root
     return stage_split(cfg, block_params=per_block, edge_params=(first, last))
 
@@ -132,11 +135,16 @@ def stage_units(cfg: RunConfig, sc: Scenario, split: StageSplit, stage: int) -> 
     local = tp_layout(sc.layout, tp=sc.tp, vocab=sc.vocab_size if sc.vocab_parallel else None)
     first, last = stage == 0, stage == split.stages - 1
     roles = ({"embedding"} if first else set()) | ({"norm", "head"} if last else set())
+    edges = tuple(e for e in local.edges if e.role in roles)
+    tied = tied_index(sc.layout)
+    if tied is not None and first:  # [Note: tied stages in the plan]
+        frozen = (local.root_frozen[tied],) if local.root_frozen else ()
+        edges = (EdgeLayout(role="embedding", shapes=(local.root[tied],), frozen=frozen), *edges)
     part = replace(
         local,
         blocks=tuple(local.blocks[b] for b in split.blocks[stage]),
         frozen=tuple(local.frozen[b] for b in split.blocks[stage]) if local.frozen else (),
-        edges=tuple(e for e in local.edges if e.role in roles),
+        edges=edges,
         root=local.root if last else (),
     )
     return units(part, shard=sc.shard, parallel=cfg.parallel, activations=cfg.activations)
@@ -150,7 +158,8 @@ def stage_scenario(cfg: RunConfig, sc: Scenario, split: StageSplit, stage: int) 
         replace(u, name=_shifted(u.name, offset), blocks=tuple(b + offset for b in u.blocks))
         for u in made.blocks
     )
-    return sc.with_(root=made.root, edges=made.edges, units=blocks)
+    untied = replace(sc.model, tie_embeddings=False) if sc.model is not None else None
+    return sc.with_(root=made.root, edges=made.edges, units=blocks, model=untied)
 
 
 def _shifted(name: str, offset: int) -> str:
@@ -279,15 +288,22 @@ def pipeline_plan(cfg: RunConfig, sc: Scenario) -> PipelinePlan:
     for r in range(p.pp):
         local = {s: scs[s] for s in split.local(r)}
         memory = rank_memory(
-            local, actions[r], last_stage=split.stages - 1, micro_batches=n, schedule=p.pp_schedule
+            local,
+            actions[r],
+            last_stage=split.stages - 1,
+            micro_batches=n,
+            schedule=p.pp_schedule,
+            tied=tied_index(sc.layout) is not None,
+            twin=twin_elements(sc, scs, local=list(local)),
         )
+        comm = comm_volume(rank_scenario(list(local.values())))
         ranks.append(
             RankPlan(
                 rank=r,
                 stages=tuple(local),
                 memory=memory,
                 p2p_bytes=p2p_bytes(sc, split, rank=r, n=n),
-                comm=comm_volume(rank_scenario(list(local.values()))),
+                comm=with_tie_all_reduce(comm, sc, scs, local=list(local)),
             )
         )
     return PipelinePlan(

@@ -13,13 +13,14 @@ from fsdpkit.planner.blockmem import (
     GRAD,
     LOGITS,
     TEMP,
+    Event,
     Sizes,
     block_backward,
     block_forward,
     block_recompute,
     selective_backward_end,
 )
-from fsdpkit.planner.gradlife import grads_in_place, last_grad_bytes
+from fsdpkit.planner.gradlife import grads_in_place, last_grad_bytes, transient_grads
 from fsdpkit.planner.headmem import (
     chunked_head_forward,
     chunked_loss_backward,
@@ -58,18 +59,24 @@ def _backward_summary(
     sdpa_workspace: int,
     weight_grads: bool = True,
     selective: bool = False,
+    in_place: bool = False,
+    received: bool = False,
 ) -> EventSummary:
     """``weight_grads=False``: a block with frozen weights (fine-tuning) computes no
     weight gradients; its trainable ones (adapters) are added by the caller.
-    ``selective``: the recompute of a selectively checkpointed block."""
+    ``selective``: the recompute of a selectively checkpointed block. ``in_place``:
+    its weight gradients are summed into accumulated ones ([Note: accumulating in
+    place]). ``received``: its output's grad is a pipeline stage's receive buffer."""
     events = block_recompute(s, selective=selective) if recompute else []
-    events += block_backward(s, sdpa_workspace=sdpa_workspace)
+    events += block_backward(s, sdpa_workspace=sdpa_workspace, held=int(received))
     if recompute and selective:
         events += selective_backward_end(s)
     if recompute and s.cast:
         events.append((ACT, -s.nde))  # the checkpointed input (fp32: freed as xf above)
     if not weight_grads:
         events = [(c, n) for c, n in events if c != GRAD]
+    elif in_place:
+        events = transient_grads(events)
     return summarize(events)
 
 
@@ -320,20 +327,27 @@ class Step:
         for ahead in self.units[::-1][: self.sc.backward_prefetch]:
             self.prefetch(ahead)
         head = self.sc.edge("head")
-        weight_grad = "head" not in self.sc.layout.frozen_names
-        if chunk is None:
-            led.apply(head_backward(s, weight_grad=weight_grad, norm=False))
-        else:
-            led.apply(chunked_loss_backward(s, chunk=chunk, weight_grad=weight_grad, norm=False))
+        led.apply(self.head_events(weight_grad="head" not in self.sc.layout.frozen_names))
         # back to the shard the norm ran on, inside the head unit's backward: FSDP2's
         # hook sees the head's input before tensor parallelism gathers it
         led.apply(hidden_grad_scatter(self.s, s))
         if head is not None:
             self.post_backward(head, sync=sync)
-        led.apply(final_norm_backward(self.s))
+        led.apply(self.final_norm_events())
         norm_unit = self.sc.edge("norm")
         if head is not None and norm_unit is not None:
             self.post_backward(norm_unit, sync=sync)
+
+    def head_events(self, *, weight_grad: bool) -> list[Event]:
+        """The head's backward with the loss's (chunked or not) in ``loss_and_head_backward``."""
+        s, chunk = self.hs, self.sc.loss_chunk
+        if chunk is None:
+            return head_backward(s, weight_grad=weight_grad, norm=False)
+        return chunked_loss_backward(s, chunk=chunk, weight_grad=weight_grad, norm=False)
+
+    def final_norm_events(self) -> list[Event]:
+        """The final norm's backward in ``loss_and_head_backward``."""
+        return final_norm_backward(self.s)
 
     def embedding_and_root_backward(self, *, sync: bool) -> None:
         """The embedding's backward (in its unit, prefetched by the first block unit,
@@ -363,7 +377,9 @@ class Step:
         led.add(COLL, -self.rs_state)
         self.rs_state = 0
 
-    def unit_backward(self, j: int, *, sync: bool) -> None:
+    def unit_backward(self, j: int, *, sync: bool, received: bool = False) -> None:
+        """``received``: the gradient of the unit's output is a pipeline stage's
+        receive buffer (its last block's backward starts from it)."""
         led, s, u = self.led, self.s, self.units[j]
         led.at("backward", f"backward of {u.name}")
         self.gathered(u, forward=False)
@@ -378,10 +394,8 @@ class Step:
         in_place = full and grads_in_place(
             sc=self.sc, s=self.s, accumulated=u.name in self.accumulated
         )
-        for ckpt in reversed(u.checkpointed):
-            grads = full and not in_place
-            summary = _backward_summary(s, ckpt, self.sdpa_workspace, grads, self.selective)
-            led.apply_summary(summary)
+        for i, ckpt in enumerate(reversed(u.checkpointed)):
+            led.apply_summary(self.block_summary(ckpt, full, in_place, received and i == 0))
             if ckpt:
                 led.add(ACT, -self.rng_state)
         if not full:
@@ -389,6 +403,13 @@ class Step:
         if j == self.dead:  # the last block backward that reads RoPE's cos / sin
             led.add("buffers_inputs", -self.rope)
         self.post_backward(u, sync=sync, in_place=in_place)
+
+    def block_summary(
+        self, ckpt: bool, weight_grads: bool, in_place: bool, received: bool
+    ) -> EventSummary:
+        """One block's backward (``_backward_summary``), as ``unit_backward`` applies it."""
+        args = (self.sdpa_workspace, weight_grads, self.selective, in_place, received)
+        return _backward_summary(self.s, ckpt, *args)
 
     def optimizer(self) -> None:
         """Grad clipping (scalars) and AdamW as fsdpkit.train builds it, the 2-D weights

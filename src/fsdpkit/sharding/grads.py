@@ -24,7 +24,7 @@ parameters held), whichever way gradients are reduced.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -89,7 +89,12 @@ def gradient_sync(
 
 
 def clip_grad_norm_(
-    model: nn.Module, max_norm: float, *, foreach: bool = True, across: Any = None
+    model: nn.Module,
+    max_norm: float,
+    *,
+    foreach: bool = True,
+    across: Any = None,
+    skip: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Clip to ``max_norm`` (0 = measure only); the global L2 norm of all gradients
     across every shard and replica, as a 0-d tensor (no host sync).
@@ -101,7 +106,9 @@ def clip_grad_norm_(
     miscounts mixed placements (``_by_mesh``). ``across``: a process group whose ranks
     hold *different* parameters (the pipeline stages): the squared norms are summed
     over it, so every rank clips by the whole model's norm ([Note: the pipelined
-    step] in fsdpkit.trainable.pipeline_step). ``foreach=False`` computes per-tensor
+    step] in fsdpkit.trainable.pipeline_step); ``skip``: parameters another rank of
+    ``across`` counts (a tied weight's second copy), clipped but not counted.
+    ``foreach=False`` computes per-tensor
     norms: the same memory on real tensors, but fake-tensor tracing (the planner)
     counts a copy of every gradient for the foreach kernels on DTensors."""
     params: list[torch.Tensor] = [p for p in model.parameters() if p.grad is not None]
@@ -114,12 +121,14 @@ def clip_grad_norm_(
         return total.full_tensor() if isinstance(total, DTensor) else total
     _quiet_redistribute()
     norms = []
+    skipped = {id(p) for p in skip}
     for group in groups:
-        norm = torch.nn.utils.get_total_norm(
-            [p.grad for p in group if p.grad is not None], foreach=foreach
-        )
+        grads = [p.grad for p in group if p.grad is not None and id(p) not in skipped]
+        if not grads:
+            continue
+        norm = torch.nn.utils.get_total_norm(grads, foreach=foreach)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms))
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
     if across is not None:
         squared = total.square()
         dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=across)

@@ -74,10 +74,12 @@ from fsdpkit.sharding.pipeline_parts import (
     ModelEnds,
     StageInput,
     StageOutput,
+    TiedHeadView,
     model_ends,
     stage_module,
 )
 from fsdpkit.sharding.pipeline_split import StageSplit, stage_split
+from fsdpkit.sharding.pipeline_tied import TiedCopy, tied_copy
 from fsdpkit.sharding.policy import resolve_precision
 
 
@@ -127,6 +129,11 @@ def _same(a: Any, b: Any) -> bool:
 class StageModule(nn.Module):
     """One pipeline stage as the schedule runs it ([Note: a stage's forward])."""
 
+    entry: StageInput | None
+    """The stage's input embedding stand-in (None on the first stage)."""
+    exit: StageOutput | None
+    """The stage's output head stand-in (None on the last stage)."""
+
     def __init__(
         self, part: nn.Module, *, stage: int, last: bool, loss_fn: LossFn, blocks: list[nn.Module]
     ) -> None:
@@ -140,8 +147,14 @@ class StageModule(nn.Module):
         """What the last stage divides each micro-batch's loss by (their count)."""
         self.micro_batch: int | None = None
         """The micro-batch the schedule runs next (set by its PipelineStage)."""
-        self.entry = next((m for m in part.modules() if isinstance(m, StageInput)), None)
-        self.exit = next((m for m in part.modules() if isinstance(m, StageOutput)), None)
+        # plain attributes, not submodules: a tied last stage's entry holds a weight
+        # that ``part``'s FSDP units own (the stage root must not shard it again)
+        self.__dict__["entry"] = next(
+            (m for m in part.modules() if isinstance(m, StageInput)), None
+        )
+        self.__dict__["exit"] = next(
+            (m for m in part.modules() if isinstance(m, StageOutput)), None
+        )
         self._last: Any = None
         self._check_boundaries(blocks)
         if not last:
@@ -244,6 +257,11 @@ class Pipeline:
     group_names: list[list[str]] | None = None
     """The whole model's parameter names per optimizer group, for checkpoints ([Note:
     optimizer groups across stages] in fsdpkit.checkpoint.state)."""
+    tied: TiedCopy | None = None
+    """This rank's copy of a tied embedding and head ([Note: tied embeddings across
+    stages] in fsdpkit.sharding.pipeline_tied); None when untied or on a middle stage."""
+    tied_names: dict[str, str] = field(default_factory=dict)
+    """The whole model's tied aliases (``{alias: name}``), for the checkpoint's record."""
 
     @property
     def holds_last(self) -> bool:
@@ -256,7 +274,13 @@ class Pipeline:
             f"pipeline: {len(set(p.ranks))} ranks x {p.stages // len(set(p.ranks))} stage(s), "
             f"{type(self.schedule).__name__} over {self.micro_batches} micro-batches"
         )
-        return head + "\n" + p.describe()
+        tied = (  # [Note: tied embeddings across stages] in fsdpkit.sharding.pipeline_tied
+            "\ntied embedding and head: the last stage holds a copy of the weight, its "
+            "gradient summed with the first stage's every step"
+            if self.tied_names
+            else ""
+        )
+        return head + "\n" + p.describe() + tied
 
 
 def _stage_class() -> type:
@@ -314,7 +338,8 @@ def shard_pipeline(
         s: stage_module(model, ends, keep=set(split.blocks[s]), first=s == 0, last=s == last)
         for s in local
     }
-    view = parts[local[0]] if len(local) == 1 else _view(model, ends, split, local)
+    entry = parts[last].get_submodule(ends.embedding) if last in parts else None
+    view = parts[local[0]] if len(local) == 1 else _view(model, ends, split, local, entry)
     precision = resolve_precision(cfg.precision, device_type=device.type)
     stages, plans = [], []
     for s, part in parts.items():
@@ -327,12 +352,21 @@ def shard_pipeline(
     schedule = _schedule(
         cfg.parallel.pp_schedule, stages, split=split, group=group, device=device, n=micro_batches
     )
-    return Pipeline(schedule, stages, split, group.get_group(), micro_batches, plans), view
+    pipe = Pipeline(schedule, stages, split, group.get_group(), micro_batches, plans)
+    if ends.tied:
+        pipe.tied = tied_copy(stages, ends, split=split, mesh=mesh, view=view)
+    return pipe, view
 
 
-def _view(model: nn.Module, ends: ModelEnds, split: StageSplit, local: list[int]) -> nn.Module:
+def _view(
+    model: nn.Module, ends: ModelEnds, split: StageSplit, local: list[int], entry: Any
+) -> nn.Module:
     keep = {b for s in local for b in split.blocks[s]}
-    return stage_module(model, ends, keep=keep, first=0 in local, last=split.stages - 1 in local)
+    first, last = 0 in local, split.stages - 1 in local
+    head = TiedHeadView() if ends.tied and first and last else None  # [Note: tied embeddings
+    return stage_module(  # across stages] in fsdpkit.sharding.pipeline_tied
+        model, ends, keep=keep, first=first, last=last, entry=entry, head=head
+    )
 
 
 def _schedule(

@@ -15,7 +15,10 @@ shared by nothing else once the model is dropped. In a stage:
   their own indices;
 - on every stage but the first the input embedding is a ``StageInput``: it returns the
   hidden states received from the previous stage, in the shape the embedding's output
-  would have;
+  would have; on the last stage of a model whose head is tied to its embedding, a
+  ``TiedStageInput`` that also holds the tied weight under the embedding's name, so
+  that stage is a tied model too (its copy of the weight: [Note: tied embeddings
+  across stages] in fsdpkit.sharding.pipeline_tied);
 - on every stage but the last the final norm is ``nn.Identity`` and the output head a
   ``StageOutput``, which records its input: the stage's output is the hidden state the
   head would have read.
@@ -80,6 +83,23 @@ class StageInput(nn.Module):
         return hidden
 
 
+class TiedStageInput(StageInput):
+    """The last stage's ``StageInput`` of a model with a tied embedding and head: holds
+    the head's weight as ``weight`` (the embedding's name, as in the whole model),
+    which its forward never reads."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+
+class TiedHeadView(nn.Module):
+    """The output head in the view of a rank that holds both the first and the last
+    stage of a tied model (a V schedule): holds the first stage's copy as ``weight``
+    (set once the stages are sharded), so the view is a tied model and the optimizer
+    steps that copy only ([Note: tied embeddings across stages]). Never run."""
+
+
 class StageOutput(nn.Module):
     """The output head of a stage that sends hidden states on: returns its input and
     keeps it as ``seen``."""
@@ -102,13 +122,14 @@ class ModelEnds:
     head: str
     blocks: tuple[str, ...]
     """Every block's path, in forward order."""
+    tied: bool = False
+    """The embedding and the head share their weight."""
 
 
 def model_ends(model: nn.Module, *, blocks: Sequence[nn.Module]) -> ModelEnds:
     """The embedding, final norm, head and blocks of ``model`` (HF's accessors, else the
     one ``nn.Embedding`` and the one ``nn.Linear`` outside the blocks); ConfigError when
-    a pipeline cannot split it (no embedding or head, a tied pair, parameters outside
-    them)."""
+    a pipeline cannot split it (no embedding or head, parameters outside them)."""
     names = {id(m): n for n, m in model.named_modules()}
     embedding = input_embeddings(model) or _only(model, nn.Embedding, outside=blocks)
     head = output_embeddings(model) or _only(model, nn.Linear, outside=blocks)
@@ -118,10 +139,13 @@ def model_ends(model: nn.Module, *, blocks: Sequence[nn.Module]) -> ModelEnds:
             "(get_input_embeddings), output head (get_output_embeddings / lm_head) or "
             "repeated blocks, so it cannot be cut into pipeline stages. Use parallel.pp = 1."
         )
-    if {id(p) for p in embedding.parameters()} & {id(p) for p in head.parameters()}:
-        from fsdpkit.sharding.pipeline_split import TIED
-
-        raise ConfigError(f"parallel.pp: {TIED}")
+    shared = {id(p) for p in embedding.parameters()} & {id(p) for p in head.parameters()}
+    if shared and not _tied_weight(embedding, head):
+        raise ConfigError(
+            f"parallel.pp: {type(model).__name__}'s input embedding and output head share "
+            "parameters other than one weight, which fsdpkit cannot give both the first "
+            "and the last stage. Use parallel.pp = 1 for this model."
+        )
     inside = [*blocks, embedding, head]
     covered = {id(m) for unit in inside for m in unit.modules()}
     norms = [m for m in model.modules() if id(m) not in covered and is_norm(m)]
@@ -132,7 +156,15 @@ def model_ends(model: nn.Module, *, blocks: Sequence[nn.Module]) -> ModelEnds:
         norm=names[id(norm)] if norm is not None else None,
         head=names[id(head)],
         blocks=tuple(names[id(b)] for b in blocks),
+        tied=bool(shared),
     )
+
+
+def _tied_weight(embedding: nn.Module, head: nn.Module) -> bool:
+    """The two share exactly one parameter, both modules' ``weight``."""
+    weight = getattr(embedding, "weight", None)
+    shared = {id(p) for p in embedding.parameters()} & {id(p) for p in head.parameters()}
+    return weight is not None and getattr(head, "weight", None) is weight and shared == {id(weight)}
 
 
 def _only(model: nn.Module, kind: type, *, outside: Sequence[nn.Module]) -> nn.Module | None:
@@ -155,17 +187,34 @@ def _refuse_loose(model: nn.Module, owners: Sequence[nn.Module]) -> None:
 
 
 def stage_module(
-    model: nn.Module, ends: ModelEnds, *, keep: set[int], first: bool, last: bool
+    model: nn.Module,
+    ends: ModelEnds,
+    *,
+    keep: set[int],
+    first: bool,
+    last: bool,
+    entry: nn.Module | None = None,
+    head: nn.Module | None = None,
 ) -> nn.Module:
     """The stage holding blocks ``keep`` ([Note: stage modules]); ``first`` / ``last``:
-    whether it holds the embedding / the norm and head."""
+    whether it holds the embedding / the norm and head; ``entry``: the stage input to
+    use (a rank's view shares its last stage's ``TiedStageInput``); ``head``: the head
+    to use (a ``TiedHeadView``)."""
     swap: dict[str, nn.Module] = {
         path: SkippedBlock(model.get_submodule(path))
         for i, path in enumerate(ends.blocks)
         if i not in keep
     }
-    if not first:
-        swap[ends.embedding] = StageInput()
+    if not first and entry is not None:
+        swap[ends.embedding] = entry
+    elif not first:
+        weight = model.get_submodule(ends.embedding).weight if ends.tied and last else None
+        if isinstance(weight, nn.Parameter):
+            swap[ends.embedding] = TiedStageInput(weight)
+        else:
+            swap[ends.embedding] = StageInput()
+    if head is not None:
+        swap[ends.head] = head
     if not last:
         swap[ends.head] = StageOutput()
         if ends.norm is not None:

@@ -153,31 +153,18 @@ def stage_split(
     return StageSplit(blocks=blocks, ranks=ranks, params=params)
 
 
-TIED = (
-    "the model ties its input embedding and output head (one weight), but under "
-    "parallel.pp the embedding lives on the first stage and the head on the last, on "
-    "different ranks. Set model.tie_embeddings = false (built-in presets), train an "
-    "untied model, or use parallel.pp = 1."
-)
-
-
 def check_pipeline_layout(cfg: RunConfig) -> None:
     """Refuse a pipeline layout the configured model cannot take, from the config alone
     (the launcher calls this before any process starts): blocks that do not split into
-    the stages, a tied embedding and head. A factory model is checked when it is built."""
+    the stages. A factory model is checked when it is built."""
     p, m = cfg.parallel, cfg.model
     if p.pp == 1 or m.factory:
         return
     if m.hf:
         config = read_hf_dir(m.hf).config
         n_blocks = getattr(config, "num_hidden_layers", None)
-        tied = bool(getattr(config, "tie_word_embeddings", False))
     else:
-        shape = preset(m.preset)
-        n_blocks = m.n_layers or shape.n_layers
-        tied = shape.tie_embeddings if m.tie_embeddings is None else m.tie_embeddings
-    if tied:
-        raise ConfigError(f"parallel.pp = {p.pp}: {TIED}")
+        n_blocks = m.n_layers or preset(m.preset).n_layers
     if isinstance(n_blocks, int):
         stages = p.pp * stages_per_rank(schedule=p.pp_schedule, configured=p.pp_stages_per_rank)
         split_stages(block_params=[1] * n_blocks, stages=stages, mode=p.pp_split)

@@ -41,9 +41,11 @@ def _vocab_parallel(
     reduced to ``out``, the head's input (laid out ``into``) gathered whole and its
     logits gathered over the vocabulary, which the chunked loss never asks for (it
     reads the local rows: fsdpkit.loss.chunked_ce). A tied pair is one Shard(0)
-    parameter, tied again after both are split."""
+    parameter, tied again after both are split (on a pipeline's last stage, the head's
+    and its ``TiedStageInput``'s)."""
     embedding, head = edge_pair(model)
-    tied = head is not None and embedding is not None and head.weight is embedding.weight
+    holder = input_embeddings(model)  # the embedding, or a last stage's TiedStageInput
+    tied = head is not None and getattr(holder, "weight", None) is head.weight
     if embedding is not None:
         parallelize_module(
             embedding, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=out)
@@ -52,8 +54,10 @@ def _vocab_parallel(
     if head is not None:
         style = ColwiseParallel(input_layouts=into, output_layouts=Replicate())
         parallelize_module(head, mesh, style)
-    if tied:
+    if tied and embedding is not None:
         head.weight = embedding.weight  # type: ignore[union-attr]
+    elif tied:
+        holder.weight = head.weight  # type: ignore[union-attr]
 
 
 def _waited(_module: nn.Module, _args: Any, output: Any) -> Any:

@@ -87,6 +87,7 @@ class Session:
                 self.optimizer,
                 trainable_only=only,
                 group_names=self.pipeline.group_names if self.pipeline is not None else None,
+                tied=self.pipeline.tied_names if self.pipeline is not None else None,
             ),
             "scheduler": self.scheduler,
             "trainer": self.state,

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdpkit.checkpoint.state import tied_aliases
 from fsdpkit.config import RunConfig, batch_split
 from fsdpkit.errors import ConfigError
 from fsdpkit.loss.contract import LossFn
@@ -61,6 +62,7 @@ def build_pipeline(
         loss_fn = context_parallel_loss(loss_fn, mesh=cp, ring=ring)
     micro_batches = batch_split(cfg.train, dp_world=data_ranks(mesh)).grad_accum
     names = group_names(model)  # before the model is cut into stages
+    tied = tied_aliases(model)
     pipeline, view = shard_pipeline(
         model,
         cfg,
@@ -70,5 +72,5 @@ def build_pipeline(
         device=device,
         init=unsharded.finetune.init,
     )
-    pipeline.group_names = names
+    pipeline.group_names, pipeline.tied_names = names, tied
     return PipelineBuild(pipeline=pipeline, view=view, loss_fn=loss_fn)

@@ -11,10 +11,14 @@ fsdpkit.sharding.pipeline). Then, as in ``train_step``:
 - the step's loss is the sum of the last stage's micro-batch losses (each already
   divided by the micro-batch count), summed over the pipeline group so every rank
   reports the same number (the other stages contribute zero);
+- a tied embedding and head: the first and last stages' gradients of their copies
+  are summed (where one rank holds both, its last copy first takes the first's
+  values: [Note: tied embeddings across stages] in fsdpkit.sharding.pipeline_tied);
 - global-norm clipping over every stage: each rank's squared gradient norm (over its
   stages' shards, reduced over the stage's own ranks as without pp) is summed over the
   pipeline group before the square root, so the norm, and the clipping factor, are
-  those of the whole model (``clip_grad_norm_(..., across=group)``);
+  those of the whole model (``clip_grad_norm_(..., across=group)``; a tied weight's
+  last-stage copy is not counted again);
 - the optimizer steps each rank's own parameters, and zero_grad.
 
 [Note: pipelined evaluation]
@@ -36,6 +40,7 @@ from torch import nn
 
 from fsdpkit.sharding.grads import clip_grad_norm_
 from fsdpkit.sharding.pipeline import Pipeline
+from fsdpkit.sharding.pipeline_tied import refresh_twin, sum_tied_grads
 from fsdpkit.trainable.step import StepResult
 
 
@@ -75,8 +80,13 @@ def pipeline_step(
             f"the pipeline schedule runs {pipe.micro_batches} micro-batches a step, got "
             f"{len(micro_batches)}"
         )
+    refresh_twin(pipe.tied)
     total = _train(pipe, micro_batches)
-    norm = clip_grad_norm_(view, max_norm, foreach=foreach, across=pipe.group)
+    tied = pipe.tied
+    if tied is not None:  # [Note: tied embeddings across stages]
+        sum_tied_grads(tied)
+    skip = [tied.param] if tied is not None and not tied.counted else []
+    norm = clip_grad_norm_(view, max_norm, foreach=foreach, across=pipe.group, skip=skip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss=total, grad_norm=norm)
@@ -90,6 +100,7 @@ def pipeline_eval(pipe: Pipeline, micro_batches: Sequence[Any]) -> torch.Tensor:
     me = dist.get_rank(pipe.group)
     local = {stage.stage: stage for stage in pipe.stages}
     total = torch.zeros((), device=micro_batches[0].device)
+    refresh_twin(pipe.tied)
     for stage in pipe.stages:
         stage.eval()
         stage.batches, stage.mean_over = micro_batches, n
