@@ -135,3 +135,14 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_two_files_import_each_other() -> None:
     assert _cycles(_graph()) == []
+
+
+MAX_LINES = 400
+"""shared/style.md: modules under ~400 lines (one concept per module); a file past it is
+split by concept, not trimmed by packing lines."""
+
+
+def test_every_module_stays_within_the_size_rule() -> None:
+    sizes = {f: len(f.read_text(encoding="utf-8").splitlines()) for f in PACKAGE.rglob("*.py")}
+    over = {str(f.relative_to(ROOT)): n for f, n in sizes.items() if n > MAX_LINES}
+    assert over == {}, f"modules over {MAX_LINES} lines: {over}"

@@ -76,6 +76,7 @@ safe side). Measured (bench/plan_accuracy.py, the "MP ... selective" rows at wor
 
 from __future__ import annotations
 
+from fsdpkit.planner import blockexchange as xc
 from fsdpkit.planner.blocksizes import ACT, GRAD, LOGITS, TEMP, XCHG, Event, ForWeights, Sizes
 from fsdpkit.planner.ringmem import ring_backward, ring_forward
 
@@ -96,35 +97,7 @@ def saved_per_block(s: Sizes) -> int:
 def selective_saved(s: Sizes) -> int:
     """Bytes selective checkpointing keeps per block beyond its input ([Note:
     selective block memory]), the collectives' outputs included."""
-    return 2 * s.nqe + s.nke + s.nh4 + s.nfe + s.nme + exchange_saved(s)
-
-
-def _row_collective(s: Sizes) -> int:
-    """Bytes of one row-parallel output's collective (reduce-scatter to n tokens, or
-    all-reduce), 0 without tensor parallelism."""
-    return s.nde if s.tp > 1 else 0
-
-
-def _ulysses(s: Sizes) -> bool:
-    return s.cp > 1 and not s.ring
-
-
-def exchange_saved(s: Sizes) -> int:
-    """Bytes of the collectives' outputs selective checkpointing keeps per block
-    ([Note: selective checkpointing of exchanges]): the two gathered inputs and the
-    two reduced row-parallel outputs under tp, the four all-to-alls under Ulysses."""
-    tp = 2 * (s.nme if s.sp else 0) + 2 * _row_collective(s)
-    return tp + (2 * s.nqe + 2 * s.nxe + _positions(s) if _ulysses(s) else 0)
-
-
-def _positions(s: Sizes) -> int:
-    """The whole sequence's int64 position ids where a block gathers them (Ulysses)."""
-    return 8 * s.cp * s.m if s.block_positions and _ulysses(s) else 0
-
-
-def _kept(size: int, selective: bool) -> list[Event]:
-    """A collective's output that the selective policy saves (``size`` 0: none)."""
-    return [(ACT, size)] if selective and size else []
+    return 2 * s.nqe + s.nke + s.nh4 + s.nfe + s.nme + xc.exchange_saved(s)
 
 
 def block_matmuls(*, d: int, f: int, heads: int, kv_heads: int, head_dim: int) -> list[int]:
@@ -137,54 +110,6 @@ def block_matmuls(*, d: int, f: int, heads: int, kv_heads: int, head_dim: int) -
 def _saved(size: int) -> list[Event]:
     """A temporary that the selective policy saves: it moves to the activations."""
     return [(ACT, size), (TEMP, -size)]
-
-
-def _gather(s: Sizes, *, selective: bool = False) -> list[Event]:
-    """Sequence parallelism: a norm's output (``n`` tokens) all-gathered to the matmuls'
-    ``m`` tokens; the gathered copy is what the projections read (and save), the shard
-    dies; ``selective``: the collective's output is saved beside it. Nothing without
-    sequence parallelism."""
-    return [*_kept(s.nme, selective), (XCHG, s.nme), (ACT, -s.nde)] if s.sp else []
-
-
-def _y(s: Sizes) -> Event:
-    """The tensor the q/k/v (gate/up) projections read, as (category, bytes): the norm's
-    output, or its gathered copy under sequence parallelism."""
-    return (XCHG, s.nme) if s.sp else (ACT, s.nde)
-
-
-def _row_add(s: Sizes, *, selective: bool = False) -> list[Event]:
-    """A row-parallel output (live) into the residual: under sequence parallelism
-    reduce-scattered first (a new ``n``-token tensor), else all-reduced (its copy
-    transient, unmodeled); ``selective``: the collective's output is saved."""
-    if selective and s.tp > 1:
-        return [(ACT, _row_collective(s)), (ACT, s.nde)]
-    return [(TEMP, s.nde), (ACT, s.nde), (TEMP, -s.nde)] if s.sp else [(ACT, s.nde)]
-
-
-def _exchange(
-    s: Sizes, size: int, *, ring_too: bool = False, saved: int = 0, selective: bool = False
-) -> list[Event]:
-    """Context parallelism: an all-to-all's output coexists with its input, which then
-    dies (heads for sequence, and back). Ring attention exchanges none (``ring_too``:
-    the one copy both make, the attention output made o_proj's input). ``selective``:
-    the all-to-all's output (``saved`` bytes) is saved as well (Ulysses only)."""
-    kept = _kept(saved, selective and _ulysses(s))
-    return [*kept, (XCHG, size), (XCHG, -size)] if s.cp > 1 and (ring_too or not s.ring) else []
-
-
-def _grad_scatter(s: Sizes) -> list[Event]:
-    """Sequence parallelism, backward: the gathered input's grad (``m`` tokens, live)
-    reduce-scattered to the norm's output grad (``n`` tokens)."""
-    return [(TEMP, s.nde), (TEMP, -s.nme)] if s.sp else []
-
-
-def _grad_gather(s: Sizes, sign: int, weights: bool = False) -> list[Event]:
-    """Sequence parallelism, backward of a row-parallel output: the residual grad
-    all-gathered to ``m`` tokens (``sign`` 1) until the input grad is made (-1);
-    ``weights``: the weight's gradient is made from it too."""
-    size = ForWeights(-s.nme) if weights and sign < 0 else sign * s.nme
-    return [(XCHG, size)] if s.sp else []
 
 
 def norm_forward(s: Sizes, *, keep: bool) -> list[Event]:
@@ -235,9 +160,9 @@ def _attn_forward(s: Sizes, *, keep: bool, selective: bool = False) -> list[Even
     # q, k = rope(q), rope(k): the raw q lives until both are computed
     ev += _rope_forward(s.nqe)[:-1] + _rope_forward(s.nke)
     ev += _saved(s.nqe) if selective else [(TEMP, -s.nqe)]
-    ev += _kept(_positions(s), selective)  # the mask's gathered positions (transformers)
+    ev += xc.kept(xc.positions(s), selective)  # the mask's gathered positions (transformers)
     sent = s.nqe + 2 * s.nxe  # q, k, v: sequence for heads
-    ev += _exchange(s, s.nqe + 2 * s.nke, saved=sent, selective=selective)
+    ev += xc.exchange(s, s.nqe + 2 * s.nke, saved=sent, selective=selective)
     if rep > 1:  # repeat_interleave copies k and v to every query head
         ev += [(ACT, s.nqe), (ACT, -s.nke), (ACT, s.nqe)]
         ev += _saved(s.nke) if selective else [(TEMP, -s.nke)]
@@ -246,26 +171,26 @@ def _attn_forward(s: Sizes, *, keep: bool, selective: bool = False) -> list[Even
     # attention output + logsumexp (ring: its buffers on the way, fsdpkit.planner.ringmem)
     ev += ring_forward(s) if s.ring and s.cp > 1 else [(ACT, s.nqe + s.nh4)]
     # the output exchanged back (ring: copied): o_proj's input (saved when kept)
-    back = _exchange(s, s.nqe, ring_too=True, saved=s.nqe, selective=selective)
+    back = xc.exchange(s, s.nqe, ring_too=True, saved=s.nqe, selective=selective)
     ev += [(ACT, s.nqe)] if s.cp > 1 and keep else back
     if selective:  # rotated q and k, the repeated copies die; v, output, lse stay
         ev += [(ACT, -(3 * s.nqe if rep > 1 else s.nqe + s.nke))]
     elif not keep:
         ev += [(ACT, -(2 * s.nqe + 2 * s.nse + s.nh4))]
-    o_proj = _row_add(s, selective=selective)
+    o_proj = xc.row_add(s, selective=selective)
     return [*ev, (TEMP, s.nme), *o_proj, (TEMP, -s.nme)]  # o_proj, residual -> x1
 
 
 def _mlp_forward(s: Sizes, *, keep: bool, selective: bool = False) -> list[Event]:
     """gate, silu, up, product (all saved), down_proj, residual add -> block output."""
     if keep:
-        return [(ACT, 4 * s.nfe), (TEMP, s.nme), *_row_add(s), (TEMP, -s.nme)]
+        return [(ACT, 4 * s.nfe), (TEMP, s.nme), *xc.row_add(s), (TEMP, -s.nme)]
     f = s.nfe  # unsaved: gate dies into silu, silu and up into the product
     gate = _saved(f) if selective else [(TEMP, -f)]
     down = _saved(s.nme) if selective else [(TEMP, -s.nme)]
     return [
         (TEMP, f), (TEMP, f), *gate, (TEMP, f), (TEMP, f), (TEMP, -2 * f),
-        (TEMP, s.nme), (TEMP, -f), *_row_add(s, selective=selective), *down,
+        (TEMP, s.nme), (TEMP, -f), *xc.row_add(s, selective=selective), *down,
     ]  # fmt: skip
 
 
@@ -277,12 +202,12 @@ def block_forward(s: Sizes, *, keep: bool, selective: bool = False) -> list[Even
     memory]). Ends with the output live; the input is freed unless something saved
     it (fp32 alias, or the checkpoint).
     """
-    cat, y = _y(s)
-    ev = norm_forward(s, keep=keep) + _gather(s, selective=selective)
+    cat, y = xc.projection_input(s)
+    ev = norm_forward(s, keep=keep) + xc.gather(s, selective=selective)
     ev += _attn_forward(s, keep=keep, selective=selective)
     if not keep:
         ev += [(cat, -y)]  # norm1 output: only q/k/v projections used it
-    ev += norm_forward(s, keep=keep) + _gather(s, selective=selective)
+    ev += norm_forward(s, keep=keep) + xc.gather(s, selective=selective)
     ev += _mlp_forward(s, keep=keep, selective=selective)
     if not keep:
         ev += [(cat, -y), (ACT, -s.nde)]  # norm2 output and x1
@@ -300,7 +225,7 @@ def block_recompute(s: Sizes, *, selective: bool = False) -> list[Event]:
     ev = block_forward(s, keep=True)
     if s.cast:
         ev = [*ev[:-2], (ACT, -s.nde)]  # keep x, free x1
-    stays = s.nme + _row_collective(s)  # down_proj's output and its reduced copy
+    stays = s.nme + xc.row_collective(s)  # down_proj's output and its reduced copy
     taken: list[Event] = [(ACT, -(selective_saved(s) - stays))] if selective else []
     return [*taken, *ev, (ACT, -s.nde)]
 
@@ -309,7 +234,7 @@ def selective_backward_end(s: Sizes) -> list[Event]:
     """The checkpoint frame dies with the block's backward: down_proj's saved output
     and its reduced copy under tp (never taken by the early-stopped recompute) go with
     it ([Note: selective checkpointing of exchanges])."""
-    return [(ACT, -(s.nme + _row_collective(s)))]
+    return [(ACT, -(s.nme + xc.row_collective(s)))]
 
 
 def norm_backward(s: Sizes) -> list[Event]:
@@ -346,14 +271,15 @@ def _cast_first_grad(s: Sizes) -> list[Event]:
 def _mlp_backward(s: Sizes) -> list[Event]:
     """down, (silu*up), up, silu, gate — autograd runs the later-created node first."""
     dfe = s.d * s.f * s.e
-    cat, y = _y(s)
+    cat, y = xc.projection_input(s)
     return [
-        *_grad_gather(s, 1), (TEMP, s.nfe), (GRAD, dfe), (ACT, -s.nfe), *_grad_gather(s, -1, True),
+        *xc.grad_gather(s, 1), (TEMP, s.nfe), (GRAD, dfe), (ACT, -s.nfe),
+        *xc.grad_gather(s, -1, True),
         (TEMP, 2 * s.nfe), (TEMP, -s.nfe), (ACT, -2 * s.nfe),
         (TEMP, s.nme), (GRAD, dfe), (TEMP, ForWeights(-s.nfe)),
         (TEMP, s.nfe), (TEMP, -s.nfe), (ACT, -s.nfe),
         (TEMP, s.nme), (GRAD, dfe), (TEMP, ForWeights(-s.nfe)), (cat, -y), (TEMP, -s.nme),
-        *_grad_scatter(s),
+        *xc.grad_scatter(s),
     ]  # fmt: skip
 
 
@@ -371,26 +297,26 @@ def _attn_backward(s: Sizes, *, sdpa_workspace: int) -> list[Event]:
     rep = s.rep
     q, kv = s.nqe, s.nke
     wq, wkv = s.d * s.heads * s.head_dim * s.e, s.d * s.kv_heads * s.head_dim * s.e
-    ev: list[Event] = [*_grad_gather(s, 1), (TEMP, q), (GRAD, wq), *_grad_gather(s, -1, True)]
+    ev: list[Event] = [*xc.grad_gather(s, 1), (TEMP, q), (GRAD, wq), *xc.grad_gather(s, -1, True)]
     ev += [(ACT, -q)] if s.cp > 1 else []  # o_proj's input (the exchanged-back output)
-    ev += _exchange(s, q)  # the output's grad: sequence for heads
+    ev += xc.exchange(s, q)  # the output's grad: sequence for heads
     if s.ring and s.cp > 1:
         ev += ring_backward(s, sdpa_workspace=sdpa_workspace)
     else:
         ev += [(TEMP, q + 2 * s.nse + sdpa_workspace), (TEMP, -sdpa_workspace), (TEMP, -q)]
-    ev += _exchange(s, 3 * q)  # q, k, v grads back (before the GQA sum)
+    ev += xc.exchange(s, 3 * q)  # q, k, v grads back (before the GQA sum)
     ev += [(ACT, -(2 * q + 2 * s.nse + s.nh4))]
     if rep > 1 and s.ring and s.cp > 1:  # ring: both grads are views of one buffer
         ev += [(TEMP, kv), (TEMP, kv), (TEMP, -2 * q)]
     elif rep > 1:  # sum the repeated heads back: v first, then k
         ev += [(TEMP, kv), (TEMP, -q), (TEMP, kv), (TEMP, -q)]
     ev += _rope_backward(kv) + _rope_backward(q)
-    cat, y = _y(s)
+    cat, y = xc.projection_input(s)
     kvf, qf = ForWeights(-kv), ForWeights(-q)
     ev += [(TEMP, s.nme), (GRAD, wkv), (TEMP, kvf)]  # v_proj
     ev += [(TEMP, s.nme), (GRAD, wkv), (TEMP, kvf), (TEMP, -s.nme)]  # k_proj, accumulated
     ev += [(TEMP, s.nme), (GRAD, wq), (TEMP, qf), (TEMP, -s.nme), (cat, -y)]  # q_proj
-    return ev + _grad_scatter(s)
+    return ev + xc.grad_scatter(s)
 
 
 def block_backward(s: Sizes, *, sdpa_workspace: int = 0, held: int = 0) -> list[Event]:

@@ -38,9 +38,10 @@ from collections.abc import Callable
 
 from fsdpkit.planner.analytic import late_free_spread
 from fsdpkit.planner.blockmem import ACT, TEMP, Event
+from fsdpkit.planner.fsdpunits import COLL
 from fsdpkit.planner.layout import Unit
 from fsdpkit.planner.ledger import EventSummary, Ledger, summarize
-from fsdpkit.planner.replay import COLL, Step
+from fsdpkit.planner.replay import Step
 from fsdpkit.planner.result import MemoryPlan
 from fsdpkit.planner.scenario import Scenario
 from fsdpkit.planner.states import model_states
