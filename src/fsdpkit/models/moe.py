@@ -194,7 +194,7 @@ class MoEExperts(nn.Module):
         out = grouped_swiglu(rows, offsets, self.gate_up_proj, self.down_proj)
         out = out.masked_fill(dropped, 0.0) * top_k_weights.reshape(-1)[order].unsqueeze(-1)
         unsorted = torch.empty_like(out).index_copy_(0, order, out)
-        return unsorted.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
+        return unsorted.view(tokens, k, out.shape[-1]).sum(dim=1).to(hidden.dtype)  # 0 rows too
 
 
 class SparseMoeBlock(nn.Module):

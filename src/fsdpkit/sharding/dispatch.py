@@ -92,6 +92,24 @@ class _LocalWeights:
         self.module._parameters.update(self.saved)
 
 
+def _in_the_graph(out: torch.Tensor, *, rows: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """``out`` tied to the received ``rows`` and the local experts by a zero term.
+
+    [Note: a rank that receives no rows]
+    When the router sends none of a step's assignments to a rank's experts, that rank
+    computes on zero rows. transformers' grouped-GEMM experts (their default) and the
+    built-in model stay in the autograd graph then, but the eager expert loop
+    (``experts_implementation="eager"``) returns a fresh zero tensor outside it
+    (checked on Qwen3-MoE, transformers 5): the rank would skip the backward of both
+    all-to-alls its peers enter, which then wait on it, and its experts would get no
+    gradient for FSDP's reduce-scatter. The zero term keeps both exchanges and every
+    local expert in the backward (gradients of zeros) whatever the family's forward
+    does. tests/distributed/test_expert_dispatch_empty.py trains such steps.
+    """
+    touch = rows.sum() + sum(p.sum() for p in module.parameters())
+    return out + 0 * touch.to(out.dtype)
+
+
 class ExpertDispatch:
     """The forward of one experts module ([Note: token dispatch])."""
 
@@ -153,9 +171,13 @@ class ExpertDispatch:
         unit = torch.ones(local_index.shape, dtype=hidden.dtype, device=hidden.device)
         with _LocalWeights(self.module):
             out = self.own_forward(self.module, rows, local_index, unit)
+            if not rows.shape[0]:  # [Note: a rank that receives no rows]
+                out = _in_the_graph(out, rows=rows, module=self.module)
         back = funcol.all_to_all_single_autograd(out, send, recv, group)
         per = back.new_zeros(tokens * k, back.shape[-1]).index_copy(0, kept, back)
-        summed = (per.view(tokens, k, -1) * weights.unsqueeze(-1).to(per.dtype)).sum(dim=1)
+        summed = (per.view(tokens, k, per.shape[-1]) * weights.unsqueeze(-1).to(per.dtype)).sum(
+            dim=1
+        )
         return summed.to(hidden.dtype)
 
     def routes(
