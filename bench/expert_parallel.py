@@ -35,7 +35,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 import results_io
-from model_parallel import GLOBAL_BATCH, SKIP, WORLD, measure, rows_of
+from model_parallel import GLOBAL_BATCH, SKIP, WORLD, measure, rows_of, table
 
 NAME = "expert_parallel"
 MODEL = [
@@ -99,17 +99,8 @@ def render(results: dict[str, Any]) -> str:
         f"run, {s['rounds']} round(s), {results['minutes']:.1f} min; 1-minute load after "
         f"each round {min(loads):.1f}-{max(loads):.1f} on a shared 2-core machine.",
         "",
-        "| layout | applied | tokens/s median | vs FSDP only (per-round min-max) | peak RSS "
-        "per rank | after build | step part | vs FSDP only | max abs loss diff |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        *table(results["rows"]),
     ]
-    for r in results["rows"]:
-        mid, low, high = r["ratio"]
-        lines.append(
-            f"| {r['label']} | {r['layout']} | {r['median']:,.0f} | {mid:.2f} ({low:.2f}-"
-            f"{high:.2f}) | {r['peak_mib']:,.0f} MiB | {r['built_mib']:,.0f} MiB | "
-            f"{r['step_mib']:,.0f} MiB | {r['step_ratio']:.2f} | {r['max_loss_diff']:.1e} |"
-        )
     control = next(r for r in results["rows"] if r["key"] == "fsdp-B")["ratio"]
     lines += [
         "",
@@ -117,7 +108,7 @@ def render(results: dict[str, Any]) -> str:
         f"{control[2]:.2f} per round): a layout's ratio inside that span shows nothing. "
         "On gloo over 2 shared cores every all-to-all runs on the compute thread and "
         "4 processes time-share the cores, so these ratios are not what ep costs on GPUs "
-        "(bench/gpu_check.py's model-parallel part has an ep row, grouped GEMMs on NCCL).",
+        "(bench/gpu_model_parallel.py has MoE rows, grouped GEMMs on NCCL, not yet run).",
     ]
     return "\n".join(lines) + "\n"
 

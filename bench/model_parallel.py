@@ -289,12 +289,22 @@ def render(results: dict[str, Any]) -> str:
         "",
         _settings(results),
         "",
+        *table(results["rows"]),
+    ]
+    memory = _memory_pp(results) if pipeline else _memory(results)
+    lines += ["", _speed(results, pipeline=pipeline), "", memory]
+    return "\n".join(lines) + "\n"
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    """The markdown table of ``rows_of``'s rows (bench/expert_parallel.py's too)."""
+    lines = [
         "| layout | applied (accum x micro-batch per rank) | tokens/s median | vs FSDP only "
         "(per-round min-max) | peak RSS per rank | vs FSDP only | after build | step part "
         "(peak - after build) | vs FSDP only | max abs loss diff vs FSDP only |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in results["rows"]:
+    for r in rows:
         mid, low, high = r["ratio"]
         lines.append(
             f"| {r['label']} | {r['layout']} | {r['median']:,.0f} | {mid:.2f} "
@@ -302,9 +312,7 @@ def render(results: dict[str, Any]) -> str:
             f"{r['built_mib']:,.0f} MiB | {r['step_mib']:,.0f} MiB | {r['step_ratio']:.2f} | "
             f"{r['max_loss_diff']:.1e} |"
         )
-    memory = _memory_pp(results) if pipeline else _memory(results)
-    lines += ["", _speed(results, pipeline=pipeline), "", memory]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _row(results: dict[str, Any], key: str) -> dict[str, Any]:
