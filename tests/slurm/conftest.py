@@ -25,12 +25,18 @@ SLURM tests instead of skipping them, so a broken install never passes as green.
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster() -> Iterator[slurmcluster.SlurmCluster]:
+def slurm_possible() -> None:
+    """Skip where no cluster can be made (saying why); fail instead under
+    ``REQUIRE_VAR``. Every SLURM test asks this, through ``slurm_cluster`` or itself."""
     why = slurmcluster.unavailable()
     if why is not None and os.environ.get(REQUIRE_VAR):
         pytest.fail(f"no SLURM test cluster, and ${REQUIRE_VAR} requires one: {why}")
     if why is not None:
         pytest.skip(f"no SLURM test cluster: {why}")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(slurm_possible: None) -> Iterator[slurmcluster.SlurmCluster]:
     netns.remove_stale()
     slurmcluster.remove_stale_workdirs()
     with slurmcluster.cluster(nodes=2) as made:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdpkit.testing import netns, slurmcluster
+from fsdpkit.testing import netns
 
 pytestmark = pytest.mark.distributed
 
@@ -43,10 +43,7 @@ def _daemons(workdir: str) -> list[int]:
 
 
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])
-def test_nothing_is_left_after_the_maker_dies(how: signal.Signals) -> None:
-    why = slurmcluster.unavailable()
-    if why is not None:
-        pytest.skip(f"no SLURM test cluster: {why}")
+def test_nothing_is_left_after_the_maker_dies(how: signal.Signals, slurm_possible: None) -> None:
     maker = subprocess.Popen([sys.executable, "-c", MAKER], stdout=subprocess.PIPE, text=True)
     try:
         workdir = maker.stdout.readline().strip()  # type: ignore[union-attr]
