@@ -26,6 +26,7 @@ from clirun import FAST, children, fsdpkit, start, wait_for_step
 from clirun import processes_in as _processes_in
 
 from fsdpkit import netinfo
+from fsdpkit.runtime.distenv import ERROR_DIR_VAR
 from fsdpkit.runtime.rundir import read_jsonl
 
 pytestmark = pytest.mark.e2e
@@ -40,9 +41,13 @@ LONG = [
 """A run that goes on until the test stops it."""
 
 
-def _rank_of(pid: int) -> int:
+def _env_of(pid: int, name: str) -> str:
     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return int(next(v for v in environ if v.startswith(b"RANK=")).split(b"=")[1])
+    return next(v for v in environ if v.startswith(name.encode() + b"=")).split(b"=", 1)[1].decode()
+
+
+def _rank_of(pid: int) -> int:
+    return int(_env_of(pid, "RANK"))
 
 
 def _steps(run_dir: Path) -> dict[int, float]:
@@ -77,6 +82,7 @@ def test_1_4_5_killed_launcher_takes_its_workers_along_and_nobody_else_gets_in(
     assert "Traceback" not in second.stderr
 
     # 1: kill -9 of the launcher's process group; its workers must not survive it.
+    control = Path(_env_of(workers[0], ERROR_DIR_VAR))
     seen = wait_for_step(run_dir, 13, proc)
     while seen % 10 in (0, 1, 2):  # kill a few steps past a checkpoint
         seen = wait_for_step(run_dir, seen + 1, proc)
@@ -86,6 +92,7 @@ def test_1_4_5_killed_launcher_takes_its_workers_along_and_nobody_else_gets_in(
     while _processes_in(run_dir) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _processes_in(run_dir) == [], "workers outlived their launcher"
+    assert control.is_dir()  # nobody was left to remove it ...
 
     # ... and a rerun resumes from the newest complete checkpoint, bit-exactly.
     resume_step = _newest_checkpoint(run_dir)
@@ -96,6 +103,7 @@ def test_1_4_5_killed_launcher_takes_its_workers_along_and_nobody_else_gets_in(
     out, err = _stop(run_dir, again, signal.SIGINT, after=max(overlap))
     assert again.returncode == 130, err[-3000:]
     assert f"resumed from step {resume_step}" in out
+    assert not control.exists()  # ... so the next launch did ([Note: control directory])
     after = _steps(run_dir)
     assert [after[s] for s in overlap] == [before_kill[s] for s in overlap]
 

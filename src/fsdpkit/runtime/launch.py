@@ -23,7 +23,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsdpkit import netinfo
 from fsdpkit.runtime import failures
+from fsdpkit.runtime.controldir import control_dir
 from fsdpkit.runtime.distenv import (
     ERROR_DIR_VAR,
     LAUNCHER_PID_VAR,
@@ -148,10 +148,10 @@ def spawn(argv: list[str], opts: SpawnOptions) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // opts.nproc, 1)))
     config = _launch_config(opts)
     with (
-        tempfile.TemporaryDirectory(prefix="fsdpkit-control-") as control,
-        scoped_environ(_worker_env(opts, control, config.local_addr)),
+        control_dir() as control,
+        scoped_environ(_worker_env(opts, str(control), config.local_addr)),
     ):
-        return _launch(config, argv, control=Path(control), opts=opts)
+        return _launch(config, argv, control=control, opts=opts)
 
 
 def _launch(config: Any, argv: list[str], *, control: Path, opts: SpawnOptions) -> int:
