@@ -101,3 +101,27 @@ def test_the_trace_routes_the_given_imbalance() -> None:
 def test_an_imbalance_without_ep_is_refused() -> None:
     with pytest.raises(PlanError, match=r"no parallel\.ep > 1"):
         plan(load(None, TINY[:-1]), world_size=4, trace=True, routing=uniform(1.5))
+
+
+def test_the_recommender_plans_its_ep_options_at_the_routing() -> None:
+    """``--recommend --moe-imbalance``: options with ep > 1 are planned at the routing
+    given, those without ep are what they are whatever the routing."""
+    from fsdpkit.devices import device_from
+    from fsdpkit.planner.recommend import recommend
+
+    cfg = load(None, TINY)
+    device = device_from(name=None, memory="2GiB")
+
+    def peaks(routing: Routing) -> dict[tuple[object, ...], tuple[int, int]]:
+        rec = recommend(cfg, world_size=4, device=device, routing=routing)
+        return {
+            tuple(sorted(c.changes.items())): (c.config.parallel.ep, c.plan.memory.peak.bytes)
+            for c in rec.ranked
+        }
+
+    balanced, busier = peaks(BALANCED), peaks(uniform(1.6))
+    both = set(balanced) & set(busier)
+    assert {balanced[k][0] for k in both} >= {1, 2}, (balanced, busier)
+    for key in both:
+        ep, peak = balanced[key]
+        assert busier[key][1] > peak if ep > 1 else busier[key][1] == peak

@@ -99,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
         from fsdpkit.planner.recommend import recommend
 
         common.pop("device")
-        rec = recommend(cfg, device=result.scenario.device, margin=args.margin, **common)
+        rec = recommend(
+            cfg, device=result.scenario.device, margin=args.margin, routing=routing, **common
+        )
     if args.json:
         out: dict[str, Any] = {"plan": plan_dict(result)}
         if rec is not None:
@@ -113,8 +115,10 @@ def run(args: argparse.Namespace) -> int:
         print(format_recommendation(rec))
         if not routing.balanced or routing.source:
             print(
-                "note: the recommendation plans balanced routing; --moe-imbalance "
-                "applies to the plan above"
+                "note: the recommendation plans its options with ep > 1 at the same "
+                "--moe-imbalance (a run's was measured at its own ep degree; at a larger "
+                "one the busiest rank's share is usually larger); options without ep do "
+                "not depend on it"
             )
     return 0
 

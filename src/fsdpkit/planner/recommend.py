@@ -44,7 +44,8 @@ from fsdpkit.planner.api import DEFAULT_MARGIN, plan_scenario
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.layouts import POWERS, Layout, LayoutTry, choose, layout_groups
 from fsdpkit.planner.pipeline import PIPELINE_GRID, pipeline_degrees
-from fsdpkit.planner.result import Plan
+from fsdpkit.planner.recommendation import Candidate, Recommendation
+from fsdpkit.planner.routing import BALANCED, Routing
 from fsdpkit.planner.scenario import Scenario, run_vocab_size, scenario
 from fsdpkit.planner.stepcost import StepCost, step_cost
 from fsdpkit.planner.tracedsearch import ladders, moe_grid
@@ -53,43 +54,6 @@ from fsdpkit.strategies import STRATEGIES
 
 CHANGE_PENALTY = 0.02
 """Relative cost added per changed config key when ranking."""
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One configuration of the search: what changes, its plan and its cost."""
-
-    changes: dict[str, object]
-    """Dotted config keys -> values that differ from the input config."""
-    config: RunConfig
-    plan: Plan
-    cost: StepCost
-
-    @property
-    def fits(self) -> bool:
-        return bool(self.plan.fits)
-
-
-@dataclass(frozen=True)
-class Recommendation:
-    """The search result; ``best`` is None when nothing fits."""
-
-    best: Candidate | None
-    ranked: tuple[Candidate, ...]
-    """Configurations that fit, cheapest first (at most ``top``)."""
-    current: Candidate | None
-    """The input configuration as given (None if it is invalid at this world size)."""
-    cheaper_unfit: Candidate | None
-    """The cheapest configuration that does not fit, if cheaper than ``best``."""
-    considered: int
-    """Configurations planned."""
-    fitting: int
-    searched: int = 0
-    """Valid configurations in the search grid (more than ``considered`` when a traced
-    model was planned cheapest first)."""
-    layouts: tuple[LayoutTry, ...] = ()
-    """The tp x cp layouts planned, fewest model-parallel ranks first, each with its
-    closest candidate ([Note: layout search] in fsdpkit.planner.layouts)."""
 
 
 def _hybrid_degrees(world: int, per_node: int) -> list[int]:
@@ -184,6 +148,9 @@ class _Search:
     vocab: int | None
     experts: int | None = None
     """The model's routed experts per block (None: dense): parallel.ep is searched."""
+    routing: Routing = BALANCED
+    """How unevenly the router fills the ep ranks ([Note: routing in the plan]): the
+    options with parallel.ep > 1 are planned at it, the others do not depend on it."""
 
 
 @dataclass(frozen=True)
@@ -207,6 +174,7 @@ def _option(cfg: RunConfig, changes: dict[str, object], search: _Search) -> _Opt
             device=search.device,
             ranks_per_node=search.per_node,
             vocab_size=search.vocab,
+            routing=search.routing if new.parallel.ep > 1 else BALANCED,
         )
     except UserError:
         return None  # e.g. offload with grad_op: not a valid configuration
@@ -268,10 +236,13 @@ def recommend(
     ranks_per_node: int = 8,
     vocab_size: int | None = None,
     top: int = 5,
+    routing: Routing = BALANCED,
 ) -> Recommendation:
     """Search the tp x cp layout, strategy, mesh, resharding, checkpointing, offload and
     micro-batch for ``cfg`` on ``world_size`` ranks of ``device``; rank what fits by
-    estimated step time. ``Recommendation.best.changes`` are the config keys to set."""
+    estimated step time. ``Recommendation.best.changes`` are the config keys to set.
+    ``routing``: a MoE model's under ep, for the options with ep > 1 (default
+    balanced; [Note: routing in the plan])."""
     if device.memory is None:
         raise PlanError(
             "--recommend needs the device memory to search what fits: pass --device-mem "
@@ -281,7 +252,8 @@ def recommend(
     search = _Search(world_size, device, margin, ranks_per_node, vocab)
     given = _option(cfg, {}, search)
     if given is not None and given.scenario.experts is not None:
-        search = replace(search, experts=given.scenario.experts.count)
+        search = replace(search, experts=given.scenario.experts.count, routing=routing)
+        given = _option(cfg, {}, search)
     current = _planned(given, search) if given is not None else None
     shape = _shape(cfg, given, search)
     groups = layout_groups(

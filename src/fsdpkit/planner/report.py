@@ -11,7 +11,7 @@ from typing import Any
 from fsdpkit.config.toml import dotted_tables, dump_tables, toml_value
 from fsdpkit.models.experts import fmt_count
 from fsdpkit.planner.pipeline_report import pipeline_dict, pipeline_lines
-from fsdpkit.planner.recommend import Candidate, Recommendation
+from fsdpkit.planner.recommendation import Candidate, Recommendation
 from fsdpkit.planner.result import CATEGORIES, PHASES, MemoryPlan, Plan
 from fsdpkit.planner.scenario import Scenario
 from fsdpkit.strategies import strategy
