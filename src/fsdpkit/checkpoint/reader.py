@@ -12,9 +12,10 @@ the bytes, and DCP's reader copies each tensor twice through a fresh allocation)
 - Each file has one owner rank (``layout.file_owner``: the rank that wrote it, modulo
   the world size). The owner reads its files front to back, crc32ing every byte in
   order, the bytes it loads as well as those it does not need (other ranks' slices
-  after a reshard, zip headers); other ranks read only the slices they load. So every
+  after a reshard, zip headers) ([Note: reading an owned file] in
+  fsdpkit.checkpoint.itemreads); other ranks read only the slices they load. So every
   byte of every file is verified by exactly one rank, at any world size, and at the
-  saving world size each byte is read once in all.
+  saving world size each byte comes from the disk once in all.
 - A mismatch raises ``ChecksumMismatch`` from ``read_data``. DCP gathers every rank's
   result of that step before it calls any ``load_state_dict``, so all ranks fail the
   load together, naming the files, before the loaded state is used; tensors written
@@ -26,9 +27,7 @@ from __future__ import annotations
 
 import io
 import os
-import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +38,9 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from fsdpkit.checkpoint.checksum import crc32, hex32
-from fsdpkit.checkpoint.records import HEAD, dense_span, tensor_record
-
-_GAP = 8 << 20
+from fsdpkit.checkpoint.checksum import hex32
+from fsdpkit.checkpoint.itemreads import ItemFile, LoadStats, read_ahead
+from fsdpkit.checkpoint.records import dense_span, tensor_record
 
 
 class ChecksumMismatch(Exception):
@@ -54,84 +52,6 @@ class ChecksumMismatch(Exception):
 
     def __str__(self) -> str:
         return "; ".join(self.problems)
-
-
-@dataclass
-class LoadStats:
-    """What one load read and where its time went (this rank)."""
-
-    bytes: int = 0
-    read_s: float = 0.0
-    checksum_s: float = 0.0
-    direct_bytes: int = 0
-    """Bytes read straight into their target tensors (no copy)."""
-    load_s: float = 0.0
-    """Wall time of the whole ``dcp.load`` (planning, reads, ``load_state_dict``)."""
-
-
-class _File:
-    """One open checkpoint file; ``owned``: crc32 every byte front to back."""
-
-    def __init__(self, path: Path, *, owned: bool, stats: LoadStats) -> None:
-        self.name = path.name
-        self.fd = os.open(path, os.O_RDONLY)
-        self.owned, self.stats = owned, stats
-        self.pos, self.crc = 0, 0
-        self._gap: bytearray | None = None
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-    def prefetch(self, offset: int, length: int) -> None:
-        """Start reading an item's first ``HEAD`` bytes into the page cache without
-        waiting: the small read that locates its tensor then hits memory instead of
-        costing a disk round trip."""
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self.fd, offset, min(length, HEAD), os.POSIX_FADV_WILLNEED)
-
-    def pread_into(self, view: memoryview, offset: int) -> None:
-        t0 = time.perf_counter()
-        done = 0
-        while done < view.nbytes:
-            n = os.preadv(self.fd, [view[done:]], offset + done)
-            if n == 0:
-                raise EOFError(f"{self.name} ends at byte {offset + done}")
-            done += n
-        self.stats.read_s += time.perf_counter() - t0
-        self.stats.bytes += done
-
-    def pread(self, offset: int, n: int) -> bytes:
-        out = bytearray(n)
-        self.pread_into(memoryview(out), offset)
-        return bytes(out)
-
-    def take(self, view: memoryview, offset: int) -> None:
-        """Read ``view.nbytes`` bytes at ``offset`` into ``view``; an owner first hashes
-        the bytes up to ``offset`` so its crc32 stays in file order."""
-        if not self.owned:
-            self.pread_into(view, offset)
-            return
-        self.skip_to(offset)
-        self.pread_into(view, offset)
-        self._hash(view)
-        self.pos = offset + view.nbytes
-
-    def skip_to(self, end: int) -> None:
-        """Owner: read and hash [pos, end) without keeping it."""
-        want = min(_GAP, end - self.pos)
-        if want > 0 and (self._gap is None or len(self._gap) < want):
-            self._gap = bytearray(max(want, 64 << 10))
-        while self.pos < end:
-            assert self._gap is not None
-            chunk = memoryview(self._gap)[: min(len(self._gap), end - self.pos)]
-            self.pread_into(chunk, self.pos)
-            self._hash(chunk)
-            self.pos += chunk.nbytes
-
-    def _hash(self, view: memoryview) -> None:
-        t0 = time.perf_counter()
-        self.crc = crc32(view, self.crc)
-        self.stats.checksum_s += time.perf_counter() - t0
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -171,6 +91,11 @@ class VerifyingReader(FileSystemReader):
         self._metadata.storage_meta.load_id = self.load_id
         return self._metadata
 
+    def read_ahead(self) -> None:
+        """Start the kernel reading this rank's owned files; call before ``dcp.load``
+        so the disk streams while DCP plans ([Note: reading an owned file])."""
+        read_ahead(Path(self.path) / name for name in sorted(self._owned))
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, dict[Any, list[ReadItem]]] = {}
         for req in plan.items:
@@ -194,7 +119,7 @@ class VerifyingReader(FileSystemReader):
     ) -> str | None:
         owned = name in self._owned
         try:
-            f = _File(Path(self.path) / name, owned=owned, stats=self.stats)
+            f = ItemFile(Path(self.path) / name, owned=owned, stats=self.stats)
         except OSError as exc:
             return f"{name} cannot be read ({exc.strerror or exc})"
         try:
@@ -215,7 +140,9 @@ class VerifyingReader(FileSystemReader):
             return f"{name} is corrupt (crc32 {hex32(f.crc)}, expected {expected['crc32']})"
         return None
 
-    def _load_item(self, f: _File, info: Any, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+    def _load_item(
+        self, f: ItemFile, info: Any, reqs: list[ReadItem], planner: LoadPlanner
+    ) -> None:
         simple = len(reqs) == 1 and reqs[0].type != LoadItemType.BYTE_IO
         if (
             simple
@@ -228,7 +155,7 @@ class VerifyingReader(FileSystemReader):
         for req in reqs:
             self._serve(buf, info, req, planner)
 
-    def _load_direct(self, f: _File, info: Any, req: ReadItem, planner: LoadPlanner) -> bool:
+    def _load_direct(self, f: ItemFile, info: Any, req: ReadItem, planner: LoadPlanner) -> bool:
         """Payload bytes straight into the target tensor; False if the layouts differ."""
         rec = tensor_record(lambda off, n: f.pread(info.offset + off, n), info.length)
         target = planner.resolve_tensor(req).detach()

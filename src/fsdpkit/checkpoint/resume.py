@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from fsdpkit.checkpoint.errors import CheckpointError, describe_failure
 from fsdpkit.checkpoint.frozen import FrozenBaseMismatch
 from fsdpkit.checkpoint.gcpause import gc_paused
+from fsdpkit.checkpoint.itemreads import LoadStats
 from fsdpkit.checkpoint.layout import (
     DCP_METADATA,
     complete_entries,
@@ -36,7 +37,7 @@ from fsdpkit.checkpoint.layout import (
     read_meta,
     verify,
 )
-from fsdpkit.checkpoint.reader import ChecksumMismatch, LoadStats, VerifyingReader
+from fsdpkit.checkpoint.reader import ChecksumMismatch, VerifyingReader
 from fsdpkit.checkpoint.state import RankLocal, state_info
 from fsdpkit.checkpoint.untrusted import SafeLoadPlanner, UnsafeCheckpointError, read_metadata
 
@@ -198,6 +199,7 @@ def load(
         owned=owned_files(choice.records, rank=rank, world_size=world_size),
     )
     t0 = time.perf_counter()
+    reader.read_ahead()
     try:
         with quiet_single_process(), gc_paused():
             dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
