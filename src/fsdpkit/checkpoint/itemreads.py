@@ -28,6 +28,7 @@ other ranks' files it loads): each item's head is prefetched, nothing more is re
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterable
@@ -181,12 +182,13 @@ class ItemFile:
         return done
 
     def _keep_ahead(self, end: int) -> None:
-        """Keep the kernel reading up to ``end``, a quarter window at a time (each
-        request is a few MB: the disk streams without a deep queue of them)."""
+        """Keep the kernel reading up to ``end``, in steps of at least a quarter window
+        (one ``posix_fadvise`` per 32 MiB or per large payload, not per item)."""
         if end <= self._advised or not hasattr(os, "posix_fadvise"):
             return
         stop = min(self.size, max(end, self._advised + WINDOW // 4))
-        os.posix_fadvise(self.fd, self._advised, stop - self._advised, os.POSIX_FADV_WILLNEED)
+        with contextlib.suppress(OSError):  # advice only
+            os.posix_fadvise(self.fd, self._advised, stop - self._advised, os.POSIX_FADV_WILLNEED)
         self._advised = stop
 
     def _in_memory(self, offset: int, n: int) -> memoryview | None:
