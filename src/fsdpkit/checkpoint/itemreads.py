@@ -67,8 +67,6 @@ def read_ahead(paths: Iterable[Path], *, budget: int | None = None) -> None:
     to ``budget`` bytes in all (``WINDOW``), without waiting ([Note: reading an owned
     file])."""
     budget = WINDOW if budget is None else budget
-    if not hasattr(os, "posix_fadvise"):
-        return
     for path in paths:
         if budget <= 0:
             return
@@ -78,12 +76,18 @@ def read_ahead(paths: Iterable[Path], *, budget: int | None = None) -> None:
             continue  # the load names the file that cannot be read
         try:
             n = min(os.fstat(fd).st_size, budget)
-            os.posix_fadvise(fd, 0, n, os.POSIX_FADV_WILLNEED)
+            _advise(fd, 0, n)
             budget -= n
-        except OSError:
-            pass  # advice only
         finally:
             os.close(fd)
+
+
+def _advise(fd: int, offset: int, n: int) -> None:
+    """``POSIX_FADV_WILLNEED`` for ``n`` bytes at ``offset``: advice only, so a file
+    system or platform that refuses it changes nothing."""
+    if hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
 
 
 class ItemFile:
@@ -111,8 +115,8 @@ class ItemFile:
         small read that locates its tensor does not cost a disk round trip. An owned
         file needs none: ``read_ahead`` streams it, and each head arrives in the read
         before it."""
-        if not self.owned and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self.fd, offset, min(length, HEAD), os.POSIX_FADV_WILLNEED)
+        if not self.owned:
+            _advise(self.fd, offset, min(length, HEAD))
 
     def pread(self, offset: int, n: int) -> bytes:
         held = self._in_memory(offset, n)
@@ -184,11 +188,10 @@ class ItemFile:
     def _keep_ahead(self, end: int) -> None:
         """Keep the kernel reading up to ``end``, in steps of at least a quarter window
         (one ``posix_fadvise`` per 32 MiB or per large payload, not per item)."""
-        if end <= self._advised or not hasattr(os, "posix_fadvise"):
+        if end <= self._advised:
             return
         stop = min(self.size, max(end, self._advised + WINDOW // 4))
-        with contextlib.suppress(OSError):  # advice only
-            os.posix_fadvise(self.fd, self._advised, stop - self._advised, os.POSIX_FADV_WILLNEED)
+        _advise(self.fd, self._advised, stop - self._advised)
         self._advised = stop
 
     def _in_memory(self, offset: int, n: int) -> memoryview | None:
