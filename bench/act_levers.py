@@ -15,7 +15,7 @@ the off setting twice, its ratio is the noise. Tokens/s excludes the first two
 steps (compilation, AdamW state creation); compile_s is dynamo's own compile time
 during them (fsdpkit.sharding.compile.compile_seconds). Peak memory is the true
 per-rank peak of live tensors over one step (c10's allocator count,
-fsdpkit.planner.measure), max over ranks. The rows are meant for bench/levers.py's
+fsdpkit.planner.traced.measure), max over ranks. The rows are meant for bench/levers.py's
 LEVERS list: (name, off overrides, on overrides).
 """
 
@@ -36,7 +36,7 @@ from fsdpkit.config import RunConfig, batch_split, load
 from fsdpkit.cpumem import enable_process_wide_accounting, live_bytes, peak_bytes
 from fsdpkit.loss.contract import next_token_loss
 from fsdpkit.models.llama import Llama
-from fsdpkit.planner.scenario import model_shape
+from fsdpkit.planner.shapes.scenario import model_shape
 from fsdpkit.sharding import shard
 from fsdpkit.sharding.compile import compile_seconds
 from fsdpkit.sharding.mesh import build_mesh

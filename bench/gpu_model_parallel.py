@@ -29,9 +29,9 @@ Parts (``--only train,attention``):
   and ``max_memory_allocated`` at the end, the largest rank's.
 - attention: one attention layer (q/k/v projections from a (1, S, 4096) input, 32
   heads of 128, causal SDPA, forward + backward) over cp = N ranks, S = --attn-seq
-  tokens in all: fsdpkit's Ulysses exchange (``fsdpkit.sharding.context
+  tokens in all: fsdpkit's Ulysses exchange (``fsdpkit.sharding.context.attention
   .UlyssesAttention``: each rank a contiguous S / N slice), fsdpkit's ring
-  (``fsdpkit.sharding.ring.RingAttention`` on head-tail chunks, what
+  (``fsdpkit.sharding.context.ring.RingAttention`` on head-tail chunks, what
   ``parallel.cp_attention=ring`` trains with) and torch's ring
   attention (``torch.distributed.tensor.experimental.context_parallel`` sharding the
   input with its causal load balancing, ``set_rotate_method("allgather")`` and
@@ -80,7 +80,7 @@ top 8), ~3B parameters, seq 4096; the experts run as grouped GEMMs
 block's experts and sends tokens x 8 rows to the other with NCCL all-to-alls. Their
 ratios are against the MoE FSDP-only row."""
 RING = "parallel.cp_attention=ring"
-"""fsdpkit's switch to torch's ring attention (fsdpkit.sharding.ring)."""
+"""fsdpkit's switch to torch's ring attention (fsdpkit.sharding.context.ring)."""
 PARTS = ("train", "attention")
 
 
@@ -151,8 +151,8 @@ def _attention_step(impl: str, *, seq: int, mesh: Any) -> tuple[float, float]:
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import set_rotate_method
 
-    from fsdpkit.sharding.context import UlyssesAttention
-    from fsdpkit.sharding.ring import RingAttention, enable_ring, head_tail_index
+    from fsdpkit.sharding.context.attention import UlyssesAttention
+    from fsdpkit.sharding.context.ring import RingAttention, enable_ring, head_tail_index
 
     heads, head_dim = 32, 128
     dim, cp, rank = heads * head_dim, mesh.size(), mesh.get_local_rank()

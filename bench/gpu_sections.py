@@ -77,7 +77,7 @@ def bf16_config(*overrides: str) -> RunConfig:
 def _small_model(cfg: RunConfig) -> torch.nn.Module:
     """The run's Llama on meta, sharded on a 1-rank cuda mesh by ``shard()``."""
     from fsdpkit.models.llama import Llama
-    from fsdpkit.planner.scenario import model_shape
+    from fsdpkit.planner.shapes.scenario import model_shape
     from fsdpkit.sharding import shard
     from fsdpkit.sharding.mesh import build_mesh
 
@@ -89,7 +89,7 @@ def _small_model(cfg: RunConfig) -> torch.nn.Module:
 
 def _tokens(cfg: RunConfig, n: int) -> list[torch.Tensor]:
     size = (cfg.train.micro_batch_size, cfg.data.seq_len + 1)
-    from fsdpkit.planner.scenario import model_shape
+    from fsdpkit.planner.shapes.scenario import model_shape
 
     vocab = model_shape(cfg).vocab_size
     return [torch.randint(0, vocab, size, device="cuda") for _ in range(n)]

@@ -6,10 +6,10 @@ routing, replayed into the trace.
     python bench/moe_routing_replay.py --render-docs   # only re-render docs/planner.md
 
 Trains bench/plan_accuracy.py's "E" rows under ``parallel.ep`` without a capacity factor
-(the trainer's own builder and step on gloo ranks, fsdpkit.planner.measure) and records,
+(the trainer's own builder and step on gloo ranks, fsdpkit.planner.traced.measure) and records,
 per step and rank, the true peak of live CPU tensor memory ([Note: measuring CPU peaks])
 and the rank's own load of each MoE layer (received rows / its balanced tokens x top_k,
-``moe_layer_loads``, [Note: routing imbalance] in fsdpkit.sharding.dispatch). For every
+``moe_layer_loads``, [Note: routing imbalance] in fsdpkit.sharding.experts.dispatch). For every
 step the rank that peaked highest is planned by tracing at exactly its loads
 (``Routing.by_layer``, [Note: routing in the plan]) and at a balanced step, and both are
 compared with that rank's own peak. A replayed error near zero says the model of the
@@ -28,8 +28,8 @@ import results_io
 from plan_accuracy_cases import CASES, Case
 
 from fsdpkit.planner import plan
-from fsdpkit.planner.measure import measure_step_records
-from fsdpkit.planner.routing import Routing
+from fsdpkit.planner.experts.routing import Routing
+from fsdpkit.planner.traced.measure import measure_step_records
 from fsdpkit.testing import run_ranks
 
 NAME = "moe_routing_replay"

@@ -42,8 +42,8 @@ import results_io
 from plan_accuracy_cases import CASES, QUICK, Case
 
 from fsdpkit.planner import plan
-from fsdpkit.planner.measure import measure_step_records
-from fsdpkit.planner.routing import BALANCED, MEAN_KEY, Routing, from_records
+from fsdpkit.planner.experts.routing import BALANCED, MEAN_KEY, Routing, from_records
+from fsdpkit.planner.traced.measure import measure_step_records
 from fsdpkit.testing import run_ranks
 
 

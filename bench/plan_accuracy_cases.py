@@ -15,7 +15,7 @@ from pathlib import Path
 
 from fsdpkit.config import RunConfig, load
 from fsdpkit.models.llama import LlamaConfig
-from fsdpkit.planner.scenario import model_shape
+from fsdpkit.planner.shapes.scenario import model_shape
 from fsdpkit.testing.hf import write_tiny_model
 
 MODELS = {
@@ -256,7 +256,7 @@ CASES = [
     Case("ACC T bf16 accum=2 every", 2, "T", (FULL, BF16, "train.grad_accum=2", SYNC_EVERY)),
     Case("ACC S hybrid accum=2 every", 4, "S", (*HYBRID, "train.grad_accum=2", SYNC_EVERY)),
     # a later micro-batch's block backward sums into the accumulated grads in place
-    # ([Note: accumulating in place] in fsdpkit.planner.gradlife), with checkpointing
+    # ([Note: accumulating in place] in fsdpkit.planner.replay.gradlife), with checkpointing
     Case("ACC A accum=2 +AC", 4, "A", (FULL, AC, "train.grad_accum=2")),
     Case("ACC A accum=2 selective", 2, "A", (FULL, SEL, "train.grad_accum=2")),
     Case("ACC S prefetch fwd2 bwd2", 2, "S", (FULL, *PREFETCH_2_2)),
@@ -293,14 +293,14 @@ CASES = [
     ),
     # selective checkpointing saves the collectives' outputs too: the sequence-parallel
     # gathers and reduce-scatters, Ulysses's all-to-alls ([Note: selective
-    # checkpointing of exchanges] in fsdpkit.planner.blockmem)
+    # checkpointing of exchanges] in fsdpkit.planner.replay.blockmem)
     *(Case(f"MP A {name} selective", 4, "A", (FULL, *layout, SEL)) for name, layout in MP_LAYOUTS),
     Case("MP A dp2 x tp2 +AC accum=2", 4, "A", (FULL, AC, "parallel.tp=2", "train.grad_accum=2")),
     # bf16: the casts of the final norm on the sequence shard and of RoPE under cp
     Case("MP T bf16 dp2 x tp2", 4, "T", (FULL, BF16, "parallel.tp=2")),
     Case("MP T bf16 tp2 x cp2 +AC", 4, "T", (FULL, BF16, AC, "parallel.tp=2", "parallel.cp=2")),
     # without checkpointing the peak sits in a block unit's reduce-scatter, beside its last
-    # gradient ([Note: the last gradient] in fsdpkit.planner.gradlife)
+    # gradient ([Note: the last gradient] in fsdpkit.planner.replay.gradlife)
     Case("MP T bf16 tp2 x cp2", 4, "T", (FULL, BF16, "parallel.tp=2", "parallel.cp=2")),
     Case("MP T bf16 dp2 x cp2 selective", 4, "T", (FULL, BF16, SEL, "parallel.cp=2")),
     # transformers' Qwen2 (no analytic shape: traced) and Llama under tp / cp

@@ -29,7 +29,7 @@ from pathlib import Path
 from fsdpkit.config import DataConfig, load
 from fsdpkit.data import ByteTokenizer, load_token_stream
 from fsdpkit.planner import parse_device, plan
-from fsdpkit.planner.recommend import recommend
+from fsdpkit.planner.search.recommend import recommend
 
 RESULTS = Path(__file__).parent / "results" / "wall_clock.json"
 H100 = parse_device("h100")

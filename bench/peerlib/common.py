@@ -12,7 +12,7 @@
   ``"default"``: whatever the framework does when the user names none) and the
   measurement loop: wall time per
   step, the global mean loss of every step, and the peak of live tensor memory during
-  one fixed step (c10's process-wide CPU allocator count, as fsdpkit.planner.measure;
+  one fixed step (c10's process-wide CPU allocator count, as fsdpkit.planner.traced.measure;
   everything the process holds in tensors, the data included, as ``fsdpkit train``'s
   profiler reports it; ``baseline_bytes`` is what was live before the model existed).
 

@@ -5,7 +5,7 @@ are 2 ranks: 1x1, 2x1, 2x2) and replicate: the model state each rank holds (byte
 its local parameter, gradient and AdamW-state tensors, counted from the real tensors
 with gradients present) and the true peak of live tensor memory in one steady-state
 step above what the process held before the model was built (c10's process-wide
-counter; fsdpkit.planner.measure). Ideal: model state / N.
+counter; fsdpkit.planner.traced.measure). Ideal: model state / N.
 """
 
 from __future__ import annotations

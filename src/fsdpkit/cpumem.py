@@ -11,7 +11,7 @@ process-wide live total, and its maximum over the step is the peak — exactly
 repeatable, equal on every rank for symmetric configs, and it includes what a
 tracker cannot see (buffers allocated inside gloo collectives). RSS overstates by
 1.4-2.1x (allocator caching, libraries) and tracemalloc does not see tensors.
-Used by the planner's measurement (fsdpkit.planner.measure), the run's memory
+Used by the planner's measurement (fsdpkit.planner.traced.measure), the run's memory
 telemetry and profiles on CPU (fsdpkit.observe) and the benches.
 """
 

@@ -1,4 +1,4 @@
-"""Context parallelism ([Note: Ulysses context parallelism], fsdpkit.sharding.context):
+"""Context parallelism ([Note: Ulysses context parallelism], fsdpkit.sharding.context.attention):
 the all-to-all exchange against full attention, and whole models at cp2 against the
 unsharded model, on gloo.
 
@@ -26,7 +26,7 @@ from fsdpkit.errors import ConfigError
 from fsdpkit.loss.contract import logits_of, next_token_loss
 from fsdpkit.loss.sft import sft_loss
 from fsdpkit.models.llama import causal_attention, document_mask
-from fsdpkit.sharding.context import (
+from fsdpkit.sharding.context.attention import (
     HF_ATTENTION,
     UlyssesAttention,
     apply_context_parallel,
@@ -34,7 +34,7 @@ from fsdpkit.sharding.context import (
     gather_positions,
     local_attention,
 )
-from fsdpkit.sharding.context_batch import context_parallel_loss, slice_batch
+from fsdpkit.sharding.context.batch import context_parallel_loss, slice_batch
 from fsdpkit.testing import run_ranks
 from support import TINY, build
 

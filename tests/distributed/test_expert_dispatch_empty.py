@@ -1,5 +1,5 @@
 """A step in which one ep rank's experts receive no rows still trains right ([Note: a
-rank that receives no rows] in fsdpkit.sharding.dispatch).
+rank that receives no rows] in fsdpkit.sharding.experts.dispatch).
 
 Every router is made to pick experts 0 .. top_k - 1 for every token, which at ep 2 all
 live on ep rank 0: rank 1 computes on zero rows in every layer. Found by

@@ -32,7 +32,7 @@ from fsdpkit.config import CheckpointConfig, load, parallel_dims
 from fsdpkit.loss.contract import next_token_loss
 from fsdpkit.loss.router import with_router_loss
 from fsdpkit.models.factory import build_model
-from fsdpkit.sharding.context_batch import context_parallel_loss
+from fsdpkit.sharding.context.batch import context_parallel_loss
 from fsdpkit.sharding.mesh import cp_mesh
 from fsdpkit.testing import run_ranks
 from support import adamw, full_state, global_batches, train

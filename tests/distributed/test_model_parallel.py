@@ -33,7 +33,7 @@ from fsdpkit.loss.head import ChunkedLoss
 from fsdpkit.loss.sft import sft_loss
 from fsdpkit.models.factory import build_model
 from fsdpkit.precision import PRESETS
-from fsdpkit.sharding.context_batch import context_parallel_loss
+from fsdpkit.sharding.context.batch import context_parallel_loss
 from fsdpkit.sharding.materialize import materialize
 from fsdpkit.sharding.mesh import cp_mesh
 from fsdpkit.testing import run_ranks

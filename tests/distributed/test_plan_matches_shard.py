@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from fsdpkit import build_mesh, shard
 from fsdpkit.config import load, mesh_shape
 from fsdpkit.models.factory import build_model
-from fsdpkit.planner.scenario import model_shape, scenario
+from fsdpkit.planner.shapes.scenario import model_shape, scenario
 from fsdpkit.precision import PRESETS
 from fsdpkit.sharding import choose_blocks
 from fsdpkit.sharding.activations import checkpoint_mode

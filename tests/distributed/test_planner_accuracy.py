@@ -24,9 +24,9 @@ import pytest
 
 from fsdpkit.config import RunConfig, load
 from fsdpkit.planner import plan
-from fsdpkit.planner.measure import measure_step_records
-from fsdpkit.planner.routing import BALANCED, from_records
-from fsdpkit.planner.scenario import model_shape
+from fsdpkit.planner.experts.routing import BALANCED, from_records
+from fsdpkit.planner.shapes.scenario import model_shape
+from fsdpkit.planner.traced.measure import measure_step_records
 from fsdpkit.testing import run_ranks
 from fsdpkit.testing.hf import write_tiny_model
 

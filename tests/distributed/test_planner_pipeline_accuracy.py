@@ -28,8 +28,8 @@ import pytest
 
 from fsdpkit.config import load, parallel_dims
 from fsdpkit.planner import plan
-from fsdpkit.planner.measure import measure_step_peaks
-from fsdpkit.planner.scenario import model_shape
+from fsdpkit.planner.shapes.scenario import model_shape
+from fsdpkit.planner.traced.measure import measure_step_peaks
 from fsdpkit.testing import run_ranks
 
 pytestmark = pytest.mark.distributed

@@ -11,9 +11,9 @@ from fsdpkit.config import load
 from fsdpkit.errors import ConfigError
 from fsdpkit.planner import parse_device, plan
 from fsdpkit.planner.api import decide_accum_sync
-from fsdpkit.planner.auto import accum_sync_choice
-from fsdpkit.planner.recommend import recommend
-from fsdpkit.planner.scenario import scenario
+from fsdpkit.planner.search.auto import accum_sync_choice
+from fsdpkit.planner.search.recommend import recommend
+from fsdpkit.planner.shapes.scenario import scenario
 from fsdpkit.run.resolve import resolve
 from fsdpkit.sharding.policy import sync_mode
 from fsdpkit.trainable.optim import impl_kwargs, resolve_impl

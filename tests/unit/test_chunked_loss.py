@@ -26,7 +26,7 @@ from fsdpkit.loss.head import ChunkedLoss, HeadLossError, choose_loss, output_he
 from fsdpkit.loss.sft import sft_loss
 from fsdpkit.planner import plan
 from fsdpkit.planner.errors import PlanError
-from fsdpkit.planner.scenario import scenario
+from fsdpkit.planner.shapes.scenario import scenario
 from support import TINY, build, build_mlp, needs_cxx
 
 GiB = 1024**3
@@ -251,9 +251,9 @@ def test_chunked_never_needs_more_than_full_logits(e: int, n: int) -> None:
     # train.chunked_loss = auto is on without planning because of this: even when one
     # chunk holds every token and the head's weight grad dwarfs the logits (d=2048,
     # 32 tokens), the weight grad is the first chunk's product, never beside its fp32
-    from fsdpkit.planner import blockmem as bm
-    from fsdpkit.planner import headmem as hm
-    from fsdpkit.planner.ledger import summarize
+    from fsdpkit.planner.replay import blockmem as bm
+    from fsdpkit.planner.replay import headmem as hm
+    from fsdpkit.planner.replay.ledger import summarize
 
     s = bm.Sizes(n=n, d=2048, f=8192, heads=32, kv_heads=8, head_dim=64, vocab=128256, e=e)
     full = hm.head_forward(s) + hm.loss_forward(s) + hm.loss_backward(s) + hm.head_backward(s)

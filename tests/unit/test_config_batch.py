@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from fsdpkit.config import ConfigError, TrainConfig, batch_split, load
-from fsdpkit.planner.recommend import _micro_changes
-from fsdpkit.planner.scenario import scenario
+from fsdpkit.planner.search.recommend import _micro_changes
+from fsdpkit.planner.shapes.scenario import scenario
 
 
 def test_global_batch_splits_the_same_step_over_any_world_size() -> None:

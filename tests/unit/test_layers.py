@@ -146,3 +146,36 @@ def test_every_module_stays_within_the_size_rule() -> None:
     sizes = {f: len(f.read_text(encoding="utf-8").splitlines()) for f in PACKAGE.rglob("*.py")}
     over = {str(f.relative_to(ROOT)): n for f, n in sizes.items() if n > MAX_LINES}
     assert over == {}, f"modules over {MAX_LINES} lines: {over}"
+
+
+AXES = ("tensor", "context", "experts", "pipeline")
+"""The parallelism axes: one folder each under sharding/ (and at most one under
+planner/ and trainable/); shared/design.md, "Parallelism axes"."""
+AXIS_WORDS = {
+    "tensor": ("tensor",),
+    "context": ("context", "ring", "ulysses"),
+    "experts": ("experts", "dispatch"),
+    "pipeline": ("pipeline", "zerobubble"),
+}
+"""The file-name words that say a module belongs to an axis."""
+ROLE_NAMES = {"__init__.py", "errors.py"}
+"""Names every package may have: its face and its own error types."""
+
+
+def _in_axis_folder(file: Path) -> bool:
+    parts = file.relative_to(PACKAGE).parts
+    return len(parts) >= 3 and parts[1] in AXES
+
+
+def test_each_axis_is_one_folder_under_sharding_and_at_most_one_under_planner() -> None:
+    for package in ("sharding", "planner", "trainable"):
+        for axis, words in AXIS_WORDS.items():
+            stray = [
+                str(f.relative_to(PACKAGE))
+                for f in (PACKAGE / package).rglob("*.py")
+                if f.stem.split("_")[0] in words
+                and f.relative_to(PACKAGE / package).parts[0] != axis
+            ]
+            assert stray == [], f"move these into {package}/{axis}/"
+    for axis in AXES:
+        assert (PACKAGE / "sharding" / axis / "__init__.py").is_file(), f"sharding/{axis}/"

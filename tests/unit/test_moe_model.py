@@ -17,8 +17,8 @@ from fsdpkit.loss.router import with_router_loss
 from fsdpkit.models.experts import experts_of
 from fsdpkit.models.factory import build_model
 from fsdpkit.models.moe import MoE, MoEConfig, preset
-from fsdpkit.sharding.dispatch import over_capacity
-from fsdpkit.sharding.experts import ExpertParallelError, check_layout, check_model
+from fsdpkit.sharding.experts.dispatch import over_capacity
+from fsdpkit.sharding.experts.parallel import ExpertParallelError, check_layout, check_model
 
 
 def _model(**overrides: Any) -> MoE:

@@ -1,6 +1,6 @@
 """The run's parallel dimensions and the layouts a model can take, without a process
 group: [Note: parallel dimensions] (fsdpkit.config.dims) and the refusals of
-fsdpkit.sharding.tensor / context, each naming the field."""
+fsdpkit.sharding.tensor.plans / context, each naming the field."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from torch import nn
 
 from fsdpkit.config import ConfigError, load, parallel_dims
-from fsdpkit.sharding.tensor_rules import TensorParallelError, check_layout, check_model
+from fsdpkit.sharding.tensor.rules import TensorParallelError, check_layout, check_model
 from support import TINY, build
 
 

@@ -13,16 +13,15 @@ from fsdpkit.config import ConfigError, load, parallel_dims, validate_for_world
 from fsdpkit.config.pipeline import SCHEDULES, micro_batch_need, stage_rank, stages_per_rank
 from fsdpkit.models.llama import Llama, LlamaConfig
 from fsdpkit.sharding.blocks import choose_blocks
-from fsdpkit.sharding.pipeline_parts import (
+from fsdpkit.sharding.pipeline.parts import model_ends, stage_module
+from fsdpkit.sharding.pipeline.split import balanced_blocks, check_pipeline_layout, stage_split
+from fsdpkit.sharding.stage_edges import (
     SkippedBlock,
     StageInput,
     StageOutput,
     TiedHeadView,
     TiedStageInput,
-    model_ends,
-    stage_module,
 )
-from fsdpkit.sharding.pipeline_split import balanced_blocks, check_pipeline_layout, stage_split
 
 
 def test_every_schedule_is_torchs() -> None:

@@ -12,10 +12,10 @@ from dataclasses import replace
 from fsdpkit.config import load
 from fsdpkit.devices import Device
 from fsdpkit.planner import plan, recommend
-from fsdpkit.planner.depth import extrapolated_memory
-from fsdpkit.planner.experts import dispatch_bytes
-from fsdpkit.planner.scenario import scenario
-from fsdpkit.planner.traced import traced_memory
+from fsdpkit.planner.experts.parallel import dispatch_bytes
+from fsdpkit.planner.shapes.scenario import scenario
+from fsdpkit.planner.traced.depth import extrapolated_memory
+from fsdpkit.planner.traced.trace import traced_memory
 
 TINY = [
     "model.preset=moe-tiny",

@@ -20,7 +20,7 @@ from fsdpkit.doctor.model import plan_units
 from fsdpkit.loss.router import router_spec
 from fsdpkit.models.experts import Experts, experts_of, is_routed
 from fsdpkit.planner import plan
-from fsdpkit.planner.moe import moe_notes
+from fsdpkit.planner.experts.routed import moe_notes
 from fsdpkit.planner.report import describe_scenario, plan_dict
 from fsdpkit.sharding import choose_blocks
 from fsdpkit.testing.hf import tiny_config, write_tiny_model

@@ -12,7 +12,7 @@ from fsdpkit.config import load
 from fsdpkit.loss.router import rank_imbalance
 from fsdpkit.planner import plan
 from fsdpkit.planner.errors import PlanError
-from fsdpkit.planner.routing import (
+from fsdpkit.planner.experts.routing import (
     BALANCED,
     Routing,
     from_records,
@@ -20,7 +20,7 @@ from fsdpkit.planner.routing import (
     received_rows,
     uniform,
 )
-from fsdpkit.sharding.dispatch import ExpertDispatch
+from fsdpkit.sharding.experts.dispatch import ExpertDispatch
 
 TINY = [
     "model.preset=moe-tiny", "data.seq_len=32", "train.micro_batch_size=2",
@@ -107,7 +107,7 @@ def test_the_recommender_plans_its_ep_options_at_the_routing() -> None:
     """``--recommend --moe-imbalance``: options with ep > 1 are planned at the routing
     given, those without ep are what they are whatever the routing."""
     from fsdpkit.devices import device_from
-    from fsdpkit.planner.recommend import recommend
+    from fsdpkit.planner.search.recommend import recommend
 
     cfg = load(None, TINY)
     device = device_from(name=None, memory="2GiB")

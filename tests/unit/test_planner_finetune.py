@@ -14,8 +14,8 @@ import pytest
 
 from fsdpkit.config import load
 from fsdpkit.planner import PlanError, parse_device, plan
-from fsdpkit.planner.recommend import recommend
 from fsdpkit.planner.report import format_plan
+from fsdpkit.planner.search.recommend import recommend
 from fsdpkit.testing.hf import write_tiny_model
 
 pytest.importorskip("peft")

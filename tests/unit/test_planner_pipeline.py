@@ -14,17 +14,17 @@ from fsdpkit.config.pipeline import SCHEDULES
 from fsdpkit.devices import parse_device
 from fsdpkit.models.llama import Llama
 from fsdpkit.planner import plan, recommend
-from fsdpkit.planner.pipeline import (
+from fsdpkit.planner.pipeline.plan import (
     bubble_fraction,
     pipeline_degrees,
     pipeline_split,
     schedule_actions,
 )
 from fsdpkit.planner.report import format_plan, plan_dict
-from fsdpkit.planner.scenario import model_shape, scenario
+from fsdpkit.planner.shapes.scenario import model_shape, scenario
 from fsdpkit.sharding.blocks import choose_blocks
-from fsdpkit.sharding.pipeline import _split
-from fsdpkit.sharding.pipeline_parts import model_ends
+from fsdpkit.sharding.pipeline.parts import model_ends
+from fsdpkit.sharding.pipeline.stages import _split
 
 TINY = [
     *("model.preset=tiny", "model.dim=128", "model.n_layers=4", "model.n_heads=4"),

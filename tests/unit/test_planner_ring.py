@@ -1,5 +1,5 @@
 """The analytic planner's ring attention (parallel.cp_attention = "ring"): its buffers
-([Note: ring attention memory] in fsdpkit.planner.ringmem), its traffic and its heads
+([Note: ring attention memory] in fsdpkit.planner.replay.ringmem), its traffic and its heads
 rule (heads need not divide by cp)."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import pytest
 
 from fsdpkit.config import load
 from fsdpkit.planner import plan
-from fsdpkit.planner.blockmem import Sizes, block_backward, block_forward
 from fsdpkit.planner.errors import PlanError
-from fsdpkit.planner.mparallel import exchange_traffic
+from fsdpkit.planner.replay.blockmem import Sizes, block_backward, block_forward
+from fsdpkit.planner.replay.ringmem import ring_backward, ring_forward
 from fsdpkit.planner.report import format_plan
-from fsdpkit.planner.ringmem import ring_backward, ring_forward
+from fsdpkit.planner.shapes.mparallel import exchange_traffic
 
 A = [  # bench/plan_accuracy_cases.py's model A at dp2 x cp2
     "model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",

@@ -14,7 +14,7 @@ import pytest
 from fsdpkit.config import ConfigError, load
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.planner import PlanError, parse_device, plan, recommend
-from fsdpkit.planner.blockmem import (
+from fsdpkit.planner.replay.blockmem import (
     GRAD,
     XCHG,
     Sizes,
@@ -22,14 +22,14 @@ from fsdpkit.planner.blockmem import (
     block_forward,
     saved_per_block,
 )
-from fsdpkit.planner.headmem import embedding_backward
-from fsdpkit.planner.layouts import layout_groups
-from fsdpkit.planner.mparallel import exchange_traffic, rope_bytes
-from fsdpkit.planner.replay import Step
+from fsdpkit.planner.replay.headmem import embedding_backward
+from fsdpkit.planner.replay.sizing import head_sizes, sizes
+from fsdpkit.planner.replay.step import Step
 from fsdpkit.planner.report import format_plan, format_recommendation
-from fsdpkit.planner.scenario import scenario
-from fsdpkit.planner.sizing import head_sizes, sizes
-from fsdpkit.planner.states import model_states
+from fsdpkit.planner.search.layouts import layout_groups
+from fsdpkit.planner.shapes.mparallel import exchange_traffic, rope_bytes
+from fsdpkit.planner.shapes.scenario import scenario
+from fsdpkit.planner.shapes.states import model_states
 
 H100 = parse_device("h100")
 ISSUE = ["precision.mode=bf16", "activations.mode=full", "train.micro_batch_size=1"]
@@ -274,7 +274,7 @@ selective" row); before the collectives' saved outputs were modeled ([Note: sele
 checkpointing of exchanges]) -9% (dp2 x cp2) to -21% (tp2 x cp2)."""
 RING_BOUND = 0.008
 """The same for the ring-attention rows ([Note: ring attention memory] in
-fsdpkit.planner.ringmem): "MP A dp2 x cp2 ring" +0.3%, "+AC" -0.3%. Looser than the
+fsdpkit.planner.replay.ringmem): "MP A dp2 x cp2 ring" +0.3%, "+AC" -0.3%. Looser than the
 rest because the real peak moves with gloo's timing: its gather temporary, which the
 plan holds to the first wait, was gone before the peak on some steps (without
 checkpointing the plan reads +0.62% on those, -0.01% on the others; with it the steps

@@ -1,7 +1,7 @@
 """Traced planning under tensor and context parallelism (parallel.tp / parallel.cp).
 
 The trace builds the run's N-D mesh on a fake process group and runs the trainer's
-step on fake tensors (fsdpkit.planner.traced). Per-rank model states are checked
+step on fake tensors (fsdpkit.planner.traced.trace). Per-rank model states are checked
 against the division by hand: tp splits every block linear and the (tied) embedding
 and head over the tp ranks, FSDP splits what each rank holds over shard x cp; the
 norms, which sequence parallelism keeps whole on each tp rank, are split by FSDP
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from fsdpkit.config import load
 from fsdpkit.planner import PlanError, plan
-from fsdpkit.planner.scenario import model_shape
+from fsdpkit.planner.shapes.scenario import model_shape
 from support import PLAN_T
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -128,7 +128,7 @@ tp2 x cp2 rows (real gloo ranks at world 4: within 0.01%; "MP HL hf llama tp2 x 
 selective" -0.21%, 15 KB under, as the data-parallel "ACT HL hf llama selective"
 row). Their +AC rows peak in the tp-split embedding's post-backward, where torch's
 tracker once held the embedding's whole-size gradient through the reduce-scatter
-(+6.5%; fsdpkit.planner.tracker)."""
+(+6.5%; fsdpkit.planner.traced.tracker)."""
 
 
 def test_traced_transformers_tp_cp_rows_plan_their_measured_peaks() -> None:

@@ -1,6 +1,6 @@
 """The traced planner runs ring attention's own path (parallel.cp_attention = "ring"):
 torch's ring functions through fsdpkit's CPU handlers on fake tensors of a fake
-process group ([Note: built-in masks under fake tensors] in fsdpkit.planner.fake_patches)."""
+process group ([Note: built-in masks under fake tensors] in fsdpkit.planner.traced.fake_patches)."""
 
 from __future__ import annotations
 

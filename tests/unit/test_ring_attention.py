@@ -12,10 +12,10 @@ from torch.distributed.tensor.experimental._context_parallel import _HeadTailLoa
 from fsdpkit.config import load
 from fsdpkit.data.batch import SFTBatch
 from fsdpkit.errors import ConfigError
-from fsdpkit.sharding.context_batch import slice_batch
+from fsdpkit.sharding.context.batch import slice_batch
+from fsdpkit.sharding.context.ring import head_tail_index
 from fsdpkit.sharding.heads import heads_cp
-from fsdpkit.sharding.ring import head_tail_index
-from fsdpkit.sharding.tensor_rules import check_layout
+from fsdpkit.sharding.tensor.rules import check_layout
 
 CPU = torch.device("cpu")
 

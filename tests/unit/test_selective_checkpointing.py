@@ -20,7 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from fsdpkit.config import ActivationsConfig, ConfigError, RunConfig, TrainConfig, load
 from fsdpkit.models.llama import Llama, LlamaConfig
 from fsdpkit.planner import parse_device, plan
-from fsdpkit.planner.blockmem import (
+from fsdpkit.planner.replay.blockmem import (
     ACT,
     TEMP,
     Sizes,
@@ -30,9 +30,9 @@ from fsdpkit.planner.blockmem import (
     selective_backward_end,
     selective_saved,
 )
-from fsdpkit.planner.recommend import recommend
-from fsdpkit.planner.scenario import scenario
-from fsdpkit.planner.stepcost import recompute_fraction
+from fsdpkit.planner.search.recommend import recommend
+from fsdpkit.planner.search.stepcost import recompute_fraction
+from fsdpkit.planner.shapes.scenario import scenario
 from fsdpkit.sharding.activations import (
     SelectivePolicy,
     checkpoint_forward,

@@ -62,7 +62,7 @@ def test_plan_of_a_preset_imports_neither_dynamo_nor_the_checkpointer() -> None:
         " '--device-mem', 'h100'])"
     )
     loaded = _loaded(code)
-    assert "fsdpkit.planner.analytic" in loaded
+    assert "fsdpkit.planner.replay.analytic" in loaded
     heavy = (
         "torch._dynamo",
         "fsdpkit.checkpoint.checkpointer",

@@ -1,5 +1,5 @@
 """Which transformers families tensor parallelism splits, with which plan, and which
-get sequence parallelism ([Note: tensor-parallel plans] in fsdpkit.sharding.tensor):
+get sequence parallelism ([Note: tensor-parallel plans] in fsdpkit.sharding.tensor.plans):
 small models of each family built on meta from their config classes (nothing is
 downloaded); the planner's layout answers the trainer's rule."""
 
@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from fsdpkit.config import load
-from fsdpkit.planner.layout import layout_of
+from fsdpkit.planner.model.layout import layout_of
 from fsdpkit.sharding import choose_blocks
-from fsdpkit.sharding.tensor_rules import (
+from fsdpkit.sharding.tensor.rules import (
     EXCLUDED,
     LLAMA_BLOCK,
     REPLICATED,

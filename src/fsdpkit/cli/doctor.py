@@ -78,7 +78,7 @@ def _network(args: argparse.Namespace) -> NetworkOptions | None:
 def run(args: argparse.Namespace) -> int:
     from fsdpkit import config as configuration
     from fsdpkit.doctor import failed, format_report, report_dict, run_doctor
-    from fsdpkit.planner.auto import auto_device
+    from fsdpkit.planner.search.auto import auto_device
     from fsdpkit.runtime.distenv import default_nproc
 
     path, overrides = split_items(args.items)

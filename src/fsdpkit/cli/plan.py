@@ -23,7 +23,7 @@ from fsdpkit.cli.configargs import add_config_items, split_items
 from fsdpkit.devices import DEFAULT_MARGIN, DEVICES, device_from
 
 if TYPE_CHECKING:
-    from fsdpkit.planner.routing import Routing
+    from fsdpkit.planner.experts.routing import Routing
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     result = plan(cfg, trace=args.trace or None, margin=args.margin, routing=routing, **common)
     rec = None
     if args.recommend:
-        from fsdpkit.planner.recommend import recommend
+        from fsdpkit.planner.search.recommend import recommend
 
         common.pop("device")
         rec = recommend(
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _routing(value: str | None) -> Routing:
     """``--moe-imbalance``: a number, or a run directory whose metrics recorded one."""
-    from fsdpkit.planner.routing import BALANCED, uniform
+    from fsdpkit.planner.experts.routing import BALANCED, uniform
 
     if value is None:
         return BALANCED

@@ -8,7 +8,7 @@ tensor-parallel group is consecutive ranks, inside one node) and pp slowest (so 
 pipeline stages are the axis that crosses nodes: only activations pass between them):
 
 - ``pp`` ranks hold consecutive stages of the model's blocks and see the same batches
-  (fsdpkit.sharding.pipeline); everything below is repeated inside each stage;
+  (fsdpkit.sharding.pipeline.stages); everything below is repeated inside each stage;
 - ``tp`` ranks split every block's matmuls and see the same batch;
 - ``cp`` ranks split every sequence of the same batch;
 - ``replicate x shard`` are the data-parallel ranks: each reads its own batches
@@ -28,7 +28,7 @@ after cp, so that the experts' FSDP axes (efsdp, cp) and ep are in the mesh's or
 (DTensor reduces a gradient norm over them as one flattened axis, which a
 non-ascending pair (efsdp x cp, ep) cannot be: a dp2 x cp2 x ep2 norm failed so).
 ep changes neither which batches a rank reads (``dp_rank``) nor the world size
-(fsdpkit.sharding.experts).
+(fsdpkit.sharding.experts.parallel).
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def parallel_dims(cfg: RunConfig, *, world_size: int, local_world_size: int) -> 
 
 def _check_ep(ep: int, *, shard: int, strategy: str, pp: int) -> None:
     """ep splits the shard axis ([Note: parallel dimensions]); pipeline stages take
-    dense models only (fsdpkit.sharding.pipeline_split), so ep and pp never meet."""
+    dense models only (fsdpkit.sharding.pipeline.split), so ep and pp never meet."""
     if ep < 1:
         raise ConfigError(f"parallel.ep must be >= 1, got {ep}.")
     if ep > 1 and pp > 1:

@@ -149,7 +149,7 @@ def _unsupported(cfg: RunConfig) -> list[tuple[str, str]]:
 def validate_pipeline(cfg: RunConfig) -> None:
     """``parallel.pp`` against the rest of the config, before any process starts
     (the world size and the model are checked later: ``check_micro_batches``,
-    fsdpkit.sharding.pipeline_split.check_pipeline_layout)."""
+    fsdpkit.sharding.pipeline.split.check_pipeline_layout)."""
     p = cfg.parallel
     if p.pp < 1:
         raise ConfigError(f"parallel.pp must be >= 1, got {p.pp}.")

@@ -87,7 +87,7 @@ def _validate_async_tp(cfg: RunConfig) -> None:
 
 def _validate_cp_attention(cfg: RunConfig) -> None:
     """parallel.cp_attention = "ring" splits attention over cp ranks, causally over whole
-    rows, in 2 x cp chunks (fsdpkit.sharding.ring)."""
+    rows, in 2 x cp chunks (fsdpkit.sharding.context.ring)."""
     par = cfg.parallel
     if par.cp_attention != "ring":
         return

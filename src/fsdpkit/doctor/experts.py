@@ -44,7 +44,7 @@ def _placement(
             "add the MoE layer's class to parallel.block_classes",
         )
     ep = cfg.parallel.ep
-    if ep > 1:  # fsdpkit.sharding.experts: units of their own, E / ep experts per rank
+    if ep > 1:  # fsdpkit.sharding.experts.parallel: units of their own, E / ep experts per rank
         return ok(
             "experts",
             f"{what}; parallel.ep = {ep}: each rank computes {experts.count // ep} experts of "

@@ -43,7 +43,7 @@ The planner plans the eager kernels (an upper bound, as for compiled blocks).
 
 [Note: vocabulary-parallel cross-entropy]
 Under tensor parallelism the head is split by vocabulary rows over the tp ranks
-(fsdpkit.sharding.tensor): each rank holds rows [offset, offset + V / tp) and the
+(fsdpkit.sharding.tensor.plans): each rank holds rows [offset, offset + V / tp) and the
 whole hidden states. Per chunk it computes only its logits (c x V / tp), their
 log-sum-exp and the target's logit where the target is one of its rows (else 0); one
 all-gather of those two c-vectors over tp gives every rank the chunk's global
@@ -64,7 +64,7 @@ the second into the first in place (torch/csrc/autograd/input_buffer.cpp,
 AccumulateGrad (functions/accumulate_grad.h) then steals the sum as ``.grad`` where
 there is none (a micro-batch after the optimizer step) or adds it into ``.grad`` in
 place (a later micro-batch of ``last`` accumulation: FSDP2 leaves the unsharded grad
-on the parameter, [Note: accumulating in place] in fsdpkit.planner.gradlife). Fake
+on the parameter, [Note: accumulating in place] in fsdpkit.planner.replay.gradlife). Fake
 tensors are subclasses, so a trace's buffer sums out of place, one V*d more than the
 real run. With ``grad_into_weight`` the loss does what the real run's memory does:
 no ``.grad`` yet, its gradient becomes ``.grad`` at once (the embedding's is added

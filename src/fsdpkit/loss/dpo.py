@@ -17,7 +17,7 @@ the margin is chosen minus rejected reward. The batch's loss is the mean over it
 
 [Note: preference losses over a split sequence]
 Under context parallelism each cp rank holds a slice of every row's tokens
-(fsdpkit.sharding.context_batch.slice_batch): the rows (so the pairs) stay whole, the
+(fsdpkit.sharding.context.batch.slice_batch): the rows (so the pairs) stay whole, the
 sequence does not. A side's log-prob is a sum over its answer tokens, so each rank's
 sums and answer-token counts are partial: ``whole_answers`` adds them over the cp
 group (one all-reduce of the stacked policy / reference / count rows) before any

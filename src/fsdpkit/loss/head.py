@@ -220,7 +220,7 @@ def vocab_shard(
     weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None, VocabShard | None]:
     """(weight, bias, None) for a whole head; for a head split by vocabulary over tp
-    (a DTensor sharded on its rows, fsdpkit.sharding.tensor) its local rows, bias and
+    (a DTensor sharded on its rows, fsdpkit.sharding.tensor.plans) its local rows, bias and
     where they sit ([Note: vocabulary-parallel cross-entropy]). DTensor is imported
     here, where a loss runs: the planner reads this module's rules, and DTensor's
     import is most of a plan's start-up."""

@@ -227,7 +227,7 @@ class RouterLoss:
         """The step's mean aux loss and the smallest and largest expert share of the
         routed tokens (x experts: 1.0 = balanced), over all layers and per layer.
         Every rank holds the same values (from the gathered logits or the all-reduced
-        sums). With a capacity (fsdpkit.sharding.dispatch) also the share of
+        sums). With a capacity (fsdpkit.sharding.experts.dispatch) also the share of
         assignments dropped over the global batch, ``moe_dropped``: a collective."""
         dropped = self._dropped() | self._imbalance()
         if not self._stats:
@@ -258,7 +258,7 @@ class RouterLoss:
 
     def _imbalance(self) -> dict[str, Any]:
         """``moe_imbalance`` and ``moe_imbalance_layer_max`` of the step ([Note: routing
-        imbalance] in fsdpkit.sharding.dispatch): the busiest rank's, a collective
+        imbalance] in fsdpkit.sharding.experts.dispatch): the busiest rank's, a collective
         (a max over the ranks); {} without expert parallelism."""
         if not self._ep_dispatches:
             return {}

@@ -241,7 +241,7 @@ class Attention(nn.Module):
     core: Callable[..., torch.Tensor]
     """``core(q, k, v, *, mask) -> out`` over (b, heads, s, d) after RoPE: plain
     ``causal_attention``, or context parallelism's exchange
-    (fsdpkit.sharding.context.apply_context_parallel replaces it). Not a module: no
+    (fsdpkit.sharding.context.attention.apply_context_parallel replaces it). Not a module: no
     parameters, nothing in the state dict."""
 
     def __init__(self, cfg: LlamaConfig) -> None:

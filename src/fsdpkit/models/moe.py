@@ -6,7 +6,7 @@ Module and parameter names are those of transformers' ``Qwen3MoeForCausalLM``
 (``model.layers.0.mlp.gate.weight`` [E, d], ``mlp.experts.gate_up_proj`` [E, 2f, d],
 ``mlp.experts.down_proj`` [E, d, f], ``self_attn.q_norm.weight``), and its experts
 module has transformers' interface (``forward(hidden [T, d], top_k_index [T, k],
-top_k_weights [T, k])``), so one expert-parallel rule (fsdpkit.sharding.experts) and
+top_k_weights [T, k])``), so one expert-parallel rule (fsdpkit.sharding.experts.parallel) and
 one census (fsdpkit.models.experts: routed = under a module named ``experts``) serve
 the built-in model and transformers' families alike, and an export is Qwen3-MoE's
 layout. The router's load-balancing loss is transformers' (Switch Transformer eqs.
@@ -172,7 +172,7 @@ def grouped_swiglu(
 class MoEExperts(nn.Module):
     """The routed experts (named ``experts``), transformers' fused layout and
     interface. An index equal to the expert count is a dropped assignment
-    (fsdpkit.sharding.dispatch's capacity), computed as zero."""
+    (fsdpkit.sharding.experts.dispatch's capacity), computed as zero."""
 
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdpkit.errors import UserError
-from fsdpkit.planner.routing import Routing, from_records
+from fsdpkit.planner.experts.routing import Routing, from_records
 
 HARDWARE_FILE = "hardware.json"
 BREAKDOWN_FILE = "profile/breakdown.json"
@@ -158,7 +158,7 @@ def load_runs(run_dirs: list[Path]) -> list[RunLog]:
 
 def run_routing(run_dir: Path) -> Routing:
     """The routing a run under expert parallelism recorded, for ``fsdpkit plan
-    --moe-imbalance RUN_DIR`` ([Note: routing in the plan] in fsdpkit.planner.routing)."""
+    --moe-imbalance RUN_DIR`` ([Note: routing in the plan] in fsdpkit.planner.experts.routing)."""
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise RunLogError(

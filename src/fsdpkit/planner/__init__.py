@@ -13,10 +13,10 @@ group (see [Note: traced planning]). The planner computes and never prints; the
 from fsdpkit.devices import DEVICES, Device, DeviceError, parse_device, parse_size
 from fsdpkit.planner.api import DEFAULT_MARGIN, plan, plan_scenario, usable_bytes
 from fsdpkit.planner.errors import PlanError
-from fsdpkit.planner.recommend import StepCost, recommend
-from fsdpkit.planner.recommendation import Candidate, Recommendation
-from fsdpkit.planner.result import CommVolume, MemoryPlan, PeakPoint, Plan
-from fsdpkit.planner.scenario import Scenario, scenario
+from fsdpkit.planner.search.recommend import StepCost, recommend
+from fsdpkit.planner.search.recommendation import Candidate, Recommendation
+from fsdpkit.planner.shapes.result import CommVolume, MemoryPlan, PeakPoint, Plan
+from fsdpkit.planner.shapes.scenario import Scenario, scenario
 
 __all__ = [
     "DEFAULT_MARGIN",

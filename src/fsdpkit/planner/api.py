@@ -9,14 +9,14 @@ from pathlib import Path
 from fsdpkit.config import RunConfig
 from fsdpkit.data import host_bytes
 from fsdpkit.devices import DEFAULT_MARGIN, Device, usable_bytes
-from fsdpkit.planner.analytic import analytic_memory
-from fsdpkit.planner.comm import comm_volume
 from fsdpkit.planner.errors import PlanError
-from fsdpkit.planner.headmem import loss_buffer_peak
-from fsdpkit.planner.result import LossBuffers, MemoryPlan, Plan
-from fsdpkit.planner.routing import BALANCED, Routing
-from fsdpkit.planner.scenario import Scenario, scenario
-from fsdpkit.planner.sizing import head_sizes
+from fsdpkit.planner.experts.routing import BALANCED, Routing
+from fsdpkit.planner.replay.analytic import analytic_memory
+from fsdpkit.planner.replay.comm import comm_volume
+from fsdpkit.planner.replay.headmem import loss_buffer_peak
+from fsdpkit.planner.replay.sizing import head_sizes
+from fsdpkit.planner.shapes.result import LossBuffers, MemoryPlan, Plan
+from fsdpkit.planner.shapes.scenario import Scenario, scenario
 
 
 def decide_accum_sync(sc: Scenario, *, usable: int | None) -> Scenario:
@@ -25,7 +25,7 @@ def decide_accum_sync(sc: Scenario, *, usable: int | None) -> Scenario:
     peak fits ``usable`` bytes, else ``every`` (no unsharded gradients between
     micro-batches). Without a memory budget, without accumulation or without sharding
     (nothing to choose) it is ``last``. The analytic plan decides (milliseconds), so
-    the launcher and every worker agree; ``fsdpkit.planner.auto.accum_sync_choice``
+    the launcher and every worker agree; ``fsdpkit.planner.search.auto.accum_sync_choice``
     applies the same rule to a run."""
     if not sc.accum_auto:
         return sc
@@ -77,8 +77,8 @@ def plan_scenario(
     if trace:
         if cfg is None:
             raise PlanError("traced planning needs the RunConfig (pass cfg=...)")
-        from fsdpkit.planner.depth import extrapolated_memory, extrapolates
-        from fsdpkit.planner.traced import traced_memory  # imports torch's fake machinery
+        from fsdpkit.planner.traced.depth import extrapolated_memory, extrapolates
+        from fsdpkit.planner.traced.trace import traced_memory  # imports torch's fake machinery
 
         deep = shallow and extrapolates(cfg, sc)
         memory = extrapolated_memory(cfg, sc) if deep else traced_memory(cfg, sc)
@@ -115,7 +115,7 @@ def _pipeline(
 ) -> Plan:
     """A pipelined run's plan: the pipeline rank with the highest peak (every rank must
     fit), every rank's figures in ``Plan.pipeline``."""
-    from fsdpkit.planner.pipeline import pipeline_plan
+    from fsdpkit.planner.pipeline.plan import pipeline_plan
 
     if cfg is None or trace or sc.analytic_why_not is not None or sc.model is None:
         why = sc.analytic_why_not or "a traced plan was asked for"

@@ -10,10 +10,10 @@ from typing import Any
 
 from fsdpkit.config.toml import dotted_tables, dump_tables, toml_value
 from fsdpkit.models.experts import fmt_count
-from fsdpkit.planner.pipeline_report import pipeline_dict, pipeline_lines
-from fsdpkit.planner.recommendation import Candidate, Recommendation
-from fsdpkit.planner.result import CATEGORIES, PHASES, MemoryPlan, Plan
-from fsdpkit.planner.scenario import Scenario
+from fsdpkit.planner.pipeline.report import pipeline_dict, pipeline_lines
+from fsdpkit.planner.search.recommendation import Candidate, Recommendation
+from fsdpkit.planner.shapes.result import CATEGORIES, PHASES, MemoryPlan, Plan
+from fsdpkit.planner.shapes.scenario import Scenario
 from fsdpkit.strategies import strategy
 
 GiB, MiB = 1024**3, 1024**2
@@ -71,7 +71,7 @@ def describe_scenario(sc: Scenario) -> str:
 
 
 def _experts(sc: Scenario) -> str:
-    """The experts units under ep ([Note: expert units] in fsdpkit.planner.experts)."""
+    """The experts units under ep ([Note: expert units] in fsdpkit.planner.experts.parallel)."""
     return f" + {len(sc.expert_units)} experts" if sc.expert_units else ""
 
 

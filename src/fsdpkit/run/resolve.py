@@ -19,10 +19,10 @@ from typing import Any
 from fsdpkit.config.io import load, with_changes
 from fsdpkit.config.schema import RunConfig
 from fsdpkit.config.validate import validate_for_world
-from fsdpkit.planner.auto import accum_sync_choice, auto_plan
-from fsdpkit.sharding.experts import check_layout as check_expert_layout
-from fsdpkit.sharding.pipeline_split import check_pipeline_layout
-from fsdpkit.sharding.tensor_rules import check_layout
+from fsdpkit.planner.search.auto import accum_sync_choice, auto_plan
+from fsdpkit.sharding.experts.parallel import check_layout as check_expert_layout
+from fsdpkit.sharding.pipeline.split import check_pipeline_layout
+from fsdpkit.sharding.tensor.rules import check_layout
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ as torchtitan's default ("op") policy does it: every block runs under
 ``torch.utils.checkpoint`` with a policy that saves the outputs of compute-heavy ops
 (every other matmul, attention, collectives) and recomputes everything else
 (norms, RoPE, activations, casts, adds) in backward. The saved set of the built-in
-Llama block follows from the op order (fsdpkit.planner.blockmem models it).
+Llama block follows from the op order (fsdpkit.planner.replay.blockmem models it).
 
 Forward and recompute must agree op for op: the recompute hands a saved output
 back where forward saved one. Where the policy is consulted in both passes (the
@@ -107,7 +107,7 @@ def _op_sets() -> tuple[frozenset[Any], frozenset[Any]]:
 def matmul_saved(count: int) -> bool:
     """Whether the ``count``-th matmul of a checkpointed call (1 for the first) is
     saved: the odd ones (1st, 3rd, ...) are, the even ones recomputed. The planner
-    asks this too (step time, fsdpkit.planner.recommend)."""
+    asks this too (step time, fsdpkit.planner.search.recommend)."""
     return count % 2 == 1
 
 

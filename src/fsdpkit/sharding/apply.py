@@ -1,7 +1,7 @@
 """``shard``: apply FSDP2 to a model the way it should be done.
 
 Order (as torchtitan): meta-device model -> tensor / context parallelism -> expert
-parallelism ([Note: expert parallelism] in fsdpkit.sharding.experts) -> activation
+parallelism ([Note: expert parallelism] in fsdpkit.sharding.experts.parallel) -> activation
 checkpointing -> compile each block (``train.compile``) -> optional fp32 norm units ->
 ``fully_shard`` per block (or group of k blocks; under ep a block's routed experts
 first, as units of their own), bottom-up -> an untied embedding and head ([Note: edge
@@ -42,14 +42,14 @@ from fsdpkit.models.hf_init import own_initializer
 from fsdpkit.sharding.activations import checkpoint_forward
 from fsdpkit.sharding.blocks import choose_blocks
 from fsdpkit.sharding.compile import compile_blocks, enable_async_tp
-from fsdpkit.sharding.context import apply_context_parallel
+from fsdpkit.sharding.context.attention import apply_context_parallel
 from fsdpkit.sharding.edges import edge_modules
-from fsdpkit.sharding.experts import expert_parallel, shard_experts
+from fsdpkit.sharding.experts.parallel import expert_parallel, shard_experts
 from fsdpkit.sharding.heads import CP_ATTENTION, heads_cp
 from fsdpkit.sharding.materialize import is_meta, materialize
 from fsdpkit.sharding.mesh import cp_mesh, fsdp_mesh, tp_mesh
 from fsdpkit.sharding.policy import offload_policy, reshard_after_forward, resolve_precision
-from fsdpkit.sharding.tensor import tensor_parallel
+from fsdpkit.sharding.tensor.plans import tensor_parallel
 from fsdpkit.sharding.units import UnitSpec, block_specs, unit_specs
 
 log = logging.getLogger(__name__)

@@ -106,7 +106,7 @@ def clip_grad_norm_(
     miscounts mixed placements (``_by_mesh``). ``across``: a process group whose ranks
     hold *different* parameters (the pipeline stages): the squared norms are summed
     over it, so every rank clips by the whole model's norm ([Note: the pipelined
-    step] in fsdpkit.trainable.pipeline_step); ``skip``: parameters another rank of
+    step] in fsdpkit.trainable.pipeline.step); ``skip``: parameters another rank of
     ``across`` counts (a tied weight's second copy), clipped but not counted.
     ``foreach=False`` computes per-tensor
     norms: the same memory on real tensors, but fake-tensor tracing (the planner)

@@ -2,8 +2,8 @@
 trainer checks a layout with before launch and the planner sizes attention by.
 
 Pure functions of the head counts and degrees, kept apart from the exchanges that
-apply them (fsdpkit.sharding.context, fsdpkit.sharding.ring), so that the planner and
-the launcher's checks do not import DTensor and the collectives.
+apply them (fsdpkit.sharding.context.attention, fsdpkit.sharding.context.ring), so
+that the planner and the launcher's checks do not import DTensor and the collectives.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def heads_cp(*, cp: int, attention: str) -> int:
 
 def check_cp_heads(*, n_heads: int, cp: int, tp: int = 1) -> None:
     """ConfigError unless every tensor-parallel rank's query heads divide by cp ([Note:
-    Ulysses context parallelism] in fsdpkit.sharding.context); for validating a layout
+    Ulysses context parallelism] in fsdpkit.sharding.context.attention); for validating a layout
     before launch."""
     if n_heads % tp or (n_heads // tp) % cp:
         raise ConfigError(

@@ -83,5 +83,5 @@ SyncMode = Literal["last", "every"]
 
 def sync_mode(accum_sync: str) -> SyncMode:
     """The runtime's mode for a config value: ``auto`` left unresolved (no memory
-    budget was given, fsdpkit.planner.auto) means ``last``."""
+    budget was given, fsdpkit.planner.search.auto) means ``last``."""
     return "every" if accum_sync == "every" else "last"

@@ -30,7 +30,7 @@ from fsdpkit.runtime.rundir import RunDirError, check_run_dir
 from fsdpkit.runtime.runlock import RunLock, acquire
 from fsdpkit.runtime.signals import StopFlag, agreed_signal, describe_stop, install_stop_flag
 from fsdpkit.sharding.compile import compile_seconds
-from fsdpkit.sharding.context import local_attention
+from fsdpkit.sharding.context.attention import local_attention
 from fsdpkit.sharding.policy import sync_mode
 from fsdpkit.train.generate import sample
 from fsdpkit.train.guards import check_finite
@@ -38,7 +38,7 @@ from fsdpkit.train.progress import Progress
 from fsdpkit.train.session import Session, write_run_dir
 from fsdpkit.train.summary import RunSummary
 from fsdpkit.train.telemetry import device_peak_flops, peak_memory_kind, peak_memory_mib
-from fsdpkit.trainable.pipeline_step import pipeline_eval, pipeline_step
+from fsdpkit.trainable.pipeline.step import pipeline_eval, pipeline_step
 from fsdpkit.trainable.step import train_step
 
 log = logging.getLogger(__name__)

@@ -74,7 +74,7 @@ class Session:
     loss_note: str | None = None
     """Why ``train.chunked_loss = auto`` kept full logits (None: it did not)."""
     pipeline: Any = None
-    """Under parallel.pp: this rank's stages and schedule (fsdpkit.sharding.pipeline);
+    """Under parallel.pp: this rank's stages and schedule (fsdpkit.sharding.pipeline.stages);
     ``model`` is the rank's view of its parameters. None without pp."""
 
     def app_state(self) -> dict[str, Any]:

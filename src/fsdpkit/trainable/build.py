@@ -14,7 +14,7 @@ The order FSDP2 requires, written once:
    then the optimizer over the trainable parameters.
 
 ``fsdpkit train`` runs both steps on real ranks; the traced planner runs step 1 outside
-``FakeTensorMode`` and step 2 inside it at any world size; ``fsdpkit.planner.measure``
+``FakeTensorMode`` and step 2 inside it at any world size; ``fsdpkit.planner.traced.measure``
 runs both on real CPU ranks. A change to how a run is built is made here, so the plan
 cannot drift from the run.
 """
@@ -44,12 +44,12 @@ from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.models.presets import builtin_model
 from fsdpkit.precision import Precision
 from fsdpkit.sharding import ShardPlan, detect_blocks, resolve_precision, shard
-from fsdpkit.sharding.context_batch import context_parallel_loss
-from fsdpkit.sharding.experts import check_model as check_experts
+from fsdpkit.sharding.context.batch import context_parallel_loss
+from fsdpkit.sharding.experts.parallel import check_model as check_experts
 from fsdpkit.sharding.heads import heads_cp
 from fsdpkit.sharding.materialize import is_meta
 from fsdpkit.sharding.mesh import cp_mesh
-from fsdpkit.sharding.tensor_rules import check_model
+from fsdpkit.sharding.tensor.rules import check_model
 from fsdpkit.trainable.optim import build_optimizer
 
 
@@ -80,7 +80,7 @@ class Trainable:
     loss_note: str | None = None
     pipeline: Any = None
     """Under parallel.pp: this rank's stages and their schedule
-    (fsdpkit.sharding.pipeline.Pipeline); ``model`` is then the rank's view of its
+    (fsdpkit.sharding.pipeline.stages.Pipeline); ``model`` is then the rank's view of its
     parameters ([Note: stage modules]). None without pp."""
 
 
@@ -174,8 +174,8 @@ def shard_trainable(
 def _pipelined(
     unsharded: Unsharded, cfg: RunConfig, *, mesh: Any, device: torch.device
 ) -> Trainable:
-    """Step 2 under ``parallel.pp``: this rank's stages (fsdpkit.trainable.pipeline_build)."""
-    from fsdpkit.trainable.pipeline_build import build_pipeline
+    """Step 2 under ``parallel.pp``: this rank's stages (fsdpkit.trainable.pipeline.build)."""
+    from fsdpkit.trainable.pipeline.build import build_pipeline
 
     built = build_pipeline(unsharded, cfg, mesh=mesh, device=device)
     return Trainable(

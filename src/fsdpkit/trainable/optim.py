@@ -22,7 +22,7 @@ fastest on CUDA; ``foreach`` elsewhere, and under the fp16 gradient scaler: torc
 2.13's fused step fails with FSDP2's sharded scaler (its ``found_inf`` has shape [1],
 the step counters shape [], and ``_foreach_sub_`` refuses to broadcast), so
 ``fused`` with a scaler is a config error (fsdpkit.config.validate). The planner
-models each one's temporary (fsdpkit.planner.analytic) from ``resolve_impl``.
+models each one's temporary (fsdpkit.planner.replay.analytic) from ``resolve_impl``.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ from fsdpkit.loss.dpo import REFERENCE_FREE, answer_logps, preference_loss, whol
 from fsdpkit.loss.sft import model_kwargs
 from fsdpkit.models.buffers import require_buffer_source
 from fsdpkit.sharding import shard
-from fsdpkit.sharding.context_batch import slice_batch
+from fsdpkit.sharding.context.batch import slice_batch
 from fsdpkit.sharding.materialize import is_meta
 from fsdpkit.sharding.mesh import cp_mesh
 from fsdpkit.trainable.build import Unsharded, build_unsharded, init_from
@@ -169,7 +169,7 @@ class DpoLoss:
         """``mesh``: the run's mesh; with a cp axis every batch is split over it and
         each side's log-probs summed back ([Note: preference losses over a split
         sequence] in fsdpkit.loss.dpo). None: the batch is whole on this rank.
-        ``ring``: split in ring attention's head-tail chunks (fsdpkit.sharding.ring)."""
+        ``ring``: split in ring attention's head-tail chunks (fsdpkit.sharding.context.ring)."""
         self.cfg, self.reference, self.lora, self.ring = cfg, reference, lora, ring
         self.cp = None if mesh is None else cp_mesh(mesh)
         self._stats: list[torch.Tensor] = []
@@ -194,7 +194,7 @@ class DpoLoss:
 
     def local(self, batch: SFTBatch) -> SFTBatch:
         """This rank's part of ``batch``: its cp slice of every row, with global
-        positions (fsdpkit.sharding.context_batch), or the whole batch without cp."""
+        positions (fsdpkit.sharding.context.batch), or the whole batch without cp."""
         if self.cp is None:
             return batch
         return slice_batch(batch, rank=self.cp.get_local_rank(), cp=self.cp.size(), ring=self.ring)

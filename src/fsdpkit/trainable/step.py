@@ -9,7 +9,7 @@ The loss tensor dies before each backward returns, so logits never outlive their
 micro-batch. The traced planner runs this very function under fake tensors with a
 ``mark`` hook at each phase end; the training loop runs it for real. Whatever it
 keeps alive is what the planner's analytic model must account for
-(fsdpkit.planner.analytic; bench/plan_accuracy.py checks the two agree).
+(fsdpkit.planner.replay.analytic; bench/plan_accuracy.py checks the two agree).
 """
 
 from __future__ import annotations

@@ -1,0 +1,10 @@
+"""Pipeline parallelism (``parallel.pp``): one axis, one folder.
+
+    split   [Note: stage split]: which blocks each stage holds
+    parts   [Note: stage modules]: a stage as the model's own module, other stages'
+            parts taken out (the edge modules themselves: fsdpkit.sharding.stage_edges)
+    tied    [Note: tied embeddings across stages]
+    stages  [Note: a stage's forward]: stages, their FSDP root, torch's schedule
+
+The pipelined step that drives them is ``fsdpkit.trainable.pipeline``.
+"""

@@ -1,0 +1,76 @@
+"""Step 2 of [Note: one builder] under ``parallel.pp``: the rank's stages of the
+prepared model, their loss and schedule (fsdpkit.sharding.pipeline.stages), and the view of
+the rank's parameters the optimizer, clipping and checkpoints use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdpkit.checkpoint.state import tied_aliases
+from fsdpkit.config import RunConfig, batch_split
+from fsdpkit.errors import ConfigError
+from fsdpkit.loss.contract import LossFn
+from fsdpkit.loss.router import RouterLoss, with_router_loss
+from fsdpkit.sharding.context.batch import context_parallel_loss
+from fsdpkit.sharding.mesh import cp_mesh
+from fsdpkit.sharding.pipeline.stages import Pipeline, shard_pipeline
+from fsdpkit.trainable.optim import group_names
+
+
+@dataclass
+class PipelineBuild:
+    """What ``build_pipeline`` made."""
+
+    pipeline: Pipeline
+    view: nn.Module
+    """This rank's parameters under the model's names ([Note: stage modules])."""
+    loss_fn: LossFn
+    """The loss the last stage computes (context-parallel where cp > 1)."""
+
+
+def data_ranks(mesh: DeviceMesh) -> int:
+    """The data-parallel ranks of one stage: the product of the mesh's data axes."""
+    names = mesh.mesh_dim_names or ()
+    size = 1
+    for axis in ("replicate", "shard"):
+        if axis in names:
+            size *= mesh[axis].size()
+    return size
+
+
+def build_pipeline(
+    unsharded: Any, cfg: RunConfig, *, mesh: DeviceMesh, device: torch.device
+) -> PipelineBuild:
+    """This rank's stages of ``unsharded`` (fsdpkit.trainable.build.Unsharded), sharded
+    and materialized, and their schedule over the step's micro-batches."""
+    model = unsharded.built.module
+    loss_fn: LossFn = unsharded.loss_fn
+    if isinstance(with_router_loss(loss_fn, model=model, coef=None), RouterLoss):
+        raise ConfigError(
+            "parallel.pp: mixture-of-experts models are not split into pipeline stages "
+            "(their router loss gathers every layer's routing in one forward). Use "
+            "parallel.pp = 1 for this model."
+        )
+    cp = cp_mesh(mesh)
+    if cp is not None:
+        ring = cfg.parallel.cp_attention == "ring"
+        loss_fn = context_parallel_loss(loss_fn, mesh=cp, ring=ring)
+    micro_batches = batch_split(cfg.train, dp_world=data_ranks(mesh)).grad_accum
+    names = group_names(model)  # before the model is cut into stages
+    tied = tied_aliases(model)
+    pipeline, view = shard_pipeline(
+        model,
+        cfg,
+        mesh=mesh,
+        loss_fn=loss_fn,
+        micro_batches=micro_batches,
+        device=device,
+        init=unsharded.finetune.init,
+    )
+    pipeline.group_names, pipeline.tied_names = names, tied
+    return PipelineBuild(pipeline=pipeline, view=view, loss_fn=loss_fn)
