@@ -206,7 +206,7 @@ def _probe(rank: int, world: int, dataset: str, work: str, kind: str) -> dict[st
     from fsdpkit import init_weights, shard
     from fsdpkit.config import RunConfig
     from fsdpkit.data import open_training_data
-    from fsdpkit.loss.sft import sft_loss
+    from fsdpkit.loss.answers import sft_loss
     from fsdpkit.models.llama import Llama, LlamaConfig
     from fsdpkit.sharding.mesh import build_mesh
 

@@ -7,7 +7,7 @@
 
 Writes a random-weight Hugging Face Llama directory once (under --cache), then for each
 row runs on N gloo ranks what ``fsdpkit train model.hf=DIR ...`` does: build on meta,
-``[lora]`` / ``model.freeze`` (fsdpkit.finetune.prepare), shard, read each rank's slices,
+``[lora]`` / ``model.freeze`` (fsdpkit.finetune.prepare_model), shard, read each rank's slices,
 build fsdpkit's AdamW, one warm-up step, then one measured step of fsdpkit's training
 step (batch 2 x 256 tokens per rank, fp32). Per rank it reports:
 

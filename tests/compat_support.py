@@ -8,7 +8,7 @@ read it: its file names (rank numbers as ``R``), the keys of ``fsdpkit.json`` (v
 vary per run; the resolved config under ``run.config`` is read through the config
 loader, whose own compatibility is the config's), and every state-dict entry's key,
 dtype and global shape from DCP's ``.metadata``. A change to any of them is a change of
-the on-disk format: it must come with a new ``fsdpkit.checkpoint.layout.VERSION``.
+the on-disk format: it must come with a new ``fsdpkit.checkpoint.stepdir.VERSION``.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def describe_format(ckpt: Path) -> dict[str, Any]:
     """[Note: canonical format description] of the checkpoint directory ``ckpt``."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from fsdpkit.checkpoint.layout import read_meta
+    from fsdpkit.checkpoint.stepdir import read_meta
     from fsdpkit.checkpoint.untrusted import read_metadata
 
     meta = read_meta(ckpt)

@@ -15,7 +15,7 @@ from fsdpkit.version import __version__
 if TYPE_CHECKING:
     from fsdpkit.config import ConfigError, RunConfig
     from fsdpkit.models.buffers import meta_params
-    from fsdpkit.models.hf_init import init_weights
+    from fsdpkit.models.hf.initialize import init_weights
     from fsdpkit.sharding import (
         BlockDetectionError,
         ShardPlan,
@@ -32,7 +32,7 @@ _HOMES = {
     "ConfigError": "fsdpkit.config",
     "RunConfig": "fsdpkit.config",
     "meta_params": "fsdpkit.models.buffers",
-    "init_weights": "fsdpkit.models.hf_init",
+    "init_weights": "fsdpkit.models.hf.initialize",
     "MeshError": "fsdpkit.sharding.mesh",
     "build_mesh": "fsdpkit.sharding.mesh",
     "BlockDetectionError": "fsdpkit.sharding.blocks",

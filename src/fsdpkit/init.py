@@ -66,7 +66,7 @@ def default_init(model: nn.Module, *, seed: int) -> None:
     """fsdpkit's per-parameter init of every parameter of a model, sharded or not
     ([Note: per-parameter init]): the rule for a model that is not a transformers
     ``PreTrainedModel``. The public entry point, which picks the rule for any model, is
-    ``fsdpkit.init_weights`` (fsdpkit.models.hf_init)."""
+    ``fsdpkit.init_weights`` (fsdpkit.models.hf.initialize)."""
     with torch.no_grad():
         for name, p in model.named_parameters():  # tied parameters once, first name
             value = initial_value(model, name=name, shape=p.shape, seed=seed, dtype=p.dtype)

@@ -31,7 +31,7 @@ from fsdpkit.checkpoint import (
     verify,
 )
 from fsdpkit.checkpoint import checkpointer as checkpointer_mod
-from fsdpkit.checkpoint.layout import quiet_single_process
+from fsdpkit.checkpoint.stepdir import quiet_single_process
 from fsdpkit.config import CheckpointConfig
 from fsdpkit.testing import run_ranks
 from support import SEQ, TINY, build, full_state, lm_loss

@@ -23,8 +23,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from fsdpkit.data.batch import IGNORE_INDEX, SFTBatch
 from fsdpkit.errors import ConfigError
+from fsdpkit.loss.answers import sft_loss
 from fsdpkit.loss.contract import logits_of, next_token_loss
-from fsdpkit.loss.sft import sft_loss
 from fsdpkit.models.llama import causal_attention, document_mask
 from fsdpkit.sharding.context.attention import (
     HF_ATTENTION,

@@ -138,7 +138,7 @@ def test_resume_at_another_world_size_continues_exactly(tmp_path: Path) -> None:
 
 
 def _refused(rank: int, world: int, tmp: str) -> str:
-    from fsdpkit.models.hf_dir import with_model_tokenizer
+    from fsdpkit.models.hf.directory import with_model_tokenizer
 
     root = Path(tmp)
     cfg = RunConfig(

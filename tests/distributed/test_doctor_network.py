@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdpkit.doctor.api import NetworkOptions, network_checks
 from fsdpkit.doctor.bandwidth import benchmark, check_bandwidth
+from fsdpkit.doctor.examine import NetworkOptions, network_checks
 from fsdpkit.doctor.facts import gather
 from fsdpkit.doctor.network import Endpoint, NodeInfo, check_agreement, connect, exchange
 

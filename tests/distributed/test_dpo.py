@@ -34,7 +34,7 @@ from fsdpkit.config import load
 from fsdpkit.data.loader import Loader
 from fsdpkit.data.preference import load_pairs
 from fsdpkit.data.tokenizer import build_tokenizer
-from fsdpkit.models.hf_dir import with_model_tokenizer
+from fsdpkit.models.hf.directory import with_model_tokenizer
 from fsdpkit.runtime.distenv import joined_env
 from fsdpkit.testing import run_ranks
 from fsdpkit.testing.hf import write_tiny_model

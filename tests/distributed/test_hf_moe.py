@@ -140,8 +140,8 @@ def test_every_converting_family_loads_as_from_pretrained(families: dict[str, An
 
 
 def test_every_converting_family_loads_in_one_process(families: dict[str, Any]) -> None:
-    from fsdpkit.models.hf import HFWeights, construct
-    from fsdpkit.models.hf_dir import read_hf_dir
+    from fsdpkit.models.hf.construct import HFWeights, construct
+    from fsdpkit.models.hf.directory import read_hf_dir
 
     for name, path in families["dirs"].items():
         source = read_hf_dir(path)

@@ -1,4 +1,4 @@
-"""One init rule (fsdpkit.models.hf_init.own_initializer): ``fsdpkit.init_weights`` on a
+"""One init rule (fsdpkit.models.hf.initialize.own_initializer): ``fsdpkit.init_weights`` on a
 model built on the CPU gives exactly the values ``fsdpkit.shard`` gives the same model
 built on the meta device, for every kind of model a user brings, at 1 and 2 ranks.
 

@@ -81,7 +81,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 def test_shard_and_the_trainer_give_a_transformers_model_the_same_init(
     runs: list[dict[str, Any]],
 ) -> None:
-    """The one init rule (fsdpkit.models.hf_init.own_initializer): ``fsdpkit.shard`` on a
+    """The one init rule (fsdpkit.models.hf.initialize.own_initializer): ``fsdpkit.shard`` on a
     model built under ``fsdpkit.meta_params()`` and ``fsdpkit train model.factory=...``
     both run the model's own ``_init_weights``, so they agree bit for bit."""
     for rank in runs:

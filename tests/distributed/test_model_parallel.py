@@ -28,9 +28,9 @@ from fsdpkit import build_mesh, shard
 from fsdpkit.config import CheckpointConfig, RunConfig, load, parallel_dims
 from fsdpkit.data.batch import IGNORE_INDEX, SFTBatch
 from fsdpkit.finetune import prepare
+from fsdpkit.loss.answers import sft_loss
 from fsdpkit.loss.contract import next_token_loss
 from fsdpkit.loss.head import ChunkedLoss
-from fsdpkit.loss.sft import sft_loss
 from fsdpkit.models.factory import build_model
 from fsdpkit.precision import PRESETS
 from fsdpkit.sharding.context.batch import context_parallel_loss

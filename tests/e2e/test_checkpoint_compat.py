@@ -26,7 +26,7 @@ from compat_support import (
     train_command,
 )
 from fsdpkit.checkpoint import CheckpointError, read_meta
-from fsdpkit.checkpoint.layout import VERSION
+from fsdpkit.checkpoint.stepdir import VERSION
 from fsdpkit.cli import main
 from fsdpkit.version import __version__
 
@@ -105,7 +105,7 @@ def test_checkpoint_format_unchanged_or_version_bumped(
         f"{name}: the checkpoint this code writes differs from format {VERSION} as "
         f"recorded in format-v{VERSION}.json (files, fsdpkit.json keys or state-dict "
         "keys/dtypes/shapes changed). If that is intended, bump "
-        "fsdpkit.checkpoint.layout.VERSION and follow docs/compatibility.md"
+        "fsdpkit.checkpoint.stepdir.VERSION and follow docs/compatibility.md"
     )
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from clirun import FAST, cli_env, wait_for_step
 
-from fsdpkit.checkpoint.layout import complete_entries
+from fsdpkit.checkpoint.stepdir import complete_entries
 from fsdpkit.testing import netns
 from fsdpkit.testing.netns import Cluster
 

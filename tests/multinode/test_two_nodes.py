@@ -24,7 +24,7 @@ import pytest
 from clirun import FAST, HERE, cli_env, fsdpkit, losses, metrics, wait_for_step
 
 from fsdpkit import netinfo
-from fsdpkit.checkpoint.layout import complete_entries
+from fsdpkit.checkpoint.stepdir import complete_entries
 from fsdpkit.testing.netns import Cluster, Node
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -81,6 +81,6 @@ def wait_for_step(run_dir: Path, step: int, *, timeout: float = 120) -> float:
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
     """Steps of the complete checkpoints of the run."""
-    from fsdpkit.checkpoint.layout import complete_entries
+    from fsdpkit.checkpoint.stepdir import complete_entries
 
     return [e.step for e in complete_entries(run_dir / "checkpoints")]

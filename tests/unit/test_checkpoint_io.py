@@ -20,10 +20,10 @@ import torch.distributed.checkpoint as dcp
 from fsdpkit.checkpoint import Checkpointer, CheckpointError, RNGState, list_entries
 from fsdpkit.checkpoint import writer as writer_mod
 from fsdpkit.checkpoint.checksum import crc32_file
-from fsdpkit.checkpoint.layout import META_FILE, quiet_single_process, read_meta
 from fsdpkit.checkpoint.reader import ChecksumMismatch, VerifyingReader
 from fsdpkit.checkpoint.records import dense_span, tensor_record
 from fsdpkit.checkpoint.staging import Stager
+from fsdpkit.checkpoint.stepdir import META_FILE, quiet_single_process, read_meta
 from fsdpkit.checkpoint.untrusted import SafeLoadPlanner, read_metadata
 from fsdpkit.checkpoint.writer import ChecksumWriter
 from fsdpkit.config import CheckpointConfig

@@ -16,7 +16,7 @@ from fsdpkit.checkpoint import (
     list_entries,
     verify,
 )
-from fsdpkit.checkpoint.layout import META_FILE, crc32_file
+from fsdpkit.checkpoint.stepdir import META_FILE, crc32_file
 from fsdpkit.config import CheckpointConfig, RunConfig
 from fsdpkit.export import hf_config, llama_config
 from fsdpkit.models.llama import Llama, LlamaConfig, preset

@@ -20,10 +20,10 @@ from fsdpkit.config import load
 from fsdpkit.data.batch import IGNORE_INDEX, SFTBatch
 from fsdpkit.devices import parse_device
 from fsdpkit.errors import ConfigError
+from fsdpkit.loss.answers import sft_loss
 from fsdpkit.loss.chunked_ce import chunked_linear_cross_entropy
 from fsdpkit.loss.contract import next_token_loss
 from fsdpkit.loss.head import ChunkedLoss, HeadLossError, choose_loss, output_head
-from fsdpkit.loss.sft import sft_loss
 from fsdpkit.planner import plan
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.shapes.scenario import scenario
@@ -230,7 +230,7 @@ def test_a_lora_wrapped_head_is_planned_with_full_logits() -> None:
 
 
 def test_the_plan_report_shows_the_loss_buffers_of_the_chosen_mode() -> None:
-    from fsdpkit.planner.report import format_plan
+    from fsdpkit.planner.formatting import format_plan
 
     n, v = 2 * 8192, 128256
     on = plan(load(None, LLAMA3_8B), world_size=8)

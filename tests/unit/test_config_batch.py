@@ -1,4 +1,4 @@
-"""``batch_split`` (fsdpkit.config.batch): one optimizer step of ``train.global_batch_size``
+"""``batch_split`` (fsdpkit.config.batch_split): one optimizer step of ``train.global_batch_size``
 sequences at any data-parallel world size, the error that names the fix, and the
 planner and recommender using the same split."""
 

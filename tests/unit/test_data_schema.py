@@ -14,7 +14,7 @@ import pytest
 from fsdpkit.config import DataConfig
 from fsdpkit.data import ByteTokenizer, DataError
 from fsdpkit.data.plan import data_kind
-from fsdpkit.data.schema import ALPACA_PROMPT
+from fsdpkit.data.schemas import ALPACA_PROMPT
 from fsdpkit.data.tokenizer import load_hf_tokenizer
 from fsdpkit.data.work import load_examples
 

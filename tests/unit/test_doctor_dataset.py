@@ -11,7 +11,7 @@ import pytest
 
 from fsdpkit.config import DataConfig, load
 from fsdpkit.data import prepare
-from fsdpkit.doctor.dataset import dataset_checks
+from fsdpkit.doctor.data_check import dataset_checks
 from fsdpkit.planner import plan
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import doctor_factories
 from fsdpkit.config import ModelConfig, ParallelConfig, RunConfig
-from fsdpkit.doctor.buffers import check_meta_buffers
+from fsdpkit.doctor.buffer_check import check_meta_buffers
 from fsdpkit.doctor.check import Check
 from fsdpkit.doctor.diagnose import model_checks
 from fsdpkit.doctor.model import param_table, plan_units, structure_checks

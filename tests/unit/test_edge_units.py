@@ -12,7 +12,7 @@ from torch import nn
 from fsdpkit.config import ActivationsConfig, ParallelConfig, RunConfig, load
 from fsdpkit.doctor.model import plan_units, structure_checks
 from fsdpkit.planner import parse_device, plan
-from fsdpkit.planner.model.layout import layout_of
+from fsdpkit.planner.model.unit_layout import layout_of
 from fsdpkit.sharding import choose_blocks, unit_specs
 from fsdpkit.sharding.edges import edge_modules
 from support import TINY, MLPNet, build, untied

@@ -16,10 +16,10 @@ import pytest
 from fsdpkit.errors import ConfigError
 from fsdpkit.run.resolve import resolve
 from fsdpkit.runtime.hangs import HangProbe, HangWatch, hang_timeout
+from fsdpkit.runtime.hangs.behind import RankView, judge, main_thread_frames, paragraph
 from fsdpkit.runtime.hangs.flight import FlightSummary, _PlainUnpickler, summarize
 from fsdpkit.runtime.hangs.probe import is_timeout
 from fsdpkit.runtime.hangs.record import Record, Snapshot
-from fsdpkit.runtime.hangs.report import RankView, judge, main_thread_frames, paragraph
 
 
 def test_record_is_shared_through_its_file_and_a_restart_is_a_new_inode(tmp_path: Path) -> None:

@@ -167,6 +167,34 @@ def _in_axis_folder(file: Path) -> bool:
     return len(parts) >= 3 and parts[1] in AXES
 
 
+def test_three_files_sharing_a_prefix_are_a_folder() -> None:
+    """``tensor_rules``, ``tensor_edges``, ``tensor_sequence`` are ``tensor/{rules,edges,
+    sequence}``: a family of files is a folder."""
+    families: dict[tuple[Path, str], list[str]] = defaultdict(list)
+    for file in PACKAGE.rglob("*.py"):
+        if file.name != "__init__.py":
+            families[(file.parent, file.stem.split("_")[0])].append(file.stem)
+    crowded = {
+        f"{folder.relative_to(ROOT)}/{prefix}_*": sorted(stems)
+        for (folder, prefix), stems in families.items()
+        if len(stems) >= 3
+    }
+    assert crowded == {}, "make each family a folder"
+
+
+def test_no_two_modules_share_a_file_name_outside_axis_folders() -> None:
+    """Four modules named ``pipeline.py`` in four packages meant one concept smeared over
+    the house. cli/'s modules are named after their subcommand (Accelerate's layout), so
+    they may repeat a library module's name."""
+    seen: dict[str, list[str]] = defaultdict(list)
+    for file in PACKAGE.rglob("*.py"):
+        parts = file.relative_to(PACKAGE).parts
+        if file.name in ROLE_NAMES or _in_axis_folder(file) or parts[0] == "cli":
+            continue
+        seen[file.name].append(str(file.relative_to(PACKAGE)))
+    assert {name: where for name, where in seen.items() if len(where) > 1} == {}
+
+
 def test_each_axis_is_one_folder_under_sharding_and_at_most_one_under_planner() -> None:
     for package in ("sharding", "planner", "trainable"):
         for axis, words in AXIS_WORDS.items():

@@ -80,7 +80,7 @@ def test_meta_buffers_without_a_source_are_refused_by_name() -> None:
 
 def test_meta_built_hf_model_gets_its_buffers_from_its_own_init() -> None:
     transformers = pytest.importorskip("transformers")
-    from fsdpkit.models.hf_init import recreate_hf_buffers
+    from fsdpkit.models.hf.initialize import recreate_hf_buffers
     from fsdpkit.testing.hf import tiny_config
 
     for arch in ("llama", "gemma"):
@@ -105,7 +105,7 @@ def test_model_hf_config_conflicts_name_the_keys() -> None:
 
 def test_model_hf_directory_errors(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    from fsdpkit.models.hf_dir import check_inputs, read_hf_dir
+    from fsdpkit.models.hf.directory import check_inputs, read_hf_dir
     from fsdpkit.testing.hf import write_tiny_model
 
     with pytest.raises(ModelError, match="does not exist"):

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-from fsdpkit.checkpoint.state import tied_aliases
+from fsdpkit.checkpoint.statefuls import tied_aliases
 from fsdpkit.config import ConfigError, load, parallel_dims, validate_for_world
-from fsdpkit.config.pipeline import SCHEDULES, micro_batch_need, stage_rank, stages_per_rank
+from fsdpkit.config.schedules import SCHEDULES, micro_batch_need, stage_rank, stages_per_rank
 from fsdpkit.models.llama import Llama, LlamaConfig
 from fsdpkit.sharding.blocks import choose_blocks
 from fsdpkit.sharding.pipeline.parts import model_ends, stage_module

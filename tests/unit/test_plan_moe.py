@@ -15,13 +15,13 @@ import torch
 import transformers
 
 from fsdpkit.config import load
-from fsdpkit.doctor.experts import expert_checks
+from fsdpkit.doctor.expert_check import expert_checks
 from fsdpkit.doctor.model import plan_units
 from fsdpkit.loss.router import router_spec
 from fsdpkit.models.experts import Experts, experts_of, is_routed
 from fsdpkit.planner import plan
 from fsdpkit.planner.experts.routed import moe_notes
-from fsdpkit.planner.report import describe_scenario, plan_dict
+from fsdpkit.planner.formatting import describe_scenario, plan_dict
 from fsdpkit.sharding import choose_blocks
 from fsdpkit.testing.hf import tiny_config, write_tiny_model
 

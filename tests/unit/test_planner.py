@@ -12,10 +12,10 @@ import pytest
 
 from fsdpkit.config import ConfigError, load
 from fsdpkit.planner import Device, DeviceError, PlanError, parse_device, parse_size, plan
+from fsdpkit.planner.formatting import format_plan, format_recommendation, plan_dict, toml_lines
 from fsdpkit.planner.replay.blockmem import Sizes, block_backward, block_forward, saved_per_block
 from fsdpkit.planner.replay.gradlife import last_grad_bytes
-from fsdpkit.planner.replay.step import Step
-from fsdpkit.planner.report import format_plan, format_recommendation, plan_dict, toml_lines
+from fsdpkit.planner.replay.walk import Step
 from fsdpkit.planner.search.recommend import recommend
 from fsdpkit.planner.shapes.scenario import scenario
 from fsdpkit.planner.shapes.states import model_states

@@ -14,7 +14,7 @@ import pytest
 
 from fsdpkit.config import load
 from fsdpkit.planner import PlanError, parse_device, plan
-from fsdpkit.planner.report import format_plan
+from fsdpkit.planner.formatting import format_plan
 from fsdpkit.planner.search.recommend import recommend
 from fsdpkit.testing.hf import write_tiny_model
 

@@ -16,8 +16,8 @@ from torch import nn
 
 from fsdpkit.config import load
 from fsdpkit.planner import PlanError, parse_device, plan, recommend
+from fsdpkit.planner.formatting import format_plan
 from fsdpkit.planner.model.user_models import hf_llama_shape
-from fsdpkit.planner.report import format_plan
 from fsdpkit.planner.search.auto import auto_plan
 from fsdpkit.testing.hf import tiny_config, write_tiny_model
 from support import MLPNet

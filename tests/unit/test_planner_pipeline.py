@@ -10,17 +10,17 @@ import pytest
 import torch
 
 from fsdpkit.config import load
-from fsdpkit.config.pipeline import SCHEDULES
+from fsdpkit.config.schedules import SCHEDULES
 from fsdpkit.devices import parse_device
 from fsdpkit.models.llama import Llama
 from fsdpkit.planner import plan, recommend
+from fsdpkit.planner.formatting import format_plan, plan_dict
 from fsdpkit.planner.pipeline.plan import (
     bubble_fraction,
     pipeline_degrees,
     pipeline_split,
     schedule_actions,
 )
-from fsdpkit.planner.report import format_plan, plan_dict
 from fsdpkit.planner.shapes.scenario import model_shape, scenario
 from fsdpkit.sharding.blocks import choose_blocks
 from fsdpkit.sharding.pipeline.parts import model_ends

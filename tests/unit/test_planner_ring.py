@@ -11,9 +11,9 @@ import pytest
 from fsdpkit.config import load
 from fsdpkit.planner import plan
 from fsdpkit.planner.errors import PlanError
+from fsdpkit.planner.formatting import format_plan
 from fsdpkit.planner.replay.blockmem import Sizes, block_backward, block_forward
 from fsdpkit.planner.replay.ringmem import ring_backward, ring_forward
-from fsdpkit.planner.report import format_plan
 from fsdpkit.planner.shapes.mparallel import exchange_traffic
 
 A = [  # bench/plan_accuracy_cases.py's model A at dp2 x cp2

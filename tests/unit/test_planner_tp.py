@@ -14,6 +14,7 @@ import pytest
 from fsdpkit.config import ConfigError, load
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.planner import PlanError, parse_device, plan, recommend
+from fsdpkit.planner.formatting import format_plan, format_recommendation
 from fsdpkit.planner.replay.blockmem import (
     GRAD,
     XCHG,
@@ -24,8 +25,7 @@ from fsdpkit.planner.replay.blockmem import (
 )
 from fsdpkit.planner.replay.headmem import embedding_backward
 from fsdpkit.planner.replay.sizing import head_sizes, sizes
-from fsdpkit.planner.replay.step import Step
-from fsdpkit.planner.report import format_plan, format_recommendation
+from fsdpkit.planner.replay.walk import Step
 from fsdpkit.planner.search.layouts import layout_groups
 from fsdpkit.planner.shapes.mparallel import exchange_traffic, rope_bytes
 from fsdpkit.planner.shapes.scenario import scenario

@@ -182,7 +182,7 @@ def test_hf_llama_blocks_match_no_checkpointing() -> None:
 
     torch.manual_seed(0)
     config = tiny_config("llama", vocab_size=64, dim=32)
-    config.use_cache = False  # as fsdpkit.models.hf builds it: a cache grows on recompute
+    config.use_cache = False  # as fsdpkit.models.hf.construct builds it: a cache grows on recompute
     base = transformers.LlamaForCausalLM(config)
     x = torch.randint(0, 64, (2, 16))
     fn = lambda m: _llama_loss(m(x))  # noqa: E731

@@ -22,7 +22,7 @@ from fsdpkit.data.sft import Example, is_sft
 from fsdpkit.data.sft_loader import SFTLoader, load_sft
 from fsdpkit.data.tokenizer import load_hf_tokenizer
 from fsdpkit.data.work import load_examples
-from fsdpkit.loss.sft import sft_loss, token_losses
+from fsdpkit.loss.answers import sft_loss, token_losses
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fsdpkit.config import load
-from fsdpkit.planner.model.layout import layout_of
+from fsdpkit.planner.model.unit_layout import layout_of
 from fsdpkit.sharding import choose_blocks
 from fsdpkit.sharding.tensor.rules import (
     EXCLUDED,

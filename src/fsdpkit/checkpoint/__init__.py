@@ -2,7 +2,7 @@
 world size, loading Hugging Face safetensors into a sharded model.
 
 Modules, each owning one thing:
-    layout        directory layout, completion marker, verify
+    stepdir       directory layout, completion marker, verify
     checksum      crc32 at memory speed (zlib-ng), per file
     writer        DCP writer that checksums bytes as they are written, fsyncs, writes behind
     staging       reused host buffers for async saves; their size for the planner
@@ -11,14 +11,14 @@ Modules, each owning one thing:
     untrusted     checksum-gated, restricted unpickling of ``.metadata``; safe planner
     retention     which complete checkpoints to delete (pure)
     trash         dropped checkpoints set aside and removed on a thread
-    state         Stateful adapters: model+optimizer, rank-local state, RNG streams
+    statefuls     Stateful adapters: model+optimizer, rank-local state, RNG streams
     checkpointer  Checkpointer: save (sync/async), retention, resume
     resume        choose the checkpoint to resume from, precheck, load it
     hf_weights    load_hf_weights: HF safetensors into an already-sharded model
     hf_convert    transformers' key conversions (fused experts) on the way in
     quantized     quantized model directories, refused by their config.json
     fsdp1         FSDP1 checkpoints into an already-sharded model (``model.init_from``)
-    summary       inspect / list data for the CLI
+    listing       inspect / list data for the CLI
 
 Exports to files others load (HF, peft, merged, torch) are ``fsdpkit.export``; stop
 signals are ``fsdpkit.runtime.signals``.
@@ -37,7 +37,11 @@ if TYPE_CHECKING:
     from fsdpkit.checkpoint.checkpointer import Checkpointer
     from fsdpkit.checkpoint.errors import CheckpointError
     from fsdpkit.checkpoint.hf_weights import load_hf_weights
-    from fsdpkit.checkpoint.layout import (
+    from fsdpkit.checkpoint.listing import inspect_checkpoint, list_run
+    from fsdpkit.checkpoint.retention import steps_to_delete
+    from fsdpkit.checkpoint.staging import async_staging_bytes
+    from fsdpkit.checkpoint.statefuls import ModelOptimizerState, RankLocal, RNGState
+    from fsdpkit.checkpoint.stepdir import (
         Entry,
         VerifyReport,
         complete_entries,
@@ -46,10 +50,6 @@ if TYPE_CHECKING:
         step_dir_name,
         verify,
     )
-    from fsdpkit.checkpoint.retention import steps_to_delete
-    from fsdpkit.checkpoint.staging import async_staging_bytes
-    from fsdpkit.checkpoint.state import ModelOptimizerState, RankLocal, RNGState
-    from fsdpkit.checkpoint.summary import inspect_checkpoint, list_run
     from fsdpkit.checkpoint.untrusted import UnsafeCheckpointError
 
 _HOMES = {
@@ -66,13 +66,15 @@ _HOMES = {
             "step_dir_name",
             "verify",
         ],
-        "fsdpkit.checkpoint.layout",
+        "fsdpkit.checkpoint.stepdir",
     ),
     "steps_to_delete": "fsdpkit.checkpoint.retention",
     "async_staging_bytes": "fsdpkit.checkpoint.staging",
-    **dict.fromkeys(["ModelOptimizerState", "RankLocal", "RNGState"], "fsdpkit.checkpoint.state"),
-    "inspect_checkpoint": "fsdpkit.checkpoint.summary",
-    "list_run": "fsdpkit.checkpoint.summary",
+    **dict.fromkeys(
+        ["ModelOptimizerState", "RankLocal", "RNGState"], "fsdpkit.checkpoint.statefuls"
+    ),
+    "inspect_checkpoint": "fsdpkit.checkpoint.listing",
+    "list_run": "fsdpkit.checkpoint.listing",
     "UnsafeCheckpointError": "fsdpkit.checkpoint.untrusted",
 }
 __all__ = [

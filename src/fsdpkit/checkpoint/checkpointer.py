@@ -40,16 +40,16 @@ from fsdpkit.checkpoint import commit
 from fsdpkit.checkpoint import resume as _resume
 from fsdpkit.checkpoint.errors import CheckpointError, save_failed
 from fsdpkit.checkpoint.gcpause import gc_paused
-from fsdpkit.checkpoint.layout import (
+from fsdpkit.checkpoint.retention import steps_to_delete
+from fsdpkit.checkpoint.staging import Stager
+from fsdpkit.checkpoint.statefuls import state_info
+from fsdpkit.checkpoint.stepdir import (
     checkpoints_root,
     list_entries,
     quiet_single_process,
     remove_tree,
     step_dir_name,
 )
-from fsdpkit.checkpoint.retention import steps_to_delete
-from fsdpkit.checkpoint.staging import Stager
-from fsdpkit.checkpoint.state import state_info
 from fsdpkit.checkpoint.trash import Remover, set_aside
 from fsdpkit.checkpoint.writer import ChecksumWriter
 from fsdpkit.config import CheckpointConfig

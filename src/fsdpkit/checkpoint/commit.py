@@ -10,7 +10,7 @@ import datetime
 from pathlib import Path
 from typing import Any
 
-from fsdpkit.checkpoint.layout import (
+from fsdpkit.checkpoint.stepdir import (
     DCP_METADATA,
     FORMAT,
     META_FILE,

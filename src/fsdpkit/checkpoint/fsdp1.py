@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fsdpkit.checkpoint.errors import CheckpointError, dcp_errors_as
-from fsdpkit.checkpoint.state import tied_aliases
+from fsdpkit.checkpoint.statefuls import tied_aliases
 from fsdpkit.checkpoint.untrusted import RestrictedReader, SafeLoadPlanner
 
 Kind = Literal["dcp", "torch"]

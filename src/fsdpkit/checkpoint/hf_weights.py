@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from fsdpkit.checkpoint.errors import CheckpointError, dcp_errors_as
 from fsdpkit.checkpoint.hf_convert import KeyPlan, plan_keys, read_group
 from fsdpkit.checkpoint.quantized import refuse_quantized
-from fsdpkit.checkpoint.state import tied_aliases
+from fsdpkit.checkpoint.statefuls import tied_aliases
 
 log = logging.getLogger(__name__)
 

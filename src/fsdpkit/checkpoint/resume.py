@@ -28,7 +28,9 @@ from fsdpkit.checkpoint.errors import CheckpointError, describe_failure
 from fsdpkit.checkpoint.frozen import FrozenBaseMismatch
 from fsdpkit.checkpoint.gcpause import gc_paused
 from fsdpkit.checkpoint.itemreads import LoadStats
-from fsdpkit.checkpoint.layout import (
+from fsdpkit.checkpoint.reader import ChecksumMismatch, VerifyingReader
+from fsdpkit.checkpoint.statefuls import RankLocal, state_info
+from fsdpkit.checkpoint.stepdir import (
     DCP_METADATA,
     complete_entries,
     file_owner,
@@ -37,8 +39,6 @@ from fsdpkit.checkpoint.layout import (
     read_meta,
     verify,
 )
-from fsdpkit.checkpoint.reader import ChecksumMismatch, VerifyingReader
-from fsdpkit.checkpoint.state import RankLocal, state_info
 from fsdpkit.checkpoint.untrusted import SafeLoadPlanner, UnsafeCheckpointError, read_metadata
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ import threading
 import uuid
 from pathlib import Path
 
-from fsdpkit.checkpoint.layout import remove_tree
+from fsdpkit.checkpoint.stepdir import remove_tree
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ a crafted checkpoint runs any code it likes on load. fsdpkit never does that:
    (``os.system``, ``builtins.eval``, ...) with ``UnsafeCheckpointError``.
 3. Non-tensor values are loaded with ``torch.load(weights_only=True)`` (containers,
    numbers, strings, tensors; no code) by ``SafeLoadPlanner``; fsdpkit's own state is
-   tensors anyway (fsdpkit.checkpoint.state, fsdpkit.train.state).
+   tensors anyway (fsdpkit.checkpoint.statefuls, fsdpkit.train.state).
 
 The checksum alone is no protection (anyone who can write ``.metadata`` can rewrite
 fsdpkit.json); the restricted unpickler is. The checksum makes a damaged file an

@@ -22,7 +22,7 @@ from fsdpkit.cli.configargs import add_config_items, split_items
 from fsdpkit.errors import UserError
 
 if TYPE_CHECKING:  # the library is imported by the command run, not by `fsdpkit --help`
-    from fsdpkit.doctor.api import NetworkOptions
+    from fsdpkit.doctor.examine import NetworkOptions
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -55,7 +55,7 @@ def _network(args: argparse.Namespace) -> NetworkOptions | None:
             f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, the same on every node "
             "(an address of one node that all nodes can reach, and a free port)."
         )
-    from fsdpkit.doctor.api import NetworkOptions
+    from fsdpkit.doctor.examine import NetworkOptions
 
     if args.nnodes == 1 and not args.rdzv_endpoint:
         from fsdpkit.doctor.slurmjob import network_options

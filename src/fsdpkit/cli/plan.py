@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     # here, not at the top: `fsdpkit --help` imports every command's module
     from fsdpkit import config as configuration
     from fsdpkit.planner import plan
-    from fsdpkit.planner.report import (
+    from fsdpkit.planner.formatting import (
         format_plan,
         format_recommendation,
         plan_dict,

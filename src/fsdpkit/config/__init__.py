@@ -9,12 +9,12 @@ Modules, each owning one job:
     io        TOML files, dotted overrides, ``with_changes``, ``to_toml``
     toml      the one TOML writer
     docs      ``--help-config`` text
-    batch     ``batch_split``: a step's sequences over ranks and micro-batches
+    batch_split ``batch_split``: a step's sequences over ranks and micro-batches
     dims      ``parallel_dims``: the ranks as pp x replicate x shard x cp x tp
-    pipeline  torch's pipelining schedules: stages per rank, micro-batches they need
+    schedules torch's pipelining schedules: stages per rank, micro-batches they need
 """
 
-from fsdpkit.config.batch import BatchSplit, batch_split
+from fsdpkit.config.batch_split import BatchSplit, batch_split
 from fsdpkit.config.coerce import suggest
 from fsdpkit.config.dims import ParallelDims, parallel_dims
 from fsdpkit.config.docs import describe, field_docs

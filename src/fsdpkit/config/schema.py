@@ -145,7 +145,7 @@ class TrainConfig:
     global_batch_size: int | None = None
     """Sequences per optimizer step over all ranks; micro-batches and accumulation are
     derived per world size, so a resume at another world size keeps the training math
-    (see fsdpkit.config.batch). Empty = micro_batch_size x grad_accum per rank."""
+    (see fsdpkit.config.batch_split). Empty = micro_batch_size x grad_accum per rank."""
     micro_batch_size: int = 4
     """Sequences per rank per micro-batch; with global_batch_size set, the largest
     micro-batch a rank may take (memory)."""

@@ -8,9 +8,9 @@ import dataclasses
 import math
 from typing import Any
 
-from fsdpkit.config.batch import batch_split
+from fsdpkit.config.batch_split import batch_split
 from fsdpkit.config.dims import parallel_dims
-from fsdpkit.config.pipeline import check_micro_batches, validate_pipeline
+from fsdpkit.config.schedules import check_micro_batches, validate_pipeline
 from fsdpkit.config.schema import DataConfig, ModelConfig, RunConfig
 from fsdpkit.errors import ConfigError
 from fsdpkit.precision import PRESETS

@@ -11,7 +11,7 @@ Typical use in a training loop (fsdpkit.train does exactly this)::
 parallel, into memory-mapped shards with a manifest; ``data.path = DIR`` trains on them
 without reading the sources; raw sources go through the same prepare into the run's
 cache. ``loader.state_dict()`` is world-size independent (fsdpkit.data.loader). SFT
-schemas: fsdpkit.data.schema; chat templates: fsdpkit.data.chat; packing:
+schemas: fsdpkit.data.schemas; chat templates: fsdpkit.data.chat; packing:
 fsdpkit.data.packing; mixtures: fsdpkit.data.mix. See docs/data.md.
 """
 

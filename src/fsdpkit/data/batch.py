@@ -18,7 +18,7 @@ every token. SFT needs more than ids, so its loader hands out an ``SFTBatch``:
 
 It has ``.to(device)`` and ``.device`` like a tensor, so the training step and the
 loop move and use it as they do token ids. The default loss for SFT data is
-``fsdpkit.loss.sft.sft_loss``; a factory's own ``loss_fn(module, batch)``
+``fsdpkit.loss.answers.sft_loss``; a factory's own ``loss_fn(module, batch)``
 receives the ``SFTBatch`` itself.
 """
 

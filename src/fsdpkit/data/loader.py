@@ -9,7 +9,7 @@ sequences with ``take(ids)``, read from memory-mapped shards on demand.
 [Note: equal batches on every rank]
 One optimizer step takes ``G = W * B * A`` sequences (``W`` = data-parallel world
 size, ``B`` = micro-batch size, ``A`` = micro-batches per step; see
-fsdpkit.config.batch): micro-batch ``k`` of rank ``r`` is the ``(k * W + r)``-th chunk
+fsdpkit.config.batch_split): micro-batch ``k`` of rank ``r`` is the ``(k * W + r)``-th chunk
 of ``B``. An epoch has ``floor(num_sequences / G)`` steps on every rank; the
 remainder is dropped (the same sequences on all ranks), so no rank runs out first
 and leaves the others hanging in a collective. Epochs end only between optimizer

@@ -25,10 +25,10 @@ import torch
 from fsdpkit.config import DataConfig
 from fsdpkit.data.batch import SFTBatch
 from fsdpkit.data.errors import DataError
+from fsdpkit.data.first_lines import epochs_line, source_line
 from fsdpkit.data.loader import Loader, Sequences, validation_from
 from fsdpkit.data.opened import Opened, open_source
 from fsdpkit.data.order import Permutation
-from fsdpkit.data.report import epochs_line, source_line
 from fsdpkit.data.tokenizer import Tokenizer
 
 BLOCK = 4096

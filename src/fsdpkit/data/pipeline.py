@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from fsdpkit.config import DataConfig
+from fsdpkit.data.first_lines import describe_run
 from fsdpkit.data.loader import Loader, validation_from
 from fsdpkit.data.mix import open_mixture
 from fsdpkit.data.opened import open_source
-from fsdpkit.data.report import describe_run
 from fsdpkit.data.tokenizer import Tokenizer
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from fsdpkit.config import DataConfig
 from fsdpkit.data.errors import DataError
 from fsdpkit.data.readers import Piece, Records, arrow_table, optional, read_range
-from fsdpkit.data.schema import detect, no_schema, parse_columns, rename
+from fsdpkit.data.schemas import detect, no_schema, parse_columns, rename
 from fsdpkit.data.sources import Resolved, Source, resolve, walk_sorted
 
 UNIT_BYTES = 16 * 2**20

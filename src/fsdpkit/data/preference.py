@@ -45,7 +45,7 @@ from fsdpkit.data.manifest import is_dataset
 from fsdpkit.data.pipeline import TrainingData
 from fsdpkit.data.plan import plan_units, resolve_config
 from fsdpkit.data.readers import Records
-from fsdpkit.data.schema import Conversation, normalize, parse_columns, rename
+from fsdpkit.data.schemas import Conversation, normalize, parse_columns, rename
 from fsdpkit.data.sft import Example, Formatter
 from fsdpkit.data.tokenizer import Tokenizer, build_tokenizer
 

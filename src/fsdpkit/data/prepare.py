@@ -38,7 +38,7 @@ from fsdpkit.data.chat import template_hash
 from fsdpkit.data.errors import DataError
 from fsdpkit.data.manifest import MANIFEST, TOKENIZER_DIR, Manifest, Shard, is_dataset, token_dtype
 from fsdpkit.data.plan import Plan, data_kind, plan_units, resolve_config
-from fsdpkit.data.progress import Progress
+from fsdpkit.data.prepare_progress import Progress
 from fsdpkit.data.sources import Resolved, resolve
 from fsdpkit.data.tokenizer import BulkEncoder, build_tokenizer
 from fsdpkit.data.work import Job, Result, init_worker, run

@@ -18,7 +18,7 @@ import numpy as np
 from fsdpkit.config import DataConfig
 from fsdpkit.data.chat import ChatTemplate
 from fsdpkit.data.plan import data_kind
-from fsdpkit.data.schema import LABELS, Conversation
+from fsdpkit.data.schemas import LABELS, Conversation
 from fsdpkit.data.tokenizer import Tokenizer
 
 

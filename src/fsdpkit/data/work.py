@@ -24,7 +24,7 @@ from fsdpkit.data.errors import DataError
 from fsdpkit.data.manifest import Shard, crc32
 from fsdpkit.data.plan import plan_units, resolve_config
 from fsdpkit.data.readers import Piece, Records, table_batches, table_columns, text_piece
-from fsdpkit.data.schema import (
+from fsdpkit.data.schemas import (
     REQUIRED,
     Conversation,
     conversation,

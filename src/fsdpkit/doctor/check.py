@@ -2,7 +2,7 @@
 
 A check looks at facts (gathered elsewhere, or injected by a test) and says ok, warn,
 fail or skip (not applicable here, or not checkable), what it found, and what to do.
-Checks never print; ``fsdpkit.doctor.report`` formats them.
+Checks never print; ``fsdpkit.doctor.check_text`` formats them.
 """
 
 from __future__ import annotations

@@ -13,15 +13,15 @@ import torch
 from torch import nn
 
 from fsdpkit.config import RunConfig
-from fsdpkit.doctor.buffers import check_meta_buffers
+from fsdpkit.doctor.buffer_check import check_meta_buffers
 from fsdpkit.doctor.check import Check, fail, ok, skip
-from fsdpkit.doctor.experts import expert_checks
+from fsdpkit.doctor.expert_check import expert_checks
 from fsdpkit.doctor.model import plan_units, structure_checks
 from fsdpkit.errors import UserError
 from fsdpkit.models.factory import build_model
-from fsdpkit.models.hf_dir import tokenizer_vocab_size
+from fsdpkit.models.hf.directory import tokenizer_vocab_size
 from fsdpkit.planner import PlanError, plan
-from fsdpkit.planner.report import fmt_bytes
+from fsdpkit.planner.formatting import fmt_bytes
 from fsdpkit.sharding import choose_blocks
 from fsdpkit.sharding.materialize import is_meta
 

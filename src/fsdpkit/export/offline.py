@@ -23,21 +23,21 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fsdpkit.checkpoint.errors import CheckpointError
 from fsdpkit.checkpoint.hf_convert import export_groups, to_checkpoint_layout
-from fsdpkit.checkpoint.layout import quiet_single_process, read_meta, verify
 from fsdpkit.checkpoint.reader import VerifyingReader
-from fsdpkit.checkpoint.state import model_prefix
+from fsdpkit.checkpoint.statefuls import model_prefix
+from fsdpkit.checkpoint.stepdir import quiet_single_process, read_meta, verify
 from fsdpkit.checkpoint.untrusted import SafeLoadPlanner, read_metadata
 from fsdpkit.export import adapters
 from fsdpkit.export.adapters import ReadDCP
-from fsdpkit.export.hf import (
+from fsdpkit.export.hf_files import (
     HEAD,
     copy_hf_model_files,
     hf_config,
     hf_model_files,
     llama_config,
 )
-from fsdpkit.models.hf import construct
-from fsdpkit.models.hf_dir import read_hf_dir
+from fsdpkit.models.hf.construct import construct
+from fsdpkit.models.hf.directory import read_hf_dir
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 INDEX = "model.safetensors.index.json"

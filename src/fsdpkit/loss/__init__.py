@@ -3,7 +3,7 @@ chunked linear cross-entropy computed from the final hidden states and the head.
 
 Modules:
     contract    ``LossFn``, ``logits_of``, ``next_token_loss`` ([Note: factory contract])
-    sft         the loss of SFT micro-batches
+    answers     the loss of SFT micro-batches
     chunked_ce  cross-entropy of a linear head in token chunks (no full logits)
     head        ``choose_loss``: ``train.chunked_loss`` for a model, and the head hook
 """

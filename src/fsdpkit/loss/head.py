@@ -39,12 +39,12 @@ from torch import nn
 
 from fsdpkit.data.batch import IGNORE_INDEX, SFTBatch
 from fsdpkit.errors import ConfigError
+from fsdpkit.loss.answers import model_kwargs, sft_loss
 from fsdpkit.loss.chunked_ce import VocabShard, chunked_linear_cross_entropy
 from fsdpkit.loss.contract import LossFn, ModelOutputError, logits_of, next_token_loss
-from fsdpkit.loss.sft import model_kwargs, sft_loss
 from fsdpkit.models.accessors import output_embeddings
 from fsdpkit.models.errors import ModelError
-from fsdpkit.models.hf_init import is_hf_model
+from fsdpkit.models.hf.initialize import is_hf_model
 
 _LOGIT_POSTPROCESSING = (
     "final_logit_softcapping",

@@ -46,7 +46,7 @@ from torch import nn
 from fsdpkit.loss.balance import balance_loss
 from fsdpkit.loss.contract import LossFn
 from fsdpkit.models.experts import expert_field
-from fsdpkit.models.hf_init import is_hf_model
+from fsdpkit.models.hf.initialize import is_hf_model
 from fsdpkit.models.moe import MoE, MoEConfig, TopKRouter
 
 

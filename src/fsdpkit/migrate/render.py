@@ -7,7 +7,7 @@ import tomllib
 
 from fsdpkit import config as configuration
 from fsdpkit.config.toml import toml_value
-from fsdpkit.migrate.result import MigrateError, Migration
+from fsdpkit.migrate.outcome import MigrateError, Migration
 
 
 def _header(m: Migration) -> list[str]:

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fsdpkit.migrate import fsdp1
-from fsdpkit.migrate.result import MigrateError, Migration
+from fsdpkit.migrate import fsdp1_args as fsdp1
+from fsdpkit.migrate.outcome import MigrateError, Migration
 
 CALL = "__call__"
 

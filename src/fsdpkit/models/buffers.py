@@ -14,7 +14,7 @@ with exit 0). A buffer therefore gets its value from, in order:
 2. the model's ``init_buffers()`` hook, called after materialization (fsdpkit's
    built-in models).
 3. for a Hugging Face ``PreTrainedModel`` built entirely on meta: the model's own
-   ``_init_weights``, which re-creates them in transformers 5 (``fsdpkit.models.hf_init``).
+   ``_init_weights``, which re-creates them in transformers 5 (``fsdpkit.models.hf.initialize``).
 
 Materialization then checks that every buffer that was on meta was written; one that
 was not is an ``UninitializedBufferError`` naming it, before any step runs.

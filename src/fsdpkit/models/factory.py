@@ -25,7 +25,7 @@ A factory is ``"package.module:function"``, called with no arguments (after
   buffers from the constructor) or give the module ``init_buffers()``; a run refuses a
   module with buffers on meta and neither ([Note: buffers of meta models]). Parameters
   get the model's own init, the one rule for ``fsdpkit train`` and ``fsdpkit.shard``
-  (``fsdpkit.models.hf_init.own_initializer``): a transformers ``PreTrainedModel``
+  (``fsdpkit.models.hf.initialize.own_initializer``): a transformers ``PreTrainedModel``
   its ``_init_weights``, any other model fsdpkit's per-parameter init
   (``param_init(name, shape, generator)`` overrides it).
 """
@@ -43,8 +43,8 @@ from torch import nn
 from fsdpkit.config import ModelConfig
 from fsdpkit.init import Initializer
 from fsdpkit.models.errors import ModelError
-from fsdpkit.models.hf_dir import check_inputs, read_hf_dir
-from fsdpkit.models.hf_init import init_weights, own_initializer
+from fsdpkit.models.hf.directory import check_inputs, read_hf_dir
+from fsdpkit.models.hf.initialize import init_weights, own_initializer
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.models.presets import MOE_OVERRIDES, builtin_model, preset
 
@@ -66,7 +66,7 @@ class BuiltModel:
     """How ``shard`` fills the parameters after materialization (None: fsdpkit's
     per-parameter init)."""
     hf: Any = None
-    """The ``fsdpkit.models.hf_dir.HFSource`` of a ``model.hf`` model."""
+    """The ``fsdpkit.models.hf.directory.HFSource`` of a ``model.hf`` model."""
 
 
 def llama_shape(cfg: ModelConfig, *, vocab_size: int, seq_len: int) -> LlamaConfig:
@@ -123,7 +123,9 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int, seed: int) -
 def _from_hf(
     path: str, *, vocab_size: int, seq_len: int, seed: int, init_missing: bool
 ) -> BuiltModel:
-    from fsdpkit.models import hf  # here: it imports DCP, which a built-in model never needs
+    from fsdpkit.models.hf import (
+        construct as hf,  # here: it imports DCP, which a built-in model never needs
+    )
 
     source = read_hf_dir(path)
     check_inputs(source, vocab_size=vocab_size, seq_len=seq_len)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdpkit.checkpoint.layout import complete_entries
+from fsdpkit.checkpoint.stepdir import complete_entries
 
 # Messages of ranks that failed only because another rank went away first.
 _SECONDARY = (

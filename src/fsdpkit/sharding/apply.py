@@ -38,7 +38,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from fsdpkit.config import ParallelConfig, RunConfig
 from fsdpkit.init import Initializer
 from fsdpkit.models.accessors import is_norm
-from fsdpkit.models.hf_init import own_initializer
+from fsdpkit.models.hf.initialize import own_initializer
 from fsdpkit.sharding.activations import checkpoint_forward
 from fsdpkit.sharding.blocks import choose_blocks
 from fsdpkit.sharding.compile import compile_blocks, enable_async_tp
@@ -146,7 +146,7 @@ def shard(
     A model built under ``torch.device("meta")`` is materialized afterwards with only
     the local shards allocated and initialized by ``init(model)`` when given (e.g.
     loading a Hugging Face directory), else by the model's own init, as ``fsdpkit
-    train`` does (``fsdpkit.models.hf_init.own_initializer``: a transformers model's
+    train`` does (``fsdpkit.models.hf.initialize.own_initializer``: a transformers model's
     ``_init_weights``, otherwise fsdpkit's per-parameter init), exactly what
     ``fsdpkit.init_weights`` gives the same model built on the CPU with seed
     ``cfg.train.seed``. Real buffers are kept; see [Note: buffers of meta models].

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fsdpkit.checkpoint.layout import step_dir_name
+from fsdpkit.checkpoint.stepdir import step_dir_name
 from fsdpkit.errors import UserError
 
 

@@ -25,7 +25,7 @@ from fsdpkit.data import Tokenizer, TrainingData, open_training_data
 from fsdpkit.data.preference import open_preference_data
 from fsdpkit.finetune import Finetune
 from fsdpkit.loss.contract import LossFn
-from fsdpkit.models.hf_dir import HF_RUN_DIR, copy_hf_files, with_model_tokenizer
+from fsdpkit.models.hf.directory import HF_RUN_DIR, copy_hf_files, with_model_tokenizer
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.precision import Precision
 from fsdpkit.runtime.distenv import DistEnv, pin_collectives, rendezvous_store

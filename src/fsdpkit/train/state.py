@@ -2,7 +2,7 @@
 
 It is a DCP ``Stateful`` saved beside the model and optimizer. Everything in it is the
 same on every rank (DCP stores such replicated values once); per-rank RNG streams
-are saved separately under ``RankLocal`` (see fsdpkit.checkpoint.state). Every value
+are saved separately under ``RankLocal`` (see fsdpkit.checkpoint.statefuls). Every value
 is saved as a 0-d tensor, never a pickled object, so resuming needs no unpickler
 ([Note: untrusted checkpoints]).
 """

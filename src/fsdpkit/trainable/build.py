@@ -6,7 +6,7 @@ The order FSDP2 requires, written once:
 
 1. ``build_unsharded`` (no process group; bad input fails every rank alike before any
    collective): the model (built-in Llama, ``model.hf`` on meta, or the factory's),
-   LoRA / ``model.freeze`` (fsdpkit.finetune.prepare), the loss (``train.chunked_loss``
+   LoRA / ``model.freeze`` (fsdpkit.finetune.prepare_model), the loss (``train.chunked_loss``
    over the model's own loss: fsdpkit.loss.head.choose_loss) and the block choice.
 2. ``shard_trainable`` (a real or a "fake" process group's mesh): parameters turned into
    fake tensors when the planner traces, buffers to the device, ``fsdpkit.shard`` (which
@@ -38,8 +38,8 @@ from fsdpkit.loss.head import choose_loss, default_loss
 from fsdpkit.loss.router import RouterLoss, describe, with_router_loss
 from fsdpkit.models.buffers import require_buffer_source
 from fsdpkit.models.factory import BuiltModel, build_model
-from fsdpkit.models.hf import HFWeights, construct
-from fsdpkit.models.hf_init import is_hf_model
+from fsdpkit.models.hf.construct import HFWeights, construct
+from fsdpkit.models.hf.initialize import is_hf_model
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.models.presets import builtin_model
 from fsdpkit.precision import Precision

@@ -82,7 +82,7 @@ def group_names(model: nn.Module) -> list[list[str]]:
     """The parameter names of each of ``build_optimizer``'s (non-empty) groups for
     ``model``: a pipelined run's checkpoint lists the whole model's, so that any layout
     finds its parameters' groups ([Note: optimizer groups across stages] in
-    fsdpkit.checkpoint.state)."""
+    fsdpkit.checkpoint.statefuls)."""
     names = {id(p): n for n, p in model.named_parameters()}
     groups = decay_groups(list(model.parameters()))
     return [[names[id(p)] for p in group] for group in groups if group]

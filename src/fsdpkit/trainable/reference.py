@@ -49,10 +49,10 @@ from fsdpkit.config import DpoConfig, RunConfig, with_changes
 from fsdpkit.data.batch import SFTBatch
 from fsdpkit.errors import UserError
 from fsdpkit.finetune.lora import lora_layers
-from fsdpkit.finetune.prepare import cast_frozen
+from fsdpkit.finetune.prepare_model import cast_frozen
+from fsdpkit.loss.answers import model_kwargs
 from fsdpkit.loss.contract import logits_of
 from fsdpkit.loss.dpo import REFERENCE_FREE, answer_logps, preference_loss, whole_answers
-from fsdpkit.loss.sft import model_kwargs
 from fsdpkit.models.buffers import require_buffer_source
 from fsdpkit.sharding import shard
 from fsdpkit.sharding.context.batch import slice_batch

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fsdpkit.config import ActivationsConfig, ParallelConfig
-from fsdpkit.planner.model.layout import ModelLayout, Unit, Units, make_unit, units
+from fsdpkit.planner.model.unit_layout import ModelLayout, Unit, Units, make_unit, units
 from fsdpkit.sharding.units import block_specs, unit_specs
 
 

@@ -18,7 +18,7 @@ from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.models.presets import PRESETS, builtin_model, is_moe
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.model.finetune_layout import finetune_layout, finetuned
-from fsdpkit.planner.model.layout import llama_layout
+from fsdpkit.planner.model.unit_layout import llama_layout
 from fsdpkit.planner.model.user_models import BuiltPlanModel, planned_model
 
 BYTE_VOCAB = 256

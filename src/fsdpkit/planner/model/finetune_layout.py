@@ -2,7 +2,7 @@
 dtype.
 
 ``finetune_layout`` builds the run's model on meta and applies what the trainer applies
-before sharding (``fsdpkit.finetune.prepare``: peft adapters in their blocks,
+before sharding (``fsdpkit.finetune.prepare_model``: peft adapters in their blocks,
 ``model.freeze``, ``lora.base_dtype``), then reads its layout: the adapters are
 parameters of their block units, and every parameter carries whether it trains. The
 analytic model then plans
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from fsdpkit.config import RunConfig
 from fsdpkit.models.llama import LlamaConfig
-from fsdpkit.planner.model.layout import ModelLayout, layout_of
+from fsdpkit.planner.model.unit_layout import ModelLayout, layout_of
 from fsdpkit.planner.model.user_models import built_for_plan
 
 

@@ -4,7 +4,7 @@
 The planner plans what ``fsdpkit train`` builds, so for these models it builds the run's
 model exactly as the trainer does (``fsdpkit.models.factory.build_model``: an HF model
 on meta with its constructor's buffers; a factory called as the trainer calls it), runs
-``fsdpkit.finetune.prepare`` when the run freezes anything, and reads the units off it
+``fsdpkit.finetune.prepare_model`` when the run freezes anything, and reads the units off it
 (``layout_of``: the blocks ``shard()`` would pick). Parameter shapes, and so sharded
 states, gradients, all-gather buffers and traffic, are then exact for any model.
 
@@ -68,7 +68,7 @@ from fsdpkit.models.experts import Experts, experts_of
 from fsdpkit.models.factory import BuiltModel
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.planner.errors import PlanError
-from fsdpkit.planner.model.layout import ModelLayout, layout_of
+from fsdpkit.planner.model.unit_layout import ModelLayout, layout_of
 
 ANALYTIC_HF_BLOCKS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer"}
 """HF model types whose decoder layer runs the ops of the analytic block model, and the

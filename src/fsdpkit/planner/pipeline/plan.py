@@ -33,8 +33,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from fsdpkit.config import RunConfig
-from fsdpkit.config.pipeline import SCHEDULES, stage_rank, stages_per_rank
-from fsdpkit.planner.model.layout import EdgeLayout, ModelLayout, Units, units
+from fsdpkit.config.schedules import SCHEDULES, stage_rank, stages_per_rank
+from fsdpkit.planner.model.unit_layout import EdgeLayout, ModelLayout, Units, units
 from fsdpkit.planner.pipeline.tied import tied_index, twin_elements, with_tie_all_reduce
 from fsdpkit.planner.replay.sizing import sizes
 from fsdpkit.planner.shapes.mparallel import tp_layout

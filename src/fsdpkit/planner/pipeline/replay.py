@@ -4,7 +4,7 @@ fsdpkit.planner.pipeline.plan).
 
 [Note: what a pipeline stage holds]
 Besides what a stage's blocks, embedding, head and loss hold as in any step
-(fsdpkit.planner.replay.step), measured on torch 2.13's PipelineStage with an FSDP2 stage
+(fsdpkit.planner.replay.walk), measured on torch 2.13's PipelineStage with an FSDP2 stage
 module ([Note: FSDP inside a stage] in fsdpkit.sharding.pipeline.stages):
 
 - FSDP2 inside the stage: every backward but the stage's last runs without gradient
@@ -36,13 +36,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fsdpkit.planner.model.layout import Unit
+from fsdpkit.planner.model.unit_layout import Unit
 from fsdpkit.planner.pipeline.zerobubble import split_backward, split_chunked_loss, split_events
 from fsdpkit.planner.replay.analytic import late_free_spread
 from fsdpkit.planner.replay.blockmem import ACT, TEMP, Event
 from fsdpkit.planner.replay.fsdpunits import COLL
 from fsdpkit.planner.replay.ledger import EventSummary, Ledger, summarize
-from fsdpkit.planner.replay.step import Step
+from fsdpkit.planner.replay.walk import Step
 from fsdpkit.planner.shapes.result import MemoryPlan
 from fsdpkit.planner.shapes.scenario import Scenario
 from fsdpkit.planner.shapes.states import model_states

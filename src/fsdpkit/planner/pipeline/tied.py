@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from fsdpkit.planner.model.layout import ModelLayout
+from fsdpkit.planner.model.unit_layout import ModelLayout
 from fsdpkit.planner.shapes.result import CommVolume
 from fsdpkit.planner.shapes.scenario import Scenario
 

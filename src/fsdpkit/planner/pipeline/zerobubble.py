@@ -84,7 +84,7 @@ def split_backward(
     received: bool,
 ) -> tuple[EventSummary, EventSummary]:
     """(input pass, weight pass) of one block's backward ([Note: zero-bubble backward]);
-    the arguments as ``fsdpkit.planner.replay.step._backward_summary``'s."""
+    the arguments as ``fsdpkit.planner.replay.walk._backward_summary``'s."""
     inputs = block_recompute(s, selective=selective) if recompute else []
     per_weight: list[list[Event]] = [[]]  # from each weight's gradient to the next one's
     for event in block_backward(s, sdpa_workspace=sdpa_workspace, held=2):

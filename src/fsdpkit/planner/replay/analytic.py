@@ -35,7 +35,7 @@ that keeps the peak. What is modeled, and why (see docs/planner.md for the proof
 from __future__ import annotations
 
 from fsdpkit.planner.errors import PlanError
-from fsdpkit.planner.replay.step import Step
+from fsdpkit.planner.replay.walk import Step
 from fsdpkit.planner.shapes.result import MemoryPlan
 from fsdpkit.planner.shapes.scenario import Scenario
 from fsdpkit.planner.shapes.states import model_states

@@ -19,7 +19,7 @@ all-to-alls ([Note: expert units] in fsdpkit.planner.experts.parallel).
 from __future__ import annotations
 
 from fsdpkit.planner.experts.parallel import dispatch_bytes, hidden_size
-from fsdpkit.planner.model.layout import Unit
+from fsdpkit.planner.model.unit_layout import Unit
 from fsdpkit.planner.shapes.mparallel import exchange_traffic
 from fsdpkit.planner.shapes.result import CommVolume
 from fsdpkit.planner.shapes.scenario import Scenario

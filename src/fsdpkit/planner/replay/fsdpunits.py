@@ -1,12 +1,12 @@
 """FSDP2's per-unit mechanics in the planner's step replay: what each unit's all-gather,
 copy-out, resharding, reduce-scatter and no-sync accumulation allocate and free, on the
-ledger of one rank. ``fsdpkit.planner.replay.step.Step`` strings them into a step's regions
+ledger of one rank. ``fsdpkit.planner.replay.walk.Step`` strings them into a step's regions
 (forward, backward, optimizer); the pipeline replay reuses them per stage.
 """
 
 from __future__ import annotations
 
-from fsdpkit.planner.model.layout import Unit
+from fsdpkit.planner.model.unit_layout import Unit
 from fsdpkit.planner.replay.blockmem import GRAD
 from fsdpkit.planner.replay.gradlife import last_grad_bytes
 from fsdpkit.planner.replay.ledger import Ledger

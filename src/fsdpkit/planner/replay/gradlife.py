@@ -1,6 +1,6 @@
 """How long FSDP2 and autograd keep a unit's gradients, where that is not simply
 "until the reduce-scatter's copy-in": the rules the analytic replay
-(fsdpkit.planner.replay.step) asks at each unit's backward.
+(fsdpkit.planner.replay.walk) asks at each unit's backward.
 
 [Note: the last gradient]
 FSDP2's ``foreach_reduce`` (torch 2.13, _fsdp_collectives.py) frees the unit's
@@ -44,7 +44,7 @@ beside the f-wide input gradient (pp4's middle stages read -1.7% without it).
 
 from __future__ import annotations
 
-from fsdpkit.planner.model.layout import Unit
+from fsdpkit.planner.model.unit_layout import Unit
 from fsdpkit.planner.replay.blocksizes import GRAD, Event, Sizes
 from fsdpkit.planner.shapes.scenario import Scenario
 

@@ -154,7 +154,7 @@ def _split_embedding_backward(s: Sizes, *, tied: bool, workspace: int, split: in
     between: booked here. Measured on 4 gloo ranks (bench/plan_accuracy.py "MP T bf16
     tp2 x cp2 +AC", whose step peaks at the tied sum: tp + 3 buffers of V / tp x d
     where the plan had three): -4.4% without this, 0.0% with it and RoPE's tensors
-    freed in the first block's backward (fsdpkit.planner.replay.step); its fp32 and untied
+    freed in the first block's backward (fsdpkit.planner.replay.walk); its fp32 and untied
     variants -6.4% / -1.1% before, 0.0% / -0.7% after. (The traced plan of the untied
     one reads +4.1%: torch's FSDPMemTracker keeps the last parameter's unsharded grad,
     here the whole vocabulary's, through its wrapper of FSDP2's post-backward.)"""

@@ -28,7 +28,7 @@ default ``_cp_options``: ``rotate_method`` all-gather, ``convert_to_f32``):
   becomes the next accumulator; the last received buffer is the k / v grad returned
   (one tensor: both grads die together). Modeled for rank 0, whose step after the
   first holds the most.
-- the kernel's own workspace in backward (``sdpa_workspace``, fsdpkit.planner.replay.step:
+- the kernel's own workspace in backward (``sdpa_workspace``, fsdpkit.planner.replay.walk:
   FA2's fp32 dq accumulator and row sum, Qf + L, half of it at half q). The CPU
   kernel, measured: 0.25 Q of per-thread buffers at full q (one thread); at half q a
   contiguous copy of a half-q input (Q / 2) and 0.125 Q, besides torch's contiguous

@@ -54,7 +54,7 @@ def head_sizes(sc: Scenario) -> Sizes:
     loss's buffers and the head and embedding weight grads hold vocab / tp rows; with
     full logits the vocabulary is planned whole (the logits are gathered whole: the
     weight grads, tp times smaller there, are over-counted). The final norm runs before
-    the gather, on ``sizes(sc)``'s shard (fsdpkit.planner.replay.step)."""
+    the gather, on ``sizes(sc)``'s shard (fsdpkit.planner.replay.walk)."""
     s = sizes(sc)
     vocab = s.vocab // sc.tp if sc.vocab_parallel and sc.loss_chunk is not None else s.vocab
     return replace(s, n=s.m, inner_n=0, tp=1, cp=1, ring=False, vocab=vocab)

@@ -36,7 +36,7 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from fsdpkit.config import RunConfig, batch_split, with_changes
-from fsdpkit.config.batch import divisors
+from fsdpkit.config.batch_split import divisors
 from fsdpkit.devices import Device
 from fsdpkit.errors import UserError
 from fsdpkit.models.llama import LlamaConfig

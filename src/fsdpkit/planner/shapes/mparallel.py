@@ -66,7 +66,7 @@ from dataclasses import replace
 from fsdpkit.errors import ConfigError
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.planner.errors import PlanError
-from fsdpkit.planner.model.layout import ModelLayout, Shape
+from fsdpkit.planner.model.unit_layout import ModelLayout, Shape
 from fsdpkit.sharding.heads import heads_cp
 from fsdpkit.sharding.tensor.rules import (
     LLAMA_BLOCK,

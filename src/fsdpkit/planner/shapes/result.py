@@ -1,7 +1,7 @@
 """What a plan says: per-rank memory at its peak, where the peak is, traffic, verdict.
 
 Plain frozen dataclasses (``asdict``-able for ``--json``); the planner fills them,
-``fsdpkit.planner.report`` formats them. Sizes are bytes per rank.
+``fsdpkit.planner.formatting`` formats them. Sizes are bytes per rank.
 """
 
 from __future__ import annotations

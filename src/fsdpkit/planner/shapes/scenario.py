@@ -2,7 +2,7 @@
 
 ``scenario()`` turns a RunConfig (the same one ``fsdpkit train`` reads), a world size
 and a device into a frozen ``Scenario``: model shape, the FSDP units ``shard()`` would
-build (fsdpkit.planner.model.layout), mesh, dtypes and batch. Everything that is the user's
+build (fsdpkit.planner.model.unit_layout), mesh, dtypes and batch. Everything that is the user's
 to fix raises ``PlanError`` naming the field, before any arithmetic runs.
 """
 
@@ -16,7 +16,7 @@ from fsdpkit.config import RunConfig, batch_split, parallel_dims, validate, vali
 from fsdpkit.data import is_dataset
 from fsdpkit.devices import Device
 from fsdpkit.models.experts import Experts
-from fsdpkit.models.hf_dir import tokenizer_vocab_size, with_model_tokenizer
+from fsdpkit.models.hf.directory import tokenizer_vocab_size, with_model_tokenizer
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.models.presets import PRESETS
 from fsdpkit.planner.errors import PlanError
@@ -24,8 +24,8 @@ from fsdpkit.planner.experts.parallel import ep_units
 from fsdpkit.planner.experts.routed import moe_notes
 from fsdpkit.planner.experts.routing import BALANCED, Routing
 from fsdpkit.planner.model.builtin import model_shape, planned_builtin, selective_why_traced
-from fsdpkit.planner.model.layout import ModelLayout, Unit
-from fsdpkit.planner.model.reference import reference_terms
+from fsdpkit.planner.model.dpo_reference import reference_terms
+from fsdpkit.planner.model.unit_layout import ModelLayout, Unit
 from fsdpkit.planner.shapes.mparallel import check_layout, tp_layout, vocab_parallel
 from fsdpkit.sharding.policy import SyncMode, reshard_after_forward, sync_mode
 from fsdpkit.sharding.tensor.rules import check_layout as trainer_layout_check
@@ -116,7 +116,7 @@ class Scenario:
     forward order, named by role ([Note: edge units] in fsdpkit.sharding.edges)."""
     reference_bytes: int = 0
     """DPO's frozen reference model: its sharded parameters per rank ([Note: reference
-    in the plan] in fsdpkit.planner.model.reference; 0: none)."""
+    in the plan] in fsdpkit.planner.model.dpo_reference; 0: none)."""
     reference_forward: int = 0
     """What the reference's no-grad forward holds at its peak besides them."""
     experts: Experts | None = None

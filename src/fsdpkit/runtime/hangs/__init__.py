@@ -10,7 +10,7 @@ Modules, one job each:
     flight   torch's Flight Recorder: turned on, dumped, summarized ([Note: flight recorder])
     probe    the worker's side ([Note: hang triage, worker side])
     watch    the spawning launcher's side ([Note: hang triage, launcher side])
-    report   which rank is behind, and the report files ([Note: which rank is behind])
+    behind   which rank is behind, and the report files ([Note: which rank is behind])
 
 docs/runtime.md ("Hangs") says what a report contains and how to read it.
 """

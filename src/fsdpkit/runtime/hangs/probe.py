@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import IO
 
 from fsdpkit.runtime.hangs import flight
+from fsdpkit.runtime.hangs.behind import write_rank_report
 from fsdpkit.runtime.hangs.record import (
     Record,
     Snapshot,
@@ -43,7 +44,6 @@ from fsdpkit.runtime.hangs.record import (
     record_path,
     stacks_path,
 )
-from fsdpkit.runtime.hangs.report import write_rank_report
 
 STACK_SIGNAL = signal.SIGUSR2
 """The signal the launcher sends for stacks (nothing in torch or fsdpkit uses it)."""

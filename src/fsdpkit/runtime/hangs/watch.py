@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdpkit.runtime.hangs.behind import RankView, judge, paragraph, write_report
 from fsdpkit.runtime.hangs.flight import (
     DUMP_PREFIX,
     FLIGHT_DIR,
@@ -45,7 +46,6 @@ from fsdpkit.runtime.hangs.flight import (
 )
 from fsdpkit.runtime.hangs.probe import HANG_DIR, STACK_SIGNAL
 from fsdpkit.runtime.hangs.record import Record, Snapshot, error_path, flight_path, stacks_path
-from fsdpkit.runtime.hangs.report import RankView, judge, paragraph, write_report
 from fsdpkit.runtime.interrupts import kill_workers
 
 POLL_S = 0.25

@@ -34,8 +34,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpkit.data.batch import SFTBatch
 from fsdpkit.errors import ConfigError
+from fsdpkit.loss.answers import sft_loss
 from fsdpkit.loss.contract import LossFn, next_token_loss
-from fsdpkit.loss.sft import sft_loss
 from fsdpkit.sharding.context.ring import head_tail_index
 
 

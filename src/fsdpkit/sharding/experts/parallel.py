@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdpkit.config import RunConfig
 from fsdpkit.models.errors import ModelError
 from fsdpkit.models.experts import ROUTED_COMPONENT, expert_field, experts_of
-from fsdpkit.models.hf_dir import read_hf_dir
+from fsdpkit.models.hf.directory import read_hf_dir
 from fsdpkit.models.presets import MOE_OVERRIDES, preset
 from fsdpkit.sharding.experts.dispatch import ExpertDispatch
 from fsdpkit.sharding.mesh import ep_mesh, expert_fsdp_mesh, fsdp_mesh

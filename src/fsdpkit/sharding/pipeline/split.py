@@ -16,7 +16,7 @@ the loss with the last. ``parallel.pp_split``:
   (what bounds one stage's weights, gradients and optimizer state).
 
 Stage ``s`` runs on pipeline rank ``stage_rank(s)`` ([Note: pipeline schedules] in
-fsdpkit.config.pipeline). The run's first lines print the split.
+fsdpkit.config.schedules). The run's first lines print the split.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fsdpkit.config.pipeline import SCHEDULES, stage_rank, stages_per_rank
+from fsdpkit.config.schedules import SCHEDULES, stage_rank, stages_per_rank
 from fsdpkit.config.schema import RunConfig
 from fsdpkit.errors import ConfigError
-from fsdpkit.models.hf_dir import read_hf_dir
+from fsdpkit.models.hf.directory import read_hf_dir
 from fsdpkit.models.llama import preset
 
 

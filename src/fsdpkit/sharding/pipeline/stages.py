@@ -60,12 +60,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from fsdpkit.config import RunConfig, with_changes
-from fsdpkit.config.pipeline import SCHEDULES
+from fsdpkit.config.schedules import SCHEDULES
 from fsdpkit.errors import ConfigError, UserError
 from fsdpkit.init import Initializer
+from fsdpkit.loss.answers import sft_loss
 from fsdpkit.loss.contract import LossFn
 from fsdpkit.loss.head import ChunkedLoss
-from fsdpkit.loss.sft import sft_loss
 from fsdpkit.sharding.apply import ShardPlan, shard
 from fsdpkit.sharding.blocks import choose_blocks
 from fsdpkit.sharding.context.batch import ContextParallelLoss
@@ -250,7 +250,7 @@ class Pipeline:
     """What ``fsdpkit.shard`` did to each of this rank's stages."""
     group_names: list[list[str]] | None = None
     """The whole model's parameter names per optimizer group, for checkpoints ([Note:
-    optimizer groups across stages] in fsdpkit.checkpoint.state)."""
+    optimizer groups across stages] in fsdpkit.checkpoint.statefuls)."""
     tied: TiedCopy | None = None
     """This rank's copy of a tied embedding and head ([Note: tied embeddings across
     stages] in fsdpkit.sharding.pipeline.tied); None when untied or on a middle stage."""

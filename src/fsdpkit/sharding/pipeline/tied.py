@@ -9,7 +9,7 @@ head's weight under the embedding's name: [Note: stage modules] in
 fsdpkit.sharding.pipeline.parts). So everything that reads names sees the whole
 model's: the per-parameter init, Hugging Face weights, and checkpoints, where a copy
 saves the one tensor ``model.embed_tokens.weight`` (the alias dropped as in any tied
-model: [Note: tied weights] in fsdpkit.checkpoint.state), so a pipelined checkpoint
+model: [Note: tied weights] in fsdpkit.checkpoint.statefuls), so a pipelined checkpoint
 resumes without pp and exports as always. Both copies are sharded alike (FSDP over
 the stage's data ranks, by vocabulary over tp), so each of a copy's shards has its
 twin of the same slice. Two cases:

@@ -20,7 +20,7 @@ from fsdpkit.loss.head import output_head
 from fsdpkit.models.accessors import input_embeddings, is_norm_class, output_embeddings
 from fsdpkit.models.errors import ModelError
 from fsdpkit.models.experts import expert_field
-from fsdpkit.models.hf_dir import read_hf_dir
+from fsdpkit.models.hf.directory import read_hf_dir
 from fsdpkit.models.llama import Llama
 from fsdpkit.models.presets import preset
 from fsdpkit.sharding.heads import check_cp_heads, heads_cp

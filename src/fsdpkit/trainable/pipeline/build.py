@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdpkit.checkpoint.state import tied_aliases
+from fsdpkit.checkpoint.statefuls import tied_aliases
 from fsdpkit.config import RunConfig, batch_split
 from fsdpkit.errors import ConfigError
 from fsdpkit.loss.contract import LossFn

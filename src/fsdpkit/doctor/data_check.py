@@ -12,7 +12,7 @@ from pathlib import Path
 from fsdpkit.config import RunConfig
 from fsdpkit.data import DataError, check_tokenizer, inspect_dataset, is_dataset, parse_mix
 from fsdpkit.doctor.check import Check, fail, ok, warn
-from fsdpkit.models.hf_dir import with_model_tokenizer
+from fsdpkit.models.hf.directory import with_model_tokenizer
 
 
 def _paths(cfg: RunConfig) -> list[Path]:

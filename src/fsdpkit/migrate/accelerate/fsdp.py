@@ -11,8 +11,8 @@ import difflib
 from collections.abc import Callable
 from typing import Any
 
-from fsdpkit.migrate import fsdp1
-from fsdpkit.migrate.result import MigrateError, Migration
+from fsdpkit.migrate import fsdp1_args as fsdp1
+from fsdpkit.migrate.outcome import MigrateError, Migration
 
 Handler = Callable[[Migration, Any], None]
 

@@ -14,7 +14,7 @@ from typing import Any
 from fsdpkit.config import RunConfig
 from fsdpkit.doctor.bandwidth import benchmark
 from fsdpkit.doctor.check import Check
-from fsdpkit.doctor.dataset import dataset_checks
+from fsdpkit.doctor.data_check import dataset_checks
 from fsdpkit.doctor.diagnose import model_checks
 from fsdpkit.doctor.environment import environment_checks
 from fsdpkit.doctor.facts import EnvFacts, gather

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdpkit.migrate.result import MigrateError, Migration
+from fsdpkit.migrate.outcome import MigrateError, Migration
 
 SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
 IGNORED = {

@@ -16,7 +16,7 @@ shards with an index) and tokenizer files. Nothing is ever downloaded. The run:
 The model's forward computes the logits; fsdpkit's next-token loss shifts the labels
 once (no ``labels`` are passed to the HF forward). The directory's ``tokenizer.json``
 is the default tokenizer. Reading and checking the directory without building or
-loading anything is fsdpkit.models.hf_dir.
+loading anything is fsdpkit.models.hf.directory.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from torch import nn
 from fsdpkit.checkpoint.hf_weights import LoadReport, load_hf_weights
 from fsdpkit.models.buffers import meta_params
 from fsdpkit.models.errors import ModelError
-from fsdpkit.models.hf_dir import HFSource, transformers_module
-from fsdpkit.models.hf_init import init_like_hf
+from fsdpkit.models.hf.directory import HFSource, transformers_module
+from fsdpkit.models.hf.initialize import init_like_hf
 
 
 def construct(config: Any) -> nn.Module:

@@ -6,7 +6,7 @@ the planner all read this one table.
 [Note: pipeline schedules]
 ``parallel.pp`` ranks hold ``stages = pp x stages_per_rank`` consecutive stages of the
 model's blocks; a step's accumulation micro-batches ([Note: batch split] in
-fsdpkit.config.batch) are the schedule's micro-batches, so ``train.global_batch_size``
+fsdpkit.config.batch_split) are the schedule's micro-batches, so ``train.global_batch_size``
 means the same with and without pp. torch.distributed.pipelining's schedules (2.13):
 
 - ``GPipe``: one stage per rank; all forwards, then all backwards (every micro-batch's

@@ -14,10 +14,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fsdpkit.migrate import fsdp1
-from fsdpkit.migrate.accelerate_fsdp import convert_fsdp_section, note_conflict
-from fsdpkit.migrate.accelerate_parallel import convert_parallelism
-from fsdpkit.migrate.result import MigrateError, Migration
+from fsdpkit.migrate import fsdp1_args as fsdp1
+from fsdpkit.migrate.accelerate.fsdp import convert_fsdp_section, note_conflict
+from fsdpkit.migrate.accelerate.parallelism import convert_parallelism
+from fsdpkit.migrate.outcome import MigrateError, Migration
 
 TOP_LEVEL = {
     "compute_environment", "distributed_type", "mixed_precision", "use_cpu", "debug",

@@ -13,8 +13,8 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from fsdpkit.checkpoint.errors import CheckpointError
-from fsdpkit.checkpoint.layout import Entry, list_entries, read_meta
-from fsdpkit.checkpoint.state import model_prefix
+from fsdpkit.checkpoint.statefuls import model_prefix
+from fsdpkit.checkpoint.stepdir import Entry, list_entries, read_meta
 from fsdpkit.checkpoint.untrusted import read_metadata
 
 

@@ -13,7 +13,7 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from fsdpkit.migrate.result import MigrateError, Migration
+from fsdpkit.migrate.outcome import MigrateError, Migration
 from fsdpkit.precision import PRESETS
 from fsdpkit.strategies import STRATEGIES
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 
-from fsdpkit.planner.model.layout import Unit
+from fsdpkit.planner.model.unit_layout import Unit
 from fsdpkit.planner.replay.blockmem import (
     ACT,
     GRAD,

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fsdpkit.config import RunConfig
-from fsdpkit.planner.model.layout import Unit
+from fsdpkit.planner.model.unit_layout import Unit
 
 TRACE_NOTE = (
     "micro-batches planned at 2 rows per pair with full logits (the analytic plan; "

@@ -1,7 +1,7 @@
 """A local Hugging Face model directory, read and checked without building the model or
 reading its weights: its config, whether it holds weights, its tokenizer, the files
 an export ships. The launcher's checks, the doctor and the planner read a directory
-through this module; building and loading it is fsdpkit.models.hf.
+through this module; building and loading it is fsdpkit.models.hf.construct.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from fsdpkit.checkpoint.errors import CheckpointError
-from fsdpkit.models.hf_dir import HF_FILES, HF_RUN_DIR
+from fsdpkit.models.hf.directory import HF_FILES, HF_RUN_DIR
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.models.moe import MoEConfig
 from fsdpkit.models.presets import MOE_OVERRIDES, preset
