@@ -6,6 +6,9 @@ Modules:
     answers     the loss of SFT micro-batches
     chunked_ce  cross-entropy of a linear head in token chunks (no full logits)
     head        ``choose_loss``: ``train.chunked_loss`` for a model, and the head hook
+    grpo        the GRPO family's policy losses ([Note: GRPO loss normalization])
+    advantages  group-relative advantages ([Note: group-relative advantages])
+    logprobs    completion tokens' log-probs ([Note: selective log-softmax])
 """
 
 from fsdpkit.loss.contract import LossFn, ModelOutputError, logits_of, next_token_loss
