@@ -28,6 +28,7 @@ for evaluation. The order of the rest: fsdpkit.data.prompt_order.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -129,24 +130,30 @@ def _row(record: Any, *, where: str) -> tuple[str | list[dict[str, Any]], dict[s
 
 
 class PromptEncoder:
-    """Prompts -> (text, ids) ([Note: prompt rows]); the chat template is loaded at the
-    first conversational prompt."""
+    """Prompts -> text -> ids ([Note: prompt rows]); the chat template is loaded at the
+    first conversational prompt, and the ids of many texts come from one batch call."""
 
     def __init__(self, tokenizer: Tokenizer, *, cfg: DataConfig) -> None:
         self.tokenizer = tokenizer
         self._cfg = cfg
         self._chat: ChatTemplate | None = None
 
-    def chat(self, messages: list[dict[str, Any]], *, where: str) -> tuple[str, np.ndarray]:
+    def render(self, messages: list[dict[str, Any]], *, where: str) -> str:
+        """A chat prompt's text: the template with the generation prompt."""
         if self._chat is None:
             self._chat = ChatTemplate.load(self._cfg.tokenizer, data_path=self._cfg.path or "")
         normalized = normalize(messages, where, key="prompt")
-        text = self._chat.render(normalized, generation_prompt=True)
-        ids = self._chat.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return text, np.asarray(ids, dtype=np.int64)
+        return self._chat.render(normalized, generation_prompt=True)
 
-    def strings(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """String prompts' ids, in one batch call where the tokenizer has one."""
+    def encode(self, texts: Sequence[str], *, chat: bool) -> list[np.ndarray]:
+        """int64 ids of rendered chat prompts (no special tokens added: the template
+        wrote them) or of string prompts (the run's tokenizer's encode)."""
+        if not texts:
+            return []
+        if chat:
+            assert self._chat is not None
+            encoded = self._chat.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+            return [np.asarray(ids, dtype=np.int64) for ids in encoded]
         if isinstance(self.tokenizer, BulkEncoder):
             return [ids.astype(np.int64) for ids in self.tokenizer.encode_many(list(texts))]
         return [np.asarray(self.tokenizer.encode(t), dtype=np.int64) for t in texts]
@@ -188,23 +195,18 @@ def load_prompts(
     ``required``: reward name -> the columns it can read its reference from (any one)."""
     encoder = PromptEncoder(tokenizer, cfg=cfg)
     rows: list[PromptRow] = []
-    strings: list[int] = []
     rows_read = read_rows(cfg, what="RL prompts", objective="grpo", keys="'prompt' (+ columns)")
     for index, (record, where) in enumerate(rows_read):
         prompt, columns = _row(record, where=where)
         _missing(columns, required or {}, where=where)
-        text, ids = "", np.empty(0, np.int64)
-        if isinstance(prompt, list):
-            text, ids = encoder.chat(prompt, where=where)
-        else:
-            strings.append(len(rows))
-            text = prompt
-        rows.append(PromptRow(index, where, prompt, text, ids, columns))
+        text = encoder.render(prompt, where=where) if isinstance(prompt, list) else prompt
+        rows.append(PromptRow(index, where, prompt, text, np.empty(0, np.int64), columns))
     if not rows:
         raise DataError(f"data.path ({cfg.path}) holds no prompt rows.")
-    for i, ids in zip(strings, encoder.strings([rows[i].text for i in strings])):
-        r = rows[i]
-        rows[i] = PromptRow(r.row, r.where, r.prompt, r.text, ids, r.columns)
+    for chat in (False, True):
+        which = [i for i, r in enumerate(rows) if r.conversational == chat]
+        for i, ids in zip(which, encoder.encode([rows[i].text for i in which], chat=chat)):
+            rows[i] = dataclasses.replace(rows[i], ids=ids)
     return _table(rows, cfg=cfg, max_prompt_length=max_prompt_length)
 
 
