@@ -4,6 +4,7 @@ no planner calls: ``parallel.auto`` is decided above, in fsdpkit.run.resolve).
 Modules, each owning one job:
     schema    the frozen section dataclasses, one docstring per field
     finetune  the [lora] and [dpo] sections (schema assembles them)
+    rl        the [rl] section (online RL, train.objective = grpo) and its checks
     coerce    type-checking values against the annotations (did-you-mean errors)
     validate  ranges, impossible combinations, what the world size allows
     io        TOML files, dotted overrides, ``with_changes``, ``to_toml``
@@ -27,6 +28,7 @@ from fsdpkit.config.io import (
     to_toml,
     with_changes,
 )
+from fsdpkit.config.rl import RlConfig
 from fsdpkit.config.schema import (
     SECTIONS,
     ActivationsConfig,
@@ -60,6 +62,7 @@ __all__ = [
     "ParallelConfig",
     "ParallelDims",
     "PrecisionConfig",
+    "RlConfig",
     "RunConfig",
     "TrainConfig",
     "apply_dotted",

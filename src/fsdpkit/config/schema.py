@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from fsdpkit.config.finetune import DpoConfig, LoraConfig
 from fsdpkit.config.parallel import ParallelConfig
+from fsdpkit.config.rl import RlConfig
 
 # The choices of a few fields. Precision names must equal the keys of
 # fsdpkit.precision.PRESETS (a unit test checks; strategies: fsdpkit.config.parallel).
@@ -197,10 +198,12 @@ class TrainConfig:
     loss_chunk_tokens: int = 1024
     """Tokens per chunk of the chunked loss: logits of this many tokens (and their fp32
     copy) exist at once."""
-    objective: Literal["lm", "dpo"] = "lm"
+    objective: Literal["lm", "dpo", "grpo"] = "lm"
     """What the run optimizes: lm = next-token cross-entropy (text or SFT rows); dpo =
     preference tuning on chosen/rejected pairs with the [dpo] section's loss
-    (docs/preference.md). Under dpo train.micro_batch_size counts pairs."""
+    (docs/preference.md), train.micro_batch_size counting pairs; grpo = online RL on
+    prompt rows: completions sampled by the policy, scored by the [rl] section's
+    rewards, the clipped policy-gradient loss (docs/rl.md)."""
 
 
 @dataclass(frozen=True)
@@ -288,6 +291,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    rl: RlConfig = field(default_factory=RlConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_dict(self) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any
 
 from fsdpkit.config.batch_split import batch_split
 from fsdpkit.config.dims import parallel_dims
+from fsdpkit.config.rl import validate_rl
 from fsdpkit.config.schedules import check_micro_batches, validate_pipeline
 from fsdpkit.config.schema import DataConfig, ModelConfig, RunConfig
 from fsdpkit.errors import ConfigError
@@ -67,6 +68,7 @@ def validate(cfg: RunConfig) -> None:
     _validate_combinations(cfg)
     _validate_finetune(cfg)
     _validate_dpo(cfg)
+    validate_rl(cfg)
     _validate_logging(cfg)
     _validate_async_tp(cfg)
     _validate_cp_attention(cfg)

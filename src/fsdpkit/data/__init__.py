@@ -12,7 +12,9 @@ parallel, into memory-mapped shards with a manifest; ``data.path = DIR`` trains 
 without reading the sources; raw sources go through the same prepare into the run's
 cache. ``loader.state_dict()`` is world-size independent (fsdpkit.data.loader). SFT
 schemas: fsdpkit.data.schemas; chat templates: fsdpkit.data.chat; packing:
-fsdpkit.data.packing; mixtures: fsdpkit.data.mix. See docs/data.md.
+fsdpkit.data.packing; mixtures: fsdpkit.data.mix. RL prompts (``train.objective =
+grpo``): ``open_prompt_data`` (fsdpkit.data.prompts, fsdpkit.data.prompt_order). See
+docs/data.md.
 """
 
 from fsdpkit.data.batch import IGNORE_INDEX, SFTBatch
@@ -24,6 +26,8 @@ from fsdpkit.data.manifest import Manifest, is_dataset
 from fsdpkit.data.mix import parse_mix
 from fsdpkit.data.pipeline import TrainingData, open_training_data
 from fsdpkit.data.prepare import Prepared, prepare
+from fsdpkit.data.prompt_order import PromptBatch, PromptLoader, open_prompt_data
+from fsdpkit.data.prompts import PromptRow, load_prompts
 from fsdpkit.data.tokcheck import run_tokenizer
 from fsdpkit.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
 
@@ -37,6 +41,9 @@ __all__ = [
     "Manifest",
     "PackedLoader",
     "Prepared",
+    "PromptBatch",
+    "PromptLoader",
+    "PromptRow",
     "SFTBatch",
     "Tokenizer",
     "TrainingData",
@@ -45,7 +52,9 @@ __all__ = [
     "host_bytes",
     "inspect_dataset",
     "is_dataset",
+    "load_prompts",
     "load_token_stream",
+    "open_prompt_data",
     "open_training_data",
     "parse_mix",
     "prepare",

@@ -204,20 +204,27 @@ class Loader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from ``state`` (saved at any world size); see the module's notes."""
-        try:
-            epoch, consumed = int(state["epoch"]), int(state["consumed"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise DataError(
-                f"the saved data position {state!r} is not {{'epoch': int, 'consumed': int}}; "
-                "the checkpoint's data state is damaged or from another tool. Resume from "
-                "another checkpoint or start the run afresh."
-            ) from e
-        if epoch < 0 or consumed < 0:
-            raise DataError(
-                f"the saved data position {state!r} has a negative epoch or count; resume "
-                "from another checkpoint or start the run afresh."
-            )
-        self._epoch, self._consumed, self._micro = epoch, consumed, 0
+        self._epoch, self._consumed = parse_position(state)
+        self._micro = 0
+
+
+def parse_position(state: dict[str, int]) -> tuple[int, int]:
+    """(epoch, consumed) of a saved data position ([Note: Data position maps
+    sensibly]); a DataError when it is not one."""
+    try:
+        epoch, consumed = int(state["epoch"]), int(state["consumed"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise DataError(
+            f"the saved data position {state!r} is not {{'epoch': int, 'consumed': int}}; "
+            "the checkpoint's data state is damaged or from another tool. Resume from "
+            "another checkpoint or start the run afresh."
+        ) from e
+    if epoch < 0 or consumed < 0:
+        raise DataError(
+            f"the saved data position {state!r} has a negative epoch or count; resume "
+            "from another checkpoint or start the run afresh."
+        )
+    return epoch, consumed
 
 
 class PackedLoader(Loader):

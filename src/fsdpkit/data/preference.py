@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -41,11 +40,9 @@ from fsdpkit.config import BatchSplit, DataConfig
 from fsdpkit.data.batch import IGNORE_INDEX, SFTBatch
 from fsdpkit.data.errors import DataError
 from fsdpkit.data.loader import Loader, validation_from
-from fsdpkit.data.manifest import is_dataset
 from fsdpkit.data.pipeline import TrainingData
-from fsdpkit.data.plan import plan_units, resolve_config
-from fsdpkit.data.readers import Records
-from fsdpkit.data.schemas import Conversation, normalize, parse_columns, rename
+from fsdpkit.data.rows import read_rows
+from fsdpkit.data.schemas import Conversation, normalize
 from fsdpkit.data.sft import Example, Formatter
 from fsdpkit.data.tokenizer import Tokenizer, build_tokenizer
 
@@ -126,27 +123,13 @@ def _identical(where: object) -> DataError:
 def read_pairs(cfg: DataConfig) -> list[tuple[Conversation, Conversation, str]]:
     """Every row of ``data.path`` as (chosen, rejected, where), checked, in file order,
     through the readers every other run uses (jsonl, json, parquet, Arrow)."""
-    if cfg.path and is_dataset(Path(cfg.path).expanduser()):
-        raise DataError(
-            f"data.path ({cfg.path}) is a dataset written by `fsdpkit data prepare`, which "
-            "holds token shards, not preference pairs; train.objective = 'dpo' reads the "
-            "rows themselves: point data.path at the jsonl / json / parquet / Arrow files."
-        )
-    plan = plan_units(resolve_config(cfg), max_bytes=cfg.max_bytes)
-    columns = parse_columns(cfg.columns)
     out = []
-    for piece in (p for unit in plan.units for p in unit):
-        source = plan.sources[piece.source]
-        if not source.records:
-            raise DataError(
-                f"{source.path} is a plain-text file; preference data is rows (jsonl, json, "
-                "parquet, Arrow) of prompt / chosen / rejected."
-            )
-        records = Records(source, piece)
-        for i, record in records:
-            where = records.where(i)
-            chosen, rejected = pair_of(rename(record, columns), where=where)
-            out.append((chosen, rejected, where))
+    rows = read_rows(
+        cfg, what="preference pairs", objective="dpo", keys="prompt / chosen / rejected"
+    )
+    for record, where in rows:
+        chosen, rejected = pair_of(record, where=where)
+        out.append((chosen, rejected, where))
     if not out:
         raise DataError(f"data.path ({cfg.path}) holds no preference rows.")
     return out

@@ -1,0 +1,247 @@
+"""The ``[rl]`` section of a run's configuration: online reinforcement learning with
+verifiable rewards (``train.objective = grpo``). Data only, like the rest of
+``fsdpkit.config.schema``, which assembles it into ``RunConfig``; ``validate_rl`` holds
+the section's rules and its rules against the other sections (fsdpkit.config.validate
+calls it, before any worker starts).
+
+Field names are TRL 1.16 ``GRPOConfig``'s where it has one (num_generations,
+max_completion_length, temperature, top_p, top_k, loss_type, epsilon, epsilon_high, beta,
+scale_rewards, num_iterations, mask_truncated_completions, importance_sampling_level,
+reward_weights), so a TRL user's values carry over as they are.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from fsdpkit.config.coerce import suggest
+from fsdpkit.errors import ConfigError
+
+if TYPE_CHECKING:  # typing only: schema imports this module to assemble RunConfig
+    from fsdpkit.config.schema import RunConfig
+
+LOSS_TYPES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "bnpo")
+"""The ``rl.loss_type`` values a run takes: the one list (fsdpkit.loss.grpo implements
+each; a variant joins here when its formula and its TRL parity test exist)."""
+TRL_ONLY_LOSS_TYPES = ("cispo", "sapo", "luspo", "vespo")
+"""TRL 1.16 loss types fsdpkit does not offer (yet): refused by name."""
+BUILTIN_REWARDS: tuple[str, ...] = ("math", "exact", "format", "length")
+"""Built-in reward names (fsdpkit.rollout.rewards implements each; a unit test checks
+that the two lists agree)."""
+AXES = ("tp", "cp", "pp", "ep")
+"""Parallel axes a GRPO run does not compose with (yet): refused by key."""
+DEFAULT_FORMAT = r"<think>.*?</think>\s*<answer>.*?</answer>"
+"""DeepSeek-R1's reasoning format: a think block, then an answer block."""
+
+
+@dataclass(frozen=True)
+class RlConfig:
+    num_generations: int = 8
+    """Completions sampled per prompt (TRL's G): advantages compare each completion
+    with the others of its prompt's group, so at least 2."""
+    max_completion_length: int = 256
+    """New tokens a completion may have; a completion still going at this length is
+    truncated (see rl.mask_truncated_completions)."""
+    max_prompt_length: int = 512
+    """Prompt tokens (after the chat template) a prompt may have; longer prompts are
+    left out of training, counted in the run's first lines, never cut (a cut question
+    would be graded against the whole question's answer)."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0): logits are divided by it before sampling."""
+    top_p: float = 1.0
+    """Nucleus sampling: sample from the smallest set of tokens whose probabilities add
+    up to top_p, in (0, 1]; 1 = all tokens."""
+    top_k: int = 0
+    """Sample from the k most likely tokens only; 0 = off (all tokens)."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a completion (besides the tokenizer's EOS token), e.g.
+    ["</answer>"]; the completion keeps the stop string."""
+    loss_type: str = "dapo"
+    """The policy-gradient loss, by how token losses are averaged (TRL 1.16's names):
+    grpo (each completion's token mean, then the mean over completions), dr_grpo (sum
+    over completions x max_completion_length), dapo (sum over the completion tokens of the
+    whole step, all ranks), bnpo (sum over the local batch's completion tokens). See
+    docs/rl.md."""
+    epsilon: float = 0.2
+    """Clipping range of the importance ratio: [1 - epsilon, 1 + epsilon_high]."""
+    epsilon_high: float | None = None
+    """Upper clipping range (DAPO's clip-higher; the paper uses 0.28); empty = epsilon.
+    Must be >= rl.epsilon."""
+    beta: float = 0.0
+    """Weight of the KL penalty (k3 estimator) to the reference model; 0 = off and no
+    reference model is built (as TRL's default). DeepSeek-R1 used 0.001."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Advantage = reward - its group's mean, divided by: group = the group's standard
+    deviation; batch = the whole step's; none = not divided (Dr. GRPO)."""
+    num_iterations: int = 1
+    """Optimizer updates per batch of rollouts (TRL's mu); > 1 reuses the samples, the
+    importance ratio correcting for the policy having moved."""
+    mask_truncated_completions: bool = False
+    """Leave completions that hit rl.max_completion_length without ending out of the
+    loss (DAPO's overlong filtering)."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """token: one importance ratio per token; sequence: the geometric mean over the
+    completion's tokens, one ratio per completion (GSPO)."""
+    rewards: list[str] = field(default_factory=list)
+    """Reward functions, summed with rl.reward_weights: built-ins math (final-answer
+    equivalence against the row's answer / ground_truth / solution), exact (completion ==
+    answer after strip), format (rl.format_pattern), length (DAPO's soft overlong
+    penalty), or your own "package.module:function" with TRL's reward signature
+    fn(prompts, completions, completion_ids, **columns) -> list[float]. See docs/rl.md."""
+    reward_weights: list[float] = field(default_factory=list)
+    """One weight per entry of rl.rewards (the total reward is sum w_i r_i); empty =
+    1.0 each."""
+    format_pattern: str = DEFAULT_FORMAT
+    """The regular expression the format reward checks: 1.0 when the whole completion
+    (stripped) matches it, '.' matching newlines too, else 0.0."""
+    soft_punish_cache: int | None = None
+    """The length reward's cache L_cache (DAPO): 0 up to max_completion_length -
+    L_cache tokens, then falling linearly to -1 at max_completion_length; empty =
+    max_completion_length // 4."""
+    logprob_gap_max: float = 1e-2
+    """Stop the run when the largest per-token |engine - trainer| log-prob gap of a
+    step's sampled tokens exceeds this (nats). The embedded engine samples with the
+    weights the trainer recomputes with, so in fp32 the gap is float noise (the issue's
+    bound: 1e-5 at step 0) while a stale or broken weight update shows as whole nats (a
+    public FSDP report: 0.017 healthy, 66.5 after two broken steps); 1e-2 sits orders
+    of magnitude from both. bf16 computes with ~3 significant digits, so its noise is
+    larger: read rl/logprob_gap_max in a bf16 run's metrics and set this above it."""
+    engine: Literal["embedded", "vllm"] = "embedded"
+    """What samples the rollouts: embedded = the policy being trained, sharded as it
+    trains (KV cache, no second copy). vllm is reserved for a later release."""
+
+
+def validate_rl(cfg: RunConfig) -> None:
+    """The ``[rl]`` section's ranges (always) and, under ``train.objective = grpo``, its
+    needs from the rest of the config; a ConfigError names the key and the fix."""
+    rl = cfg.rl
+    _ranges(rl)
+    _losses(rl)
+    _reward_specs(rl)
+    if rl.engine == "vllm":
+        raise ConfigError(
+            "rl.engine = 'vllm' is reserved for a later release: fsdpkit does not drive "
+            "vLLM yet. Use rl.engine = 'embedded' (the default: the policy samples its own "
+            "rollouts)."
+        )
+    if cfg.train.objective == "grpo":
+        _grpo_run(cfg)
+
+
+def _ranges(rl: RlConfig) -> None:
+    checks = [
+        ("num_generations", rl.num_generations >= 2, "must be >= 2 (advantages compare each "
+         "completion with the others of its prompt)"),
+        ("max_completion_length", rl.max_completion_length > 0, "must be > 0"),
+        ("max_prompt_length", rl.max_prompt_length > 0, "must be > 0"),
+        ("temperature", rl.temperature > 0, "must be > 0 (it divides the logits)"),
+        ("top_p", 0 < rl.top_p <= 1, "must be in (0, 1]"),
+        ("top_k", rl.top_k >= 0, "must be >= 0 (0 = off)"),
+        ("epsilon", rl.epsilon > 0, "must be > 0"),
+        ("beta", rl.beta >= 0, "must be >= 0 (0 = no KL term)"),
+        ("num_iterations", rl.num_iterations >= 1, "must be >= 1"),
+        ("logprob_gap_max", rl.logprob_gap_max > 0, "must be > 0"),
+    ]  # fmt: skip
+    for key, ok, rule in checks:
+        if not ok:
+            raise ConfigError(f"rl.{key} = {getattr(rl, key)} {rule}.")
+    if rl.epsilon_high is not None and rl.epsilon_high < rl.epsilon:
+        raise ConfigError(
+            f"rl.epsilon_high = {rl.epsilon_high} is below rl.epsilon = {rl.epsilon}: the "
+            "upper clipping range must be at least the lower one (DAPO's clip-higher "
+            "raises it, e.g. 0.28). Raise rl.epsilon_high, or leave it empty (= rl.epsilon)."
+        )
+    cache = rl.soft_punish_cache
+    if cache is not None and not 0 < cache <= rl.max_completion_length:
+        raise ConfigError(
+            f"rl.soft_punish_cache = {cache} must be in (0, rl.max_completion_length = "
+            f"{rl.max_completion_length}]: it is how many tokens before the limit the "
+            "length penalty starts. Leave it empty for max_completion_length // 4."
+        )
+    if any(not s for s in rl.stop):
+        raise ConfigError(f"rl.stop = {rl.stop} holds an empty string, which would stop at once.")
+
+
+def _losses(rl: RlConfig) -> None:
+    if rl.loss_type in LOSS_TYPES:
+        return
+    if rl.loss_type in TRL_ONLY_LOSS_TYPES:
+        raise ConfigError(
+            f"rl.loss_type = {rl.loss_type!r} is one of TRL's losses fsdpkit does not offer "
+            f"yet. Choose one of {', '.join(LOSS_TYPES)} (dapo is TRL's default)."
+        )
+    raise ConfigError(
+        f"rl.loss_type = {rl.loss_type!r} is not a loss type."
+        f"{suggest(rl.loss_type, list(LOSS_TYPES))}"
+    )
+
+
+def _reward_specs(rl: RlConfig) -> None:
+    """Each rl.rewards entry is a built-in name or "package.module:function"."""
+    for i, name in enumerate(rl.rewards):
+        if ":" in name:
+            module, _, attr = name.partition(":")
+            parts = [*module.split("."), attr]
+            if not all(p.isidentifier() for p in parts):
+                raise ConfigError(
+                    f"rl.rewards[{i}] = {name!r} must look like 'package.module:function' "
+                    "(a module on PYTHONPATH and a function in it)."
+                )
+        elif name not in BUILTIN_REWARDS:
+            raise ConfigError(
+                f"rl.rewards[{i}] = {name!r} is not a built-in reward."
+                f"{suggest(name, list(BUILTIN_REWARDS))} Your own function is named "
+                "'package.module:function'."
+            )
+    repeated = sorted({n for n in rl.rewards if rl.rewards.count(n) > 1})
+    if repeated:
+        raise ConfigError(
+            f"rl.rewards names {repeated[0]!r} twice; weigh one entry with rl.reward_weights "
+            "instead."
+        )
+    weights = rl.reward_weights
+    if weights and len(weights) != len(rl.rewards):
+        raise ConfigError(
+            f"rl.reward_weights has {len(weights)} weight(s) but rl.rewards has "
+            f"{len(rl.rewards)} reward(s) ({', '.join(rl.rewards) or 'none'}): give one "
+            "weight per reward, in the same order, or leave rl.reward_weights empty (1.0 each)."
+        )
+    bad = [w for w in weights if not math.isfinite(w)]
+    if bad:
+        raise ConfigError(f"rl.reward_weights must be finite numbers, got {bad[0]}.")
+    try:
+        re.compile(rl.format_pattern)
+    except re.error as exc:
+        raise ConfigError(
+            f"rl.format_pattern = {rl.format_pattern!r} is not a valid regular expression "
+            f"({exc}). Fix it (Python's re syntax), or leave the default."
+        ) from None
+
+
+def _grpo_run(cfg: RunConfig) -> None:
+    """What ``train.objective = grpo`` needs from the other sections."""
+    for axis in AXES:
+        degree = getattr(cfg.parallel, axis)
+        if degree > 1:
+            raise ConfigError(
+                f"parallel.{axis} = {degree} is not supported with train.objective = "
+                "'grpo' yet: rollouts and their log-probs run under data parallelism only. "
+                f"Set parallel.{axis} = 1 (FSDP shards the model over every rank), or train "
+                "another objective."
+            )
+    if not cfg.rl.rewards:
+        raise ConfigError(
+            "train.objective = 'grpo' needs at least one reward: set rl.rewards, e.g. "
+            'rl.rewards=["math"] (built-ins: math, exact, format, length) or '
+            '["mypkg.rewards:my_reward"].'
+        )
+    if not cfg.data.path or cfg.data.mix:
+        raise ConfigError(
+            "train.objective = 'grpo' samples completions for prompts, so data.path must "
+            "name a file or directory of rows with a 'prompt' (a string or chat messages) "
+            "and the columns the rewards read (data.mix is not supported for prompts); "
+            "see docs/rl.md."
+        )
