@@ -74,7 +74,7 @@ def test_a_grpo_config_loads_and_round_trips_through_toml(tmp_path: Path) -> Non
         (["rl.rewards=pkg mod:f"], ["rl.rewards[0]", "package.module:function"]),
         (["rl.rewards=math,math"], ["names 'math' twice"]),
         (["rl.loss_type=dapoo"], ["rl.loss_type", "Did you mean 'dapo'"]),
-        (["rl.loss_type=cispo"], ["'cispo'", "does not offer"]),
+        (["rl.loss_type=vespo"], ["'vespo'", "does not offer"]),
         (["rl.num_generations=1"], ["rl.num_generations = 1", ">= 2"]),
         (["rl.temperature=0"], ["rl.temperature"]),
         (["rl.top_p=1.5"], ["rl.top_p"]),

@@ -23,10 +23,10 @@ from fsdpkit.errors import ConfigError
 if TYPE_CHECKING:  # typing only: schema imports this module to assemble RunConfig
     from fsdpkit.config.schema import RunConfig
 
-LOSS_TYPES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "bnpo")
+LOSS_TYPES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo")
 """The ``rl.loss_type`` values a run takes: the one list (fsdpkit.loss.grpo implements
 each; a variant joins here when its formula and its TRL parity test exist)."""
-TRL_ONLY_LOSS_TYPES = ("cispo", "sapo", "luspo", "vespo")
+TRL_ONLY_LOSS_TYPES = ("vespo",)
 """TRL 1.16 loss types fsdpkit does not offer (yet): refused by name."""
 BUILTIN_REWARDS: tuple[str, ...] = ("math", "exact", "format", "length")
 """Built-in reward names (fsdpkit.rollout.rewards implements each; a unit test checks
@@ -60,11 +60,14 @@ class RlConfig:
     """Strings that end a completion (besides the tokenizer's EOS token), e.g.
     ["</answer>"]; the completion keeps the stop string."""
     loss_type: str = "dapo"
-    """The policy-gradient loss, by how token losses are averaged (TRL 1.16's names):
-    grpo (each completion's token mean, then the mean over completions), dr_grpo (sum
-    over completions x max_completion_length), dapo (sum over the completion tokens of the
-    whole step, all ranks), bnpo (sum over the local batch's completion tokens). See
-    docs/rl.md."""
+    """The policy-gradient loss (TRL 1.16's names): grpo (each completion's token mean,
+    then the mean over completions), dr_grpo (the token sum over completions x
+    max_completion_length), dapo (the mean over the completion tokens of the whole step,
+    all ranks), bnpo (as dapo here: fsdpkit normalizes over the global batch, so its loss
+    does not change with the world size), cispo (MiniMax-M1: the clipped, detached
+    ratio times the log-prob), sapo (a soft sigmoid gate instead of the clip), luspo
+    (GSPO scaled by each completion's length; use with importance_sampling_level =
+    sequence). See [Note: GRPO loss normalization] in fsdpkit.loss.grpo and docs/rl.md."""
     epsilon: float = 0.2
     """Clipping range of the importance ratio: [1 - epsilon, 1 + epsilon_high]."""
     epsilon_high: float | None = None

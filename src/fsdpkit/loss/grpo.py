@@ -71,7 +71,8 @@ from dataclasses import dataclass
 
 import torch
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo")
+from fsdpkit.config.rl import LOSS_TYPES
+
 LEVELS = ("token", "sequence")
 PER_SEQUENCE_MEAN = frozenset({"grpo", "sapo"})
 """Variants that average each completion's token losses before summing completions."""
