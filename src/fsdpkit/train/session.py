@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpkit.checkpoint import Checkpointer, ModelOptimizerState, RankLocal, RNGState
@@ -23,18 +22,15 @@ from fsdpkit.checkpoint.frozen import FrozenBase
 from fsdpkit.config import BatchSplit, ParallelDims, RunConfig, batch_split, parallel_dims, to_toml
 from fsdpkit.data import Tokenizer, TrainingData, open_training_data
 from fsdpkit.data.preference import open_preference_data
-from fsdpkit.finetune import Finetune
-from fsdpkit.loss.contract import LossFn
 from fsdpkit.models.hf.directory import HF_RUN_DIR, copy_hf_files, with_model_tokenizer
 from fsdpkit.models.llama import LlamaConfig
-from fsdpkit.precision import Precision
 from fsdpkit.runtime.distenv import DistEnv, pin_collectives, rendezvous_store
 from fsdpkit.runtime.rundir import RunDirError, describe_os_error, write_text_atomically
-from fsdpkit.sharding import ShardPlan, make_grad_scaler
+from fsdpkit.sharding import make_grad_scaler
 from fsdpkit.sharding.mesh import build_mesh
 from fsdpkit.train.state import TrainerState
 from fsdpkit.train.telemetry import MetricsWriter
-from fsdpkit.trainable.build import build_unsharded, shard_trainable
+from fsdpkit.trainable.build import Trainable, build_unsharded, shard_trainable
 from fsdpkit.trainable.optim import build_scheduler
 from fsdpkit.trainable.reference import DpoLoss, build_reference_unsharded, shard_reference
 from fsdpkit.version import written_by
@@ -54,47 +50,38 @@ class Session:
     """This rank's batches (fsdpkit.data.Loader: next_step(), state_dict())."""
     val: list[Any]
     """This rank's validation micro-batches (token ids, or SFTBatch for SFT data)."""
-    model: nn.Module
-    loss_fn: LossFn
-    llama: LlamaConfig | None
-    plan: ShardPlan
-    precision: Precision
-    optimizer: torch.optim.Optimizer
+    trainable: Trainable
+    """The sharded model, its loss and optimizer and what building them decided
+    ([Note: one builder]); the session reads through it (``s.trainable.model``)."""
     scheduler: torch.optim.lr_scheduler.LambdaLR
     scaler: torch.amp.GradScaler | None
     state: TrainerState
     checkpointer: Checkpointer | None
     metrics: MetricsWriter
-    finetune: Finetune | None = None
-    """What model.freeze / [lora] did (None for sessions built without them)."""
     data_note: str | None = None
     """What the data pipeline reports at the start (SFT rows, truncation counts)."""
     data_record: dict[str, Any] | None = None
     """The same as data, for metrics.jsonl (fsdpkit.data.TrainingData.record)."""
-    loss_note: str | None = None
-    """Why ``train.chunked_loss = auto`` kept full logits (None: it did not)."""
-    pipeline: Any = None
-    """Under parallel.pp: this rank's stages and schedule (fsdpkit.sharding.pipeline.stages);
-    ``model`` is the rank's view of its parameters. None without pp."""
 
     def app_state(self) -> dict[str, Any]:
         """What a checkpoint holds (DCP Statefuls)."""
 
         only = self.cfg.checkpoint.adapters_only
+        run, pipeline = self.trainable, self.trainable.pipeline
         state: dict[str, Any] = {
             "app": ModelOptimizerState(
-                self.model,
-                self.optimizer,
+                run.model,
+                run.optimizer,
                 trainable_only=only,
-                group_names=self.pipeline.group_names if self.pipeline is not None else None,
-                tied=self.pipeline.tied_names if self.pipeline is not None else None,
+                group_names=pipeline.group_names if pipeline is not None else None,
+                tied=pipeline.tied_names if pipeline is not None else None,
             ),
             "scheduler": self.scheduler,
             "trainer": self.state,
             "rng": RankLocal(RNGState()),
         }
-        if self.finetune is not None and self.finetune.active:
-            state["frozen"] = FrozenBase(self.model, check=only)
+        if run.finetune.active:
+            state["frozen"] = FrozenBase(run.model, check=only)
         return state
 
 
@@ -194,12 +181,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         tokenizer=data.tokenizer,
         loader=data.loader,
         val=data.val,
-        model=run.model,
-        loss_fn=run.loss_fn,
-        llama=run.llama,
-        plan=run.plan,
-        precision=run.precision,
-        optimizer=run.optimizer,
+        trainable=run,
         scheduler=build_scheduler(run.optimizer, cfg.train),
         scaler=scaler,
         state=TrainerState(loader=data.loader, scaler=scaler),
@@ -212,11 +194,8 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
             finetune=run.finetune.record(run.model),
         ),
         metrics=MetricsWriter(run_dir / "metrics.jsonl", enabled=env.rank == 0),
-        finetune=run.finetune,
         data_note=data.note,
         data_record=data.record,
-        loss_note=run.loss_note,
-        pipeline=run.pipeline,
     )
 
 
