@@ -33,7 +33,7 @@ from fsdpkit.train.generate import sample
 from fsdpkit.train.guards import check_finite
 from fsdpkit.train.progress import Progress
 from fsdpkit.train.session import Session, write_run_dir
-from fsdpkit.train.stepping import evaluate, run_step
+from fsdpkit.train.stepping import StepOutcome, evaluate, run_step
 from fsdpkit.train.summary import RunSummary
 from fsdpkit.train.telemetry import device_peak_flops, peak_memory_kind, peak_memory_mib
 
@@ -56,12 +56,13 @@ def _compile_share(s: Session, seconds: float) -> float:
 
 
 def _record(
-    s: Session, *, step: int, loss: float, norm: float, lr: float, dt: float, compile_s: float
+    s: Session, *, step: int, outcome: StepOutcome, lr: float, dt: float, compile_s: float
 ) -> dict[str, Any]:
     """One metrics record; tokens/s over the step time without compilation."""
     cfg = s.cfg
     rows = s.split.global_batch * (2 if cfg.train.objective == "dpo" else 1)  # DPO: 2 per pair
-    tokens_per_s = rows * cfg.data.seq_len / max(dt - compile_s, 1e-9)
+    tokens = outcome.tokens if outcome.tokens is not None else rows * cfg.data.seq_len
+    tokens_per_s = tokens / max(dt - compile_s, 1e-9)
     peak = device_peak_flops(
         device_type=s.env.device_type, low_precision=s.trainable.precision.low_precision
     )
@@ -74,9 +75,9 @@ def _record(
     dist.all_gather(mems, mem)
     return {
         "step": step,
-        "loss": loss,
+        "loss": outcome.loss,
         "lr": lr,
-        "grad_norm": norm,
+        "grad_norm": outcome.grad_norm,
         "tokens_per_s": tokens_per_s,
         "mfu": mfu,
         "peak_mem_mib": [round(float(m), 1) for m in mems],
@@ -92,12 +93,18 @@ def _maybe_eval(
 ) -> None:
     every = s.cfg.train.eval_every
     if every and (step % every == 0 or step == s.cfg.train.steps):
-        val = evaluate(s)
+        values = evaluate(s)
+        if values is None:
+            return
+        _write_metrics(s, {"step": step, **values})
+        val = values.get("val_loss")
         if val is not None:
             summary.val_losses.append(val)
             progress.message(f"step {step}: validation loss {val:.4f}")
-            _write_metrics(s, {"step": step, "val_loss": val})
             obs.on_eval(step, val)
+        else:
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in values.items())
+            progress.message(f"step {step}: held out: {shown}")
 
 
 def _maybe_checkpoint(s: Session, *, step: int, progress: Progress, obs: Observer) -> None:
@@ -177,7 +184,7 @@ def _run_steps(
         t0, c0 = time.perf_counter(), compile_seconds()
         lr = float(s.scheduler.get_last_lr()[0])
         try:
-            loss, norm, extra = run_step(s, probe)
+            outcome = run_step(s, probe)
         except UserError:  # e.g. a model output without logits: the message says what to do
             raise
         except Exception as exc:
@@ -185,8 +192,13 @@ def _run_steps(
         s.state.step += 1
         step = s.state.step
         probe.step_done(step)
+        loss = outcome.loss
         check_finite(
-            loss=loss, grad_norm=norm, step=step, scaled=bool(s.scaler), checkpointer=s.checkpointer
+            loss=loss,
+            grad_norm=outcome.grad_norm,
+            step=step,
+            scaled=bool(s.scaler),
+            checkpointer=s.checkpointer,
         )
         dt = time.perf_counter() - t0
         compile_s = _compile_share(s, compile_seconds() - c0)
@@ -194,8 +206,8 @@ def _run_steps(
         if note := obs.after_step(step, step_time_s=dt):
             progress.message(note)
         if step % cfg.logging.log_every == 0 or step == cfg.train.steps:
-            record = _record(s, step=step, loss=loss, norm=norm, lr=lr, dt=dt, compile_s=compile_s)
-            record |= extra
+            record = _record(s, step=step, outcome=outcome, lr=lr, dt=dt, compile_s=compile_s)
+            record |= outcome.metrics
             _write_metrics(s, record)
             obs.on_step(record)
             rates.append(record["tokens_per_s"])

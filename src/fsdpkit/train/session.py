@@ -22,12 +22,16 @@ from fsdpkit.checkpoint.frozen import FrozenBase
 from fsdpkit.config import BatchSplit, ParallelDims, RunConfig, batch_split, parallel_dims, to_toml
 from fsdpkit.data import Tokenizer, TrainingData, open_training_data
 from fsdpkit.data.preference import open_preference_data
+from fsdpkit.data.prompt_order import open_prompt_data
 from fsdpkit.models.hf.directory import HF_RUN_DIR, copy_hf_files, with_model_tokenizer
 from fsdpkit.models.llama import LlamaConfig
+from fsdpkit.rollout.rewards import Rewards, build_rewards
 from fsdpkit.runtime.distenv import DistEnv, pin_collectives, rendezvous_store
 from fsdpkit.runtime.rundir import RunDirError, describe_os_error, write_text_atomically
 from fsdpkit.sharding import make_grad_scaler
 from fsdpkit.sharding.mesh import build_mesh
+from fsdpkit.train.rl_step import RlRun, build_rl
+from fsdpkit.train.rl_step import describe as describe_rl
 from fsdpkit.train.state import TrainerState
 from fsdpkit.train.telemetry import MetricsWriter
 from fsdpkit.trainable.build import Trainable, build_unsharded, shard_trainable
@@ -62,6 +66,9 @@ class Session:
     """What the data pipeline reports at the start (SFT rows, truncation counts)."""
     data_record: dict[str, Any] | None = None
     """The same as data, for metrics.jsonl (fsdpkit.data.TrainingData.record)."""
+    rl: RlRun | None = None
+    """Under train.objective = grpo: the rollout engine, rewards and reference
+    ([Note: the GRPO step] in fsdpkit.train.rl_step). None otherwise."""
 
     def app_state(self) -> dict[str, Any]:
         """What a checkpoint holds (DCP Statefuls)."""
@@ -114,9 +121,27 @@ def init_process_group(cfg: RunConfig, env: DistEnv) -> torch.device:
     return device
 
 
-def _data(cfg: RunConfig, env: DistEnv, split: BatchSplit, dims: ParallelDims) -> TrainingData:
+def _data(
+    cfg: RunConfig,
+    env: DistEnv,
+    split: BatchSplit,
+    dims: ParallelDims,
+    *,
+    rewards: Rewards | None = None,
+) -> TrainingData:
     """This rank's data: the one pipeline (fsdpkit.data.open_training_data) prepares raw
-    sources into the run directory once per node and maps the shards; no collective."""
+    sources into the run directory once per node and maps the shards; no collective.
+    GRPO: prompt rows with the columns ``rewards`` read (fsdpkit.data.prompt_order)."""
+    if rewards is not None:
+        return open_prompt_data(
+            cfg.data,
+            max_prompt_length=cfg.rl.max_prompt_length,
+            prompts_per_step=split.global_batch // cfg.rl.num_generations,
+            seed=cfg.train.seed,
+            dp_rank=dims.dp_rank(env.rank),
+            dp_world=dims.dp,
+            required=rewards.required_columns,
+        )
     if cfg.train.objective == "dpo":  # preference pairs (fsdpkit.data.preference)
         ranks = {"dp_rank": dims.dp_rank(env.rank), "dp_world": dims.dp}
         opts = {"seed": cfg.train.seed, "eval_batches": cfg.train.eval_batches}
@@ -141,11 +166,13 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     cfg = with_model_tokenizer(cfg)
     dims = parallel_dims(cfg, world_size=env.world_size, local_world_size=env.local_world_size)
     split = batch_split(cfg.train, dp_world=dims.dp)
-    data = _data(cfg, env, split, dims)
+    grpo = cfg.train.objective == "grpo"
+    rewards = build_rewards(cfg.rl) if grpo else None  # users' functions imported here
+    data = _data(cfg, env, split, dims, rewards=rewards)
     unsharded = build_unsharded(
         cfg, vocab_size=data.tokenizer.vocab_size, device_type=env.device_type, sft=data.sft
     )
-    reference = build_reference_unsharded(  # DPO's frozen reference ([Note: reference model])
+    reference = build_reference_unsharded(  # the frozen reference ([Note: reference model])
         cfg, vocab_size=data.tokenizer.vocab_size, device_type=env.device_type
     )
     device = init_process_group(cfg, env)
@@ -169,6 +196,18 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
             ring=cfg.parallel.cp_attention == "ring",
         )
         run.loss_note = run.loss_fn.describe()  # its own loss: the chunked-loss note is moot
+    rl = None
+    if rewards is not None:
+        ref = shard_reference(reference, cfg, mesh=mesh, device=device) if reference else None
+        rl = build_rl(
+            cfg,
+            model=run.model,
+            tokenizer=data.tokenizer,
+            device=device,
+            rewards=rewards,
+            reference=ref,
+        )
+        run.loss_note = describe_rl(rl, cfg)
     scaler = make_grad_scaler(run.precision, device_type=env.device_type)
     run_dir = Path(cfg.logging.run_dir)
     return Session(
@@ -196,6 +235,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         metrics=MetricsWriter(run_dir / "metrics.jsonl", enabled=env.rank == 0),
         data_note=data.note,
         data_record=data.record,
+        rl=rl,
     )
 
 
