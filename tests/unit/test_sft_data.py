@@ -18,7 +18,8 @@ from fsdpkit.config import DataConfig
 from fsdpkit.data import ByteTokenizer, DataError
 from fsdpkit.data.batch import IGNORE_INDEX
 from fsdpkit.data.packing import pack
-from fsdpkit.data.sft import Example, is_sft
+from fsdpkit.data.schema import Conversation
+from fsdpkit.data.sft import Example, Formatter, is_sft
 from fsdpkit.data.sft_loader import SFTLoader, load_sft
 from fsdpkit.data.tokenizer import load_hf_tokenizer
 from fsdpkit.data.work import load_examples
@@ -68,12 +69,26 @@ def test_prompt_completion_mask_is_exactly_the_answer(tmp_path: Path) -> None:
 
 
 def test_eos_is_a_target_with_an_hf_tokenizer(tmp_path: Path, chat_dir: Path) -> None:
-    path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "def f():", "completion": " return 1"}])
+    """One EOS, a target, after every completion: also after one that already ends with
+    the EOS text (no second EOS), in the batched prepare path as in the per-row one."""
+    rows = [
+        {"prompt": "def f():", "completion": " return 1"},
+        {"prompt": "def f():", "completion": " return 1<|endoftext|>"},
+    ]
+    path = _jsonl(tmp_path / "d.jsonl", rows)
     tok = load_hf_tokenizer(chat_dir)
-    [ex], _ = load_examples(DataConfig(path=path, format="sft"), tok)
-    answer = ex.ids[ex.train]
-    assert tok.decode(answer.tolist()) == " return 1<|endoftext|>"
-    assert answer[-1] == tok.eos_id and not ex.train[: len(tok.encode("def f():"))].any()
+    examples, _ = load_examples(DataConfig(path=path, format="sft"), tok)
+    for ex in examples:
+        answer = ex.ids[ex.train]
+        assert tok.decode(answer.tolist()) == " return 1<|endoftext|>"
+        assert answer[-1] == tok.eos_id and not ex.train[: len(tok.encode("def f():"))].any()
+    formatter = Formatter(tokenizer=tok, tokenizer_path=None, data_path=path)
+    block = formatter.block(
+        [Conversation("prompt_completion", plain=(r["prompt"], r["completion"])) for r in rows],
+        [0, 1],
+    )
+    assert block.ids.tolist() == examples[0].ids.tolist() * 2
+    assert block.train.tolist() == examples[0].train.tolist() * 2
 
 
 def test_chat_rows_format_as_apply_chat_template(tmp_path: Path, chat_dir: Path) -> None:

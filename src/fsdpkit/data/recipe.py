@@ -1,8 +1,8 @@
 """What decides a prepared dataset's tokens, and what changed since one was prepared.
 
 ``recipe`` is everything besides the sources that the tokens depend on: the data kind,
-the tokenizer's fingerprint (with its chat template) and the options that change
-tokens. ``differences`` compares
+the tokenizer's fingerprint (with its chat template and the rule for BOS and EOS,
+[Note: special tokens]) and the options that change tokens. ``differences`` compares
 an existing manifest with these and the sources' sizes, mtimes and hashes: step 2 of
 [Note: prepare protocol] (fsdpkit.data.prepare).
 """
@@ -19,7 +19,7 @@ from fsdpkit.data.errors import DataError
 from fsdpkit.data.manifest import Manifest
 from fsdpkit.data.plan import data_kind
 from fsdpkit.data.sources import Resolved
-from fsdpkit.data.tokenizer import BulkEncoder, build_tokenizer
+from fsdpkit.data.tokenizer import SPECIALS, BulkEncoder, build_tokenizer
 
 
 def recipe(cfg: DataConfig, resolved: Resolved) -> tuple[str, dict[str, Any], dict[str, Any]]:
@@ -30,6 +30,7 @@ def recipe(cfg: DataConfig, resolved: Resolved) -> tuple[str, dict[str, Any], di
         raise DataError("prepare needs the byte tokenizer or a tokenizer.json (data.tokenizer).")
     fingerprint = tok.fingerprint()
     fingerprint["chat_template"] = template_hash(cfg.tokenizer) if kind == "sft" else None
+    fingerprint["specials"] = SPECIALS
     options = {
         "text_field": cfg.text_field,
         "schema": cfg.schema,
@@ -77,7 +78,8 @@ def differences(
 
 
 def _tokenizer_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """What differs in how the tokens are made: the tokenizer, its chat template."""
+    """What differs in how the tokens are made: the tokenizer, its chat template, the
+    rule for BOS and EOS ([Note: special tokens])."""
     out = []
     if old.get("fingerprint") != new["fingerprint"]:
         out.append(
@@ -85,4 +87,6 @@ def _tokenizer_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         )
     elif old.get("chat_template") != new.get("chat_template"):
         out.append("the tokenizer's chat template")
+    if any(old.get(k) != new.get(k) for k in ("specials", "bos_ids")):
+        out.append("how BOS and EOS are added ([Note: special tokens] in fsdpkit.data.tokenizer)")
     return out
