@@ -252,6 +252,7 @@ def _manifest(plan: Plan, results: list[Result], **fields: Any) -> Manifest:
         "documents": docs,
         "tokens": sum(s.tokens for s in shards),
         "answer_tokens": sum(s.answer_tokens for s in shards),
+        "empty_replies": sum(r.empty_replies for r in results),
         "source_files": len(plan.sources),
         "source_bytes": plan.planned_bytes,
         "left_out_bytes": plan.left_out_bytes,

@@ -39,6 +39,9 @@ def source_line(opened: Opened) -> str:
         f"{c['documents']:,} {'examples' if m.sft else 'documents'}, {c['tokens']:,} tokens"
     )
     kind = f"SFT: {describe_schemas(m.schemas)}" if m.sft else "plain text"
+    empty = c.get("empty_replies", 0)
+    if empty:
+        kind += f"; {empty:,} empty assistant repl{'y' if empty == 1 else 'ies'} not trained"
     return f"data: {what}: {kind}; {body} ({tokenizer_name(m)}, {m.dtype}; {how})"
 
 

@@ -93,7 +93,11 @@ class Formatter:
                 plain.append(i)
                 continue
             ids, train = chat.encode(
-                conv.messages, where=wheres[i], train_from=conv.train_from, tools=conv.tools
+                conv.messages,
+                where=wheres[i],
+                train_from=conv.train_from,
+                tools=conv.tools,
+                untrained=conv.untrained,
             )
             out[i] = _example(ids, train)
         if plain:

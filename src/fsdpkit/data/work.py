@@ -61,6 +61,8 @@ class Result:
     shard: Shard
     schemas: dict[str, int] = field(default_factory=dict)
     nbytes: int = 0
+    empty_replies: int = 0
+    """Empty assistant replies rendered but not trained (Conversation.untrained)."""
 
 
 @cache
@@ -93,6 +95,7 @@ def run(job: Job) -> Result:
         batch: list[tuple[Conversation, object]] = []
         for conv, where in _conversations(job.sources, job.pieces, cfg=job.cfg):
             sink.schemas[conv.schema] += 1
+            sink.empty_replies += len(conv.untrained)
             batch.append((conv, where))
             if len(batch) >= BATCH_ROWS:
                 sink.block(formatter.block([c for c, _ in batch], [w for _, w in batch]))
@@ -112,6 +115,7 @@ class _Sink:
         self.answers: list[int] = []
         self.tokens = 0
         self.schemas: Counter[str] = Counter()
+        self.empty_replies = 0
 
     def add(self, ids: np.ndarray, *, end: bool, mask: np.ndarray | None = None) -> None:
         self.parts.append(ids.astype(self.job.dtype, copy=False))
@@ -149,7 +153,7 @@ class _Sink:
             answer_tokens=int(sum(self.answers)),
             crc32=crc,
         )
-        return Result(shard=shard, schemas=dict(self.schemas), nbytes=nbytes)
+        return Result(shard, dict(self.schemas), nbytes, empty_replies=self.empty_replies)
 
 
 def _concat(parts: list[np.ndarray], dtype: str) -> np.ndarray:
