@@ -6,6 +6,7 @@ depend on the other examples packed into its row (fsdpkit's Llama, HF Llama, GPT
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -189,6 +190,27 @@ def test_too_little_sft_data_is_one_paragraph(tmp_path: Path) -> None:
     data = load_sft(DataConfig(path=path, seq_len=8, val_fraction=0.0, pack=False), ByteTokenizer())
     with pytest.raises(DataError, match="fewer than one step needs"):
         SFTLoader(data.train, seq_len=8, micro_batch_size=2, dp_rank=0, dp_world=2, seed=0)
+
+
+def test_too_few_packed_rows_name_data_pack_false(tmp_path: Path) -> None:
+    """Two small rows pack into one row of data.seq_len 512: too few for a step on two
+    ranks; unpacked they are two rows, a step of 2, so the message names the fix."""
+    path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "Q", "completion": "A"}] * 2)
+    cfg = DataConfig(path=path, seq_len=512, val_fraction=0.0)
+    packed = load_sft(cfg, ByteTokenizer())
+    for batch, fix in (
+        (4, "data.pack=false and train.global_batch_size=2"),
+        (1, "set data.pack=false"),
+    ):
+        with pytest.raises(DataError, match="packs into 1 rows") as err:
+            SFTLoader(
+                packed.train, seq_len=512, micro_batch_size=batch, dp_rank=0, dp_world=2, seed=0
+            )
+        assert "each of the 2 examples gets a row of its own" in str(err.value) and fix in str(
+            err.value
+        )
+    unpacked = load_sft(dataclasses.replace(cfg, pack=False), ByteTokenizer())
+    SFTLoader(unpacked.train, seq_len=512, micro_batch_size=1, dp_rank=0, dp_world=2, seed=0)
 
 
 def test_rows_too_long_for_seq_len_say_why_on_every_rank() -> None:
