@@ -39,6 +39,14 @@ SPECIALS = {
     "chatml": ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
 }
 KINDS = tuple(SPECIALS)
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Is 4 even?"},
+    {"role": "assistant", "content": "Yes."},
+    {"role": "user", "content": "And 7?"},
+    {"role": "assistant", "content": "No, 7 is odd."},
+]
+"""A short multi-turn conversation (two replies), the SFT tests' sample."""
 
 
 def trl_template(name: str) -> str:

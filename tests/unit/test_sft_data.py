@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from chat_tokenizers import CHAT
 from fsdpkit.config import DataConfig
 from fsdpkit.data import ByteTokenizer, DataError
 from fsdpkit.data.batch import IGNORE_INDEX
@@ -27,14 +28,6 @@ from fsdpkit.data.work import load_examples
 from fsdpkit.loss.sft import sft_loss, token_losses
 
 transformers = pytest.importorskip("transformers")
-
-CHAT = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "Is 4 even?"},
-    {"role": "assistant", "content": "Yes."},
-    {"role": "user", "content": "And 7?"},
-    {"role": "assistant", "content": "No, 7 is odd."},
-]
 
 
 def _jsonl(path: Path, rows: list[Any]) -> str:

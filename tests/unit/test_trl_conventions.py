@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from chat_tokenizers import KINDS, write_chat_tokenizer
+from chat_tokenizers import CHAT, KINDS, write_chat_tokenizer
 from fsdpkit.config import DataConfig, load
 from fsdpkit.data import load_token_stream
 from fsdpkit.data.preference import load_pairs
@@ -37,13 +37,6 @@ transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
 
-CHAT = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "Is 4 even?"},
-    {"role": "assistant", "content": "Yes."},
-    {"role": "user", "content": "And 7?"},
-    {"role": "assistant", "content": "No, 7 is odd."},
-]
 USER = {"role": "user", "content": "Is 4 even?"}
 YES, NO = {"role": "assistant", "content": "Yes."}, {"role": "assistant", "content": "No."}
 
