@@ -63,7 +63,9 @@ from fsdpkit.sharding.mesh import cp_mesh
 from fsdpkit.trainable.build import Unsharded, build_unsharded, init_from
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")
-"""What each DPO step adds to its metrics record (means over every rank's pairs)."""
+"""What each DPO step adds to its metrics record (means over every rank's pairs), in
+TRL's convention ([Note: preference losses]); TRL names the last two
+``rewards/accuracies`` and ``rewards/margins``."""
 
 
 def needs_reference(cfg: RunConfig) -> bool:
