@@ -11,9 +11,9 @@ of it reads no checkpoint) under ``run_ranks``: the three 1-rank fixtures one af
 another in one process, the 2-rank one beside them. Start-up was most of each CLI
 resume (a launcher and a worker per fixture, each importing torch: 28-35 s for the
 four at load 0.4-2 on 2 cores, 63-68 s at load 4-6; this way 10-17 s at load 2-3,
-23-30 s at load 4-6), which kept this test out of ``make test``. Sharing a process cannot make a wrong resume pass: the first fixture starts
-fresh, and state left by an earlier one could only move a later loss off the value its
-fresh 0.1.0 run recorded.
+23-30 s at load 4-6), which kept this test out of ``make test``. Sharing a process
+cannot make a wrong resume pass: the first fixture starts fresh, and state left by an
+earlier one could only move a later loss off the value its fresh 0.1.0 run recorded.
 """
 
 from __future__ import annotations
