@@ -35,7 +35,7 @@ from fsdpkit.data.work import load_examples
 
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
-trl = pytest.importorskip("trl")
+import trl  # noqa: E402  (the dev extra: the oracle never skips)
 
 USER = {"role": "user", "content": "Is 4 even?"}
 YES, NO = {"role": "assistant", "content": "Yes."}, {"role": "assistant", "content": "No."}

@@ -12,6 +12,7 @@ reward_weights), so a TRL user's values carry over as they are.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -235,6 +236,14 @@ def _grpo_run(cfg: RunConfig) -> None:
                 f"Set parallel.{axis} = 1 (FSDP shards the model over every rank), or train "
                 "another objective."
             )
+    if cfg.train.compile:
+        raise ConfigError(
+            "train.compile = true is not supported with train.objective = 'grpo' yet: "
+            "rollouts decode one token per forward at a new length each time, which a "
+            "compiled model would recompile for. Set train.compile = false."
+        )
+    if cfg.train.global_batch_size is not None:
+        check_grpo_batch(cfg.rl, global_batch=cfg.train.global_batch_size)
     if not cfg.rl.rewards:
         raise ConfigError(
             "train.objective = 'grpo' needs at least one reward: set rl.rewards, e.g. "
@@ -247,4 +256,28 @@ def _grpo_run(cfg: RunConfig) -> None:
             "name a file or directory of rows with a 'prompt' (a string or chat messages) "
             "and the columns the rewards read (data.mix is not supported for prompts); "
             "see docs/rl.md."
+        )
+
+
+def with_rl_context(cfg: RunConfig) -> RunConfig:
+    """Under ``train.objective = grpo`` a prompt and its completion are one sequence of
+    the model: ``data.seq_len`` (the built-in models' context, what the planner plans)
+    raised to rl.max_prompt_length + rl.max_completion_length when shorter. The
+    trainer and the planner both resolve the run's length through this."""
+    need = cfg.rl.max_prompt_length + cfg.rl.max_completion_length
+    if cfg.train.objective != "grpo" or cfg.data.seq_len >= need:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=need))
+
+
+def check_grpo_batch(rl: RlConfig, *, global_batch: int) -> None:
+    """``train.global_batch_size`` counts completions: whole groups of
+    rl.num_generations ([Note: the GRPO step] in fsdpkit.train.rl_step)."""
+    if global_batch % rl.num_generations:
+        raise ConfigError(
+            f"train.global_batch_size = {global_batch} is not a multiple of "
+            f"rl.num_generations = {rl.num_generations}: under train.objective = 'grpo' "
+            "the global batch counts completions, num_generations per prompt. Use a "
+            f"multiple of {rl.num_generations} (e.g. "
+            f"{max(1, global_batch // rl.num_generations) * rl.num_generations})."
         )

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdpkit.checkpoint import Checkpointer, ModelOptimizerState, RankLocal, RNGState
 from fsdpkit.checkpoint.frozen import FrozenBase
 from fsdpkit.config import BatchSplit, ParallelDims, RunConfig, batch_split, parallel_dims, to_toml
+from fsdpkit.config.rl import check_grpo_batch, with_rl_context
 from fsdpkit.data import Tokenizer, TrainingData, open_training_data
 from fsdpkit.data.preference import open_preference_data
 from fsdpkit.data.prompt_order import open_prompt_data
@@ -163,10 +164,12 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     """Set up this rank; collective (every rank must call it). Data, model and block
     choice are checked before the process group starts, so bad input fails every rank
     alike without any collective ([Note: one builder])."""
-    cfg = with_model_tokenizer(cfg)
+    cfg = with_rl_context(with_model_tokenizer(cfg))
     dims = parallel_dims(cfg, world_size=env.world_size, local_world_size=env.local_world_size)
     split = batch_split(cfg.train, dp_world=dims.dp)
     grpo = cfg.train.objective == "grpo"
+    if grpo:  # the global batch at this world size counts whole groups
+        check_grpo_batch(cfg.rl, global_batch=split.global_batch)
     rewards = build_rewards(cfg.rl) if grpo else None  # users' functions imported here
     data = _data(cfg, env, split, dims, rewards=rewards)
     unsharded = build_unsharded(
