@@ -182,7 +182,7 @@ def _injected(rank: int, world: int, overrides: list[str], kind: str) -> str | N
 @pytest.mark.parametrize("kind", ["stale", "corrupted"])
 def test_a_bad_engine_update_stops_the_next_step_naming_the_gap(tmp_path: Path, kind: str) -> None:
     data = _prompts(tmp_path / "add.jsonl")
-    overrides = _overrides(data, tmp_path / kind, "checkpoint.every=1", "rl.logprob_gap_max=1e-3")
+    overrides = _overrides(data, tmp_path / kind, "checkpoint.every=1")  # the default limit
     errors = run_ranks(_injected, world_size=2, args=(overrides, kind))
     assert errors[0] is not None and errors[0] == errors[1]
     assert errors[0].startswith("step 2: the rollout engine (embedded) sampled with other weights")
@@ -206,3 +206,55 @@ def test_a_resumed_run_repeats_the_uninterrupted_one_bit_for_bit(tmp_path: Path)
         for key in ("loss", "grad_norm", "rl/reward", "rl/completion_len_mean"):
             assert a[step][key] == b[step][key], (step, key)
     assert all(torch.equal(full[k], resumed[k]) for k in full)
+
+
+def _lora(rank: int, world: int, overrides: list[str]) -> list[str]:
+    env = joined_env()
+    assert env is not None
+    session = build_session(load(None, overrides), env)
+    run(session)
+    return sorted(n for n, p in session.trainable.model.named_parameters() if p.requires_grad)
+
+
+def test_lora_with_a_kl_term_trains_the_adapters_and_saves_only_them(tmp_path: Path) -> None:
+    """Under LoRA the reference is the base with the adapters off ([Note: reference
+    model]): the KL starts at 0 and grows as the adapters move; the checkpoint holds the
+    adapters only, and exports as a peft adapter."""
+    import torch.distributed.checkpoint as dcp
+
+    from fsdpkit.export import export
+    from fsdpkit.testing.hf import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "tiny", arch="llama", vocab_size=320)
+    data = _prompts(tmp_path / "add.jsonl")
+    overrides = _overrides(
+        data, tmp_path / "lora", f"model.hf={model_dir}", "lora.rank=4", "lora.alpha=8",
+        "rl.beta=0.04", "train.steps=3", "train.lr=1e-2", "checkpoint.every=3",
+        "checkpoint.adapters_only=true",
+    )  # fmt: skip
+    overrides = [o for o in overrides if not o.startswith("model.") or o.startswith("model.hf")]
+    trained = run_ranks(_lora, world_size=2, args=(overrides,))[0]
+    assert trained and all("lora_" in n for n in trained)
+    steps = _steps(tmp_path / "lora")
+    assert steps[0]["rl/kl"] == 0.0 and steps[-1]["rl/kl"] > 0.0
+    step_dir = tmp_path / "lora" / "checkpoints" / "step-00000003"
+    saved = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    weights = [k for k in saved if k.startswith("app.model.")]
+    assert weights and all("lora_" in k for k in weights)
+    export(step_dir, tmp_path / "adapter", fmt="peft")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["grad_op", "replicate", "hybrid"])
+def test_every_data_parallel_strategy_trains_as_full_shard(tmp_path: Path, strategy: str) -> None:
+    data = _prompts(tmp_path / "add.jsonl")
+    base = run_ranks(_train, world_size=2, args=(_overrides(data, tmp_path / "full"),))[0]
+    other = _overrides(data, tmp_path / strategy, f"parallel.strategy={strategy}")
+    if strategy == "hybrid":
+        other.append("parallel.shard_degree=1")
+    params = run_ranks(_train, world_size=2, args=(other,))[0]
+    for x, y in zip(_steps(tmp_path / "full"), _steps(tmp_path / strategy)):
+        assert x["rl/reward"] == pytest.approx(y["rl/reward"], abs=1e-6)
+        assert x["loss"] == pytest.approx(y["loss"], abs=1e-5)
+    assert max(float((base[k] - params[k]).abs().max()) for k in base) <= 1e-5

@@ -42,7 +42,7 @@ def test_every_field_is_documented() -> None:
     docs = c.field_docs(RlConfig)
     assert [f.name for f in dataclasses.fields(RlConfig) if not docs.get(f.name)] == []
     text = c.describe()
-    assert "[rl]" in text and "rl.logprob_gap_max = 0.01" in text
+    assert "[rl]" in text and "rl.logprob_gap_max" in text
     assert "'grpo'" in text.split("train.objective")[1].split("\n")[0]
 
 
@@ -132,3 +132,11 @@ def test_the_context_holds_a_prompt_and_its_completion() -> None:
     long = c.load(None, [*GRPO, "data.seq_len=1024"])
     assert with_rl_context(long).data.seq_len == 1024
     assert with_rl_context(c.load(None, ["data.seq_len=64"])).data.seq_len == 64  # not grpo
+
+
+def test_the_gap_limit_follows_the_compute_dtype_unless_set() -> None:
+    from fsdpkit.config.rl import gap_limit
+
+    assert gap_limit(RlConfig(), low_precision=False) == 1e-3
+    assert gap_limit(RlConfig(), low_precision=True) == 0.1
+    assert gap_limit(RlConfig(logprob_gap_max=0.05), low_precision=False) == 0.05

@@ -105,14 +105,16 @@ class RlConfig:
     """The length reward's cache L_cache (DAPO): 0 up to max_completion_length -
     L_cache tokens, then falling linearly to -1 at max_completion_length; empty =
     max_completion_length // 4."""
-    logprob_gap_max: float = 1e-2
+    logprob_gap_max: float | None = None
     """Stop the run when the largest per-token |engine - trainer| log-prob gap of a
-    step's sampled tokens exceeds this (nats). The embedded engine samples with the
-    weights the trainer recomputes with, so in fp32 the gap is float noise (the issue's
-    bound: 1e-5 at step 0) while a stale or broken weight update shows as whole nats (a
-    public FSDP report: 0.017 healthy, 66.5 after two broken steps); 1e-2 sits orders
-    of magnitude from both. bf16 computes with ~3 significant digits, so its noise is
-    larger: read rl/logprob_gap_max in a bf16 run's metrics and set this above it."""
+    step's sampled tokens exceeds this (nats); empty = by the run's compute dtype: 1e-3
+    in fp32, 0.1 in bf16 / fp16 (gap_limit). The embedded engine samples with the
+    weights the trainer recomputes with, so the gap is float noise (measured on CPU,
+    fp32 and bf16: <= 1e-6 on the tiny models of tests/distributed/test_grpo.py), while a
+    stale or broken weight update shows as whole nats (a public FSDP report: 0.017
+    healthy, 66.5 after two broken steps). bf16 kernels on a GPU (another attention
+    kernel for decoding than for the full forward) have not been measured: read
+    rl/logprob_gap_max in a run's metrics and set this above it if a healthy run stops."""
     engine: Literal["embedded", "vllm"] = "embedded"
     """What samples the rollouts: embedded = the policy being trained, sharded as it
     trains (KV cache, no second copy). vllm is reserved for a later release."""
@@ -147,7 +149,7 @@ def _ranges(rl: RlConfig) -> None:
         ("epsilon", rl.epsilon > 0, "must be > 0"),
         ("beta", rl.beta >= 0, "must be >= 0 (0 = no KL term)"),
         ("num_iterations", rl.num_iterations >= 1, "must be >= 1"),
-        ("logprob_gap_max", rl.logprob_gap_max > 0, "must be > 0"),
+        ("logprob_gap_max", rl.logprob_gap_max is None or rl.logprob_gap_max > 0, "must be > 0"),
     ]  # fmt: skip
     for key, ok, rule in checks:
         if not ok:
@@ -257,6 +259,13 @@ def _grpo_run(cfg: RunConfig) -> None:
             "and the columns the rewards read (data.mix is not supported for prompts); "
             "see docs/rl.md."
         )
+
+
+def gap_limit(rl: RlConfig, *, low_precision: bool) -> float:
+    """rl.logprob_gap_max, or its default for the run's compute dtype."""
+    if rl.logprob_gap_max is not None:
+        return rl.logprob_gap_max
+    return 0.1 if low_precision else 1e-3
 
 
 def with_rl_context(cfg: RunConfig) -> RunConfig:

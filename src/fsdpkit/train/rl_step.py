@@ -36,14 +36,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpkit.config import RunConfig
+from fsdpkit.config import ConfigError, RunConfig
 from fsdpkit.config.batch_split import BatchSplit
+from fsdpkit.config.rl import gap_limit
 from fsdpkit.data.prompt_order import PromptBatch
 from fsdpkit.data.tokenizer import Tokenizer
 from fsdpkit.loss.advantages import group_advantages
 from fsdpkit.loss.contract import logits_of
 from fsdpkit.loss.grpo import metric_means, policy_loss
 from fsdpkit.loss.logprobs import completion_logps, completion_logps_and_entropy
+from fsdpkit.models.hf.directory import read_hf_dir
 from fsdpkit.rollout.completion_rows import RolloutBatch, completion_logits, rollout_batch
 from fsdpkit.rollout.embedded import Completion, EmbeddedEngine
 from fsdpkit.rollout.gap import Gap
@@ -66,6 +68,8 @@ class RlRun:
     reference: nn.Module | None = None
     """The frozen sharded reference (rl.beta > 0 without LoRA), else None."""
     lora: bool = False
+    gap_limit: float = 1e-3
+    """rl.logprob_gap_max resolved for the run's compute dtype ([Note: the log-prob gap])."""
 
     def completion_text(self, ids: Sequence[int]) -> str:
         """What rewards read: the completion without its stop tokens."""
@@ -85,6 +89,27 @@ def stop_ids(cfg: RunConfig, tokenizer: Tokenizer) -> frozenset[int]:
     return frozenset(int(i) for i in ids)
 
 
+def check_lengths(cfg: RunConfig) -> None:
+    """A model.hf model must hold a prompt and its completion in its positions: the
+    refusal names the [rl] lengths (the run's data.seq_len is derived from them:
+    fsdpkit.config.rl.with_rl_context)."""
+    if not cfg.model.hf:
+        return
+    config = read_hf_dir(cfg.model.hf).config
+    positions = getattr(config, "max_position_embeddings", None) or getattr(
+        config, "n_positions", None
+    )
+    need = cfg.rl.max_prompt_length + cfg.rl.max_completion_length
+    if positions is not None and need > positions:
+        raise ConfigError(
+            f"rl.max_prompt_length + rl.max_completion_length = {cfg.rl.max_prompt_length} "
+            f"+ {cfg.rl.max_completion_length} = {need} tokens is longer than model.hf = "
+            f"{cfg.model.hf!r} supports ({positions} positions in config.json): a prompt and "
+            "its completion are one sequence of the model. Lower them so they add up to at "
+            f"most {positions}."
+        )
+
+
 def build_rl(
     cfg: RunConfig,
     *,
@@ -93,6 +118,7 @@ def build_rl(
     device: torch.device,
     rewards: Rewards,
     reference: nn.Module | None,
+    low_precision: bool,
 ) -> RlRun:
     """A GRPO session's rollout side: the embedded engine over the sharded policy."""
     rl = cfg.rl
@@ -105,7 +131,10 @@ def build_rl(
         stop_strings=tuple(rl.stop),
     )
     engine = EmbeddedEngine(model, device=device, decode=tokenizer.decode)
-    return RlRun(engine, rewards, sampling, tokenizer, reference, lora=bool(cfg.lora.rank))
+    limit = gap_limit(rl, low_precision=low_precision)
+    return RlRun(
+        engine, rewards, sampling, tokenizer, reference, lora=bool(cfg.lora.rank), gap_limit=limit
+    )
 
 
 def describe(run: RlRun, cfg: RunConfig) -> str:
@@ -136,7 +165,7 @@ def describe(run: RlRun, cfg: RunConfig) -> str:
         f"{rl.epsilon_high if rl.epsilon_high is not None else rl.epsilon:g}), "
         f"{rl.num_iterations} update(s) per rollout, advantages scaled by {rl.scale_rewards}, "
         f"{kl}; train.global_batch_size counts completions; a step stops if the rollout's "
-        f"log-prob gap passes rl.logprob_gap_max = {rl.logprob_gap_max:g}"
+        f"log-prob gap passes rl.logprob_gap_max = {run.gap_limit:g}"
     )
 
 

@@ -32,6 +32,7 @@ from fsdpkit.runtime.rundir import RunDirError, describe_os_error, write_text_at
 from fsdpkit.sharding import make_grad_scaler
 from fsdpkit.sharding.mesh import build_mesh
 from fsdpkit.train.rl_step import RlRun, build_rl
+from fsdpkit.train.rl_step import check_lengths as check_rl_lengths
 from fsdpkit.train.rl_step import describe as describe_rl
 from fsdpkit.train.state import TrainerState
 from fsdpkit.train.telemetry import MetricsWriter
@@ -164,6 +165,8 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     """Set up this rank; collective (every rank must call it). Data, model and block
     choice are checked before the process group starts, so bad input fails every rank
     alike without any collective ([Note: one builder])."""
+    if cfg.train.objective == "grpo":
+        check_rl_lengths(cfg)  # named by the [rl] keys, before data.seq_len is derived
     cfg = with_rl_context(with_model_tokenizer(cfg))
     dims = parallel_dims(cfg, world_size=env.world_size, local_world_size=env.local_world_size)
     split = batch_split(cfg.train, dp_world=dims.dp)
@@ -209,6 +212,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
             device=device,
             rewards=rewards,
             reference=ref,
+            low_precision=run.precision.low_precision,
         )
         run.loss_note = describe_rl(rl, cfg)
     scaler = make_grad_scaler(run.precision, device_type=env.device_type)

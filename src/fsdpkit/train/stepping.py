@@ -128,7 +128,7 @@ def grpo_step(s: Session, rl: RlRun, probe: HangProbe) -> StepOutcome:
     gap = logprob_gap([b.engine_logps for b in batches], old, [b.sampled for b in batches])
     check_gap(
         gap,
-        limit=cfg.rl.logprob_gap_max,
+        limit=rl.gap_limit,
         step=step,
         engine=rl.engine.name,
         checkpoint_note=newest_checkpoint_note(s.run_dir),
