@@ -14,7 +14,12 @@ from fsdpkit.config.schedules import SCHEDULES, micro_batch_need, stage_rank, st
 from fsdpkit.models.llama import Llama, LlamaConfig
 from fsdpkit.sharding.blocks import choose_blocks
 from fsdpkit.sharding.pipeline.parts import model_ends, stage_module
-from fsdpkit.sharding.pipeline.split import balanced_blocks, check_pipeline_layout, stage_split
+from fsdpkit.sharding.pipeline.split import (
+    balanced_blocks,
+    check_pipeline_layout,
+    split_stages,
+    stage_split,
+)
 from fsdpkit.sharding.stage_edges import (
     SkippedBlock,
     StageInput,
@@ -102,7 +107,6 @@ def test_refusals_name_the_field() -> None:
     untied = "model.tie_embeddings=false"
     batch = ["train.global_batch_size=8", "train.micro_batch_size=1"]
     assert "does not divide the world size 6" in _refusal("parallel.pp=4", untied, world=6)
-    assert "do not split evenly into 3" in _refusal("parallel.pp=3", untied, *batch, world=3)
     assert "fewer than its 8" in _refusal(
         "parallel.pp=4", "parallel.pp_schedule=Interleaved1F1B", untied, *batch
     )
@@ -173,3 +177,29 @@ def test_loose_parameters_are_refused() -> None:
         model.scale = torch.nn.Parameter(torch.ones(1))
     with pytest.raises(ConfigError, match="outside its blocks"):
         model_ends(model, blocks=list(choose_blocks(model).blocks))
+
+
+def test_stages_need_not_divide_the_blocks() -> None:
+    """[Note: stage split]: as even as the blocks allow, the embedding and the head
+    counted as one block each; equal stages whenever they divide the blocks."""
+    assert [len(s) for s in split_stages(block_params=[1] * 126, stages=8, mode="blocks")] == [
+        15,
+        16,
+        16,
+        16,
+        16,
+        16,
+        16,
+        15,
+    ]  # torchtitan's Llama 3 405B layout, with default keys
+    assert [len(s) for s in split_stages(block_params=[1] * 32, stages=4, mode="blocks")] == [8] * 4
+    assert [len(s) for s in split_stages(block_params=[1] * 30, stages=4, mode="blocks")] == [
+        7,
+        8,
+        8,
+        7,
+    ]
+    cfg = load(None, ["parallel.pp=3", "model.tie_embeddings=false", "train.global_batch_size=8",
+                      "train.micro_batch_size=1"])  # fmt: skip
+    validate_for_world(cfg, world_size=3, local_world_size=3)
+    check_pipeline_layout(cfg)  # 4 blocks over 3 stages: no refusal

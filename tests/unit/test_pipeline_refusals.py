@@ -34,11 +34,6 @@ CONFIG_REFUSALS: dict[str, tuple[tuple[str, ...], int, tuple[str, ...]]] = {
         6,
         ("parallel.pp x parallel.tp x parallel.cp", "world size 6"),
     ),
-    "blocks not dividing the stages": (
-        ("parallel.pp=3", UNTIED, *BATCH),
-        3,
-        ("parallel.pp_split = blocks", "parallel.pp"),
-    ),
     "more stages than blocks": (
         ("parallel.pp=4", "parallel.pp_schedule=Interleaved1F1B", UNTIED, *BATCH),
         4,

@@ -65,8 +65,10 @@ class ParallelConfig:
     pp_stages_per_rank: int | None = None
     """Stages per pipeline rank (stages = pp x this); empty = 1 for GPipe / 1F1B, else 2."""
     pp_split: PipelineSplit = "blocks"
-    """blocks: the same number of blocks per stage (must divide them); params: contiguous
-    stages with the fewest parameters on the largest (embedding first, head last)."""
+    """blocks: as even as the blocks allow, the embedding and the head counted as one
+    block each (equal stages when they divide the blocks; 126 blocks over 8 stages:
+    15 + embedding, 6 x 16, 15 + head); params: contiguous stages with the fewest
+    parameters on the largest (embedding first, head last)."""
     async_tp: bool = False
     """Async tensor parallelism (CUDA, with train.compile and parallel.tp > 1): inductor
     micro-pipelines each tensor-parallel all-gather / reduce-scatter with the matmul

@@ -7,10 +7,15 @@ consecutive runs of its blocks ([Note: block detection] in fsdpkit.sharding.bloc
 the input embedding goes with the first stage, the final norm, the output head and
 the loss with the last. ``parallel.pp_split``:
 
-- ``blocks``: every stage the same number of blocks (which ``stages`` must divide):
-  the compute of a decoder's blocks is equal, so the stages are balanced but for the
-  embedding (a lookup) and the head + loss (2 x d x V FLOPs per token, one block's
-  worth for d = 4096, V = 128k: the last stage is the slowest);
+- ``blocks`` (the default): as even as the blocks allow, counting the embedding and
+  the head (+ loss) as one block each: the compute of a decoder's blocks is equal, the
+  head + loss costs about one block (2 x d x V FLOPs per token, one block's worth for
+  d = 4096, V = 128k), and the embedding stands for one so the first stage is not the
+  fullest. When the stages divide the blocks this is the same number of blocks per
+  stage (that split is already the most even: its largest stage, a block count plus
+  one end, is the lower bound); otherwise the stages differ by a block, fewer on the
+  ends: Llama 3 405B's 126 blocks over 8 stages are 15 + embedding, 6 x 16, 15 + head
+  (torchtitan's layout);
 - ``params``: contiguous stages, each at least one block, minimizing the parameters of
   the largest stage, the embedding counted on the first and the head on the last
   (what bounds one stage's weights, gradients and optimizer state).
@@ -71,16 +76,14 @@ class StageSplit:
 
 
 def equal_blocks(n_blocks: int, stages: int) -> tuple[tuple[int, ...], ...]:
-    """``stages`` runs of ``n_blocks / stages`` blocks (ConfigError unless it divides)."""
-    if n_blocks % stages:
-        raise ConfigError(
-            f"the model's {n_blocks} blocks do not split evenly into {stages} pipeline "
-            f"stages (parallel.pp x stages per rank) with parallel.pp_split = blocks. Use "
-            f"a pp (or parallel.pp_stages_per_rank) whose stage count divides {n_blocks}, "
-            "or parallel.pp_split = params (contiguous stages of unequal length)."
-        )
+    """``stages`` runs of ``n_blocks / stages`` blocks (``stages`` divides ``n_blocks``)."""
     per = n_blocks // stages
     return tuple(tuple(range(s * per, (s + 1) * per)) for s in range(stages))
+
+
+ENDS_IN_BLOCKS = (1, 1)
+"""What the embedding and the head + loss count for in ``pp_split = blocks`` ([Note:
+stage split]): one block each."""
 
 
 def balanced_blocks(
@@ -132,7 +135,10 @@ def split_stages(
             "a smaller parallel.pp or parallel.pp_stages_per_rank."
         )
     if mode == "blocks":
-        return equal_blocks(n, stages)
+        if n % stages == 0:
+            return equal_blocks(n, stages)
+        first, last = ENDS_IN_BLOCKS
+        return balanced_blocks([1] * n, stages, first=first, last=last)
     return balanced_blocks(block_params, stages, first=edge_params[0], last=edge_params[1])
 
 
@@ -155,8 +161,8 @@ def stage_split(
 
 def check_pipeline_layout(cfg: RunConfig) -> None:
     """Refuse a pipeline layout the configured model cannot take, from the config alone
-    (the launcher calls this before any process starts): blocks that do not split into
-    the stages. A factory model is checked when it is built."""
+    (the launcher calls this before any process starts): fewer blocks than stages. A
+    factory model is checked when it is built."""
     p, m = cfg.parallel, cfg.model
     if p.pp == 1 or m.factory:
         return
