@@ -107,6 +107,15 @@ def test_scalar_tags() -> None:
     }
 
 
+def test_grpo_metrics_reach_the_sinks_under_their_own_tags() -> None:
+    record = {"step": 2, "rl/reward": 0.5, "rl/logprob_gap_max": 1e-6, "val_pass_rate": 0.25}
+    assert scalars(record) == {
+        "rl/reward": 0.5,
+        "rl/logprob_gap_max": 1e-6,
+        "val/pass_rate": 0.25,
+    }
+
+
 def test_progress_line_shows_memory_per_rank() -> None:
     out = io.StringIO()
     p = Progress(total=10, start=0, mode="lines", enabled=True, stream=out)

@@ -39,12 +39,24 @@ def require(module: str, *, field: str, pip: str) -> None:
         )
 
 
+def _tag(key: str) -> str | None:
+    """A record key's tag: the table's, GRPO's rl/* as they are, held-out val_* under
+    val/ (None: not a scalar the sinks show)."""
+    if key in TAGS:
+        return TAGS[key]
+    if key.startswith("rl/"):
+        return key
+    if key.startswith("val_"):
+        return "val/" + key.removeprefix("val_")
+    return None
+
+
 def scalars(record: dict[str, Any]) -> dict[str, float]:
     """The numeric values of one metrics record under their tags."""
     out = {}
-    for key, tag in TAGS.items():
-        value = record.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool):
+    for key, value in record.items():
+        tag = _tag(key)
+        if tag and isinstance(value, int | float) and not isinstance(value, bool):
             out[tag] = float(value)
     for rank, mib in enumerate(record.get("peak_mem_mib") or []):
         out[f"memory/peak_mib_rank{rank}"] = float(mib)

@@ -102,9 +102,10 @@ def _maybe_eval(
             summary.val_losses.append(val)
             progress.message(f"step {step}: validation loss {val:.4f}")
             obs.on_eval(step, val)
-        else:
+        else:  # GRPO's held-out rewards, to the sinks as val/*
             shown = ", ".join(f"{k} {v:.4f}" for k, v in values.items())
             progress.message(f"step {step}: held out: {shown}")
+            obs.on_step({"step": step, **values})
 
 
 def _maybe_checkpoint(s: Session, *, step: int, progress: Progress, obs: Observer) -> None:
