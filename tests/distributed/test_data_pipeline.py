@@ -154,7 +154,7 @@ def _refused(rank: int, world: int, tmp: str) -> str:
 
 def test_tokenizer_mismatch_with_model_hf_is_refused_by_name(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     write_tiny_model(tmp_path / "model", arch="llama", dim=32, weights=False)
     (tmp_path / "corpus.txt").write_text(TEXT)

@@ -84,7 +84,7 @@ def _rank(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
 
 
 def _hf_dir(tmp: Path) -> str:
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     return str(write_tiny_model(tmp / "qwen3_moe", arch="qwen3_moe", vocab_size=VOCAB, dim=32))

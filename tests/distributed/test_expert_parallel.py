@@ -147,7 +147,7 @@ def _one_process(overrides: list[str], *, hf: str | None = None) -> dict[str, An
 
 
 def _hf_dir(tmp: Path, arch: str) -> str:
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     out = write_tiny_model(tmp / arch, arch=arch, vocab_size=VOCAB, dim=32, tokenizer=False)
     config = json.loads((out / "config.json").read_text())

@@ -120,7 +120,7 @@ FAMILIES = (
     *("phi", "cohere2", "hrm_text"),
 )
 """Dense families whose transformers plan fsdpkit admits, each at tp2 with full logits
-(tiny configs: fsdpkit.testing.hf.tiny_config)."""
+(tiny configs: tiny_hf.tiny_config)."""
 NO_SP = ("hf-gpt_neox", "hf-phi", "hf-hrm_text")
 """Kinds whose residual stream stays whole (GPT-NeoX: dropouts beside its attention and
 MLP, and no ``model.norm``)."""
@@ -276,7 +276,7 @@ def _selected(request: pytest.FixtureRequest, among: dict[str, Any]) -> list[str
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     tmp = tmp_path_factory.mktemp("hf-tp")

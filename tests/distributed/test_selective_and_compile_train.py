@@ -43,8 +43,7 @@ class OddBlock(nn.Module):
 def _hf_llama() -> nn.Module:
     """A transformers Llama as fsdpkit builds ``model.hf`` ones (no KV cache)."""
     import transformers
-
-    from fsdpkit.testing.hf import tiny_config
+    from tiny_hf import tiny_config
 
     config = tiny_config("llama", vocab_size=128, dim=32)
     config.use_cache = False

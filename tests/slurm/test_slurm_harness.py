@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from fsdpkit.testing import netns
+import netns
 
 pytestmark = pytest.mark.distributed
 
 MAKER = """
 import sys, time
-from fsdpkit.testing import slurmcluster
+import slurmcluster
 with slurmcluster.cluster(nodes=2) as c:
     job = c.run(["sbatch", "--parsable", "-N2", "--output=/dev/null", "--wrap",
                  "srun sleep 300"]).stdout.strip()

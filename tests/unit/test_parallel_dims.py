@@ -81,7 +81,7 @@ def test_a_model_without_a_plan_is_refused_by_name() -> None:
 
 def test_hf_directories_are_checked_from_their_config(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     llama = write_tiny_model(tmp_path / "llama", arch="llama", weights=False, tokenizer=False)
