@@ -64,7 +64,7 @@ def _model(overrides: list[str], *, sharded: bool, hf: str | None = None) -> Any
     if sharded:
         world = torch.distributed.get_world_size()
         dims = parallel_dims(cfg, world_size=world, local_world_size=world)
-        mesh = build_mesh(shard=dims.shard, ep=dims.ep, device_type="cpu")
+        mesh = build_mesh(dims, device_type="cpu")
         shard(built.module, cfg, mesh=mesh, init=built.init)
     return built.module
 

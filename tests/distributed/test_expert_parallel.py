@@ -70,9 +70,7 @@ def _run(overrides: list[str]) -> tuple[Any, Any]:
     cfg = load(None, overrides)
     world = torch.distributed.get_world_size()
     dims = parallel_dims(cfg, world_size=world, local_world_size=world)
-    mesh = build_mesh(
-        replicate=dims.replicate, shard=dims.shard, cp=dims.cp, ep=dims.ep, device_type="cpu"
-    )
+    mesh = build_mesh(dims, device_type="cpu")
     built = build_model(cfg.model, vocab_size=VOCAB, seq_len=16, seed=0)
     plan = shard(built.module, cfg, mesh=mesh, init=built.init)
     built.module.cp = cp_mesh(mesh)

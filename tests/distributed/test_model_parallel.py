@@ -232,9 +232,7 @@ def _run_variant(rank: int, name: str, dirs: dict[str, str]) -> dict[str, Any]:
     cfg = _config(kind, overrides, dirs)
     dims = parallel_dims(cfg, world_size=WORLD, local_world_size=WORLD)
     model, init = _model(kind, cfg, sharded=True)
-    mesh = build_mesh(
-        replicate=dims.replicate, shard=dims.shard, cp=dims.cp, tp=dims.tp, device_type="cpu"
-    )
+    mesh = build_mesh(dims, device_type="cpu")
     plan = shard(model, cfg, mesh=mesh, init=init)
     out = train(
         model,

@@ -50,6 +50,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdpkit.config import RunConfig, with_changes
+from fsdpkit.config.dims import ParallelDims
 from fsdpkit.errors import UserError
 from fsdpkit.loss.contract import LossFn
 from fsdpkit.loss.head import ChunkedLoss
@@ -142,15 +143,11 @@ def _run_config(cfg: RunConfig, sc: Scenario) -> RunConfig:
 def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
     """One steady-state step of the run's own build ([Note: one builder]) under fake
     tensors, with the trainer's step function, recorded phase by phase."""
-    mesh = build_mesh(
-        replicate=sc.replicate,
-        shard=sc.shard // sc.cp,  # sc.shard has cp folded in; the mesh axis has not
-        cp=sc.cp,
-        tp=sc.tp,
-        ep=sc.ep,
-        device_type="cpu",
-        world_size=sc.world_size,
+    # sc.shard has cp folded in; the mesh axis has not
+    dims = ParallelDims(
+        replicate=sc.replicate, shard=sc.shard // sc.cp, cp=sc.cp, tp=sc.tp, ep=sc.ep
     )
+    mesh = build_mesh(dims, device_type="cpu")
     run_cfg = _run_config(cfg, sc)
     shape = None if cfg.model.hf or cfg.model.factory else sc.model
     unsharded = build_unsharded(run_cfg, vocab_size=sc.vocab_size, device_type="cpu", shape=shape)
