@@ -128,7 +128,7 @@ def _planned(world: int, overrides: list[str]) -> dict[str, Any]:
     def facts(u: Any, modules: int) -> dict[str, Any]:
         return {
             "modules": modules,
-            "reshard": effective_reshard(u.reshard_after_forward, shard=sc.shard),
+            "reshard": effective_reshard(u.reshard_after_forward, shard=sc.dims.fsdp_shard),
             "param_dtype": preset.param_dtype,
             "reduce_dtype": preset.reduce_dtype,
         }
