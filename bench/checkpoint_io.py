@@ -348,15 +348,20 @@ def render_docs() -> None:
     results_io.render_into(DOCS, NAME, render(results_io.read(NAME)))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """The model's shape, where to write, --render-docs (bench/checkpoint_staging.py's too)."""
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--dim", type=int, default=768)
     parser.add_argument("--ffn", type=int, default=2048)
-    parser.add_argument("--large", action="store_true", help="16 layers x 2048 (~1B params)")
-    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where to write")
     parser.add_argument("--render-docs", action="store_true", help="only re-render the docs")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_common_args(parser)
+    parser.add_argument("--large", action="store_true", help="16 layers x 2048 (~1B params)")
+    parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     if args.render_docs:
         render_docs()

@@ -80,11 +80,17 @@ def _measure(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
 
     def step() -> None:
         batches = s.loader.next_step()
-        train_step(s.model, s.optimizer, batches, loss_fn=s.loss_fn, max_norm=1.0)
+        train_step(
+            s.trainable.model,
+            s.trainable.optimizer,
+            batches,
+            loss_fn=s.trainable.loss_fn,
+            max_norm=1.0,
+        )
 
     step()  # AdamW creates its state
     peak = peak_bytes(step) - base
-    reference = getattr(s.loss_fn, "reference", None)
+    reference = getattr(s.trainable.loss_fn, "reference", None)
     ref_local = 0
     if reference is not None:
         ref_local = sum(p.to_local().numel() * p.element_size() for p in reference.parameters())

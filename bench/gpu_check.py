@@ -1,7 +1,7 @@
 """Every CUDA/NCCL statement of the docs that one GPU can check, in one run.
 
-Written to finish in under 8 minutes on one H200; **not yet run on a GPU** (no GPU
-was lent to the session that wrote it), so its first run may need fixes.
+Written to finish in under 8 minutes on one H200; run once, on one H200 with the lent
+image's torch 2.11 (bench/results/gpu_check.json, ``render`` counts its rows).
 
     python bench/gpu_check.py                  # on a machine with one CUDA GPU
     python bench/gpu_check.py --only parity,planner
@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -228,6 +229,18 @@ def main(argv: list[str] | None = None) -> int:
         RESULTS.parent.mkdir(exist_ok=True)
         RESULTS.write_text(json.dumps({**meta, "rows": [asdict(r) for r in rows]}, indent=1))
     return 1 if any(r.ok is False for r in rows) else 0
+
+
+def render(results: dict[str, Any]) -> str:
+    """How many rows of a results file held, failed, or only report a figure (README's
+    "Measured" row quotes it; tests/unit/test_readme_measured.py checks the quote)."""
+    rows = results["rows"]
+    held = sum(r["ok"] is True for r in rows)
+    failed = sum(r["ok"] is False for r in rows)
+    return (
+        f"{held} of {len(rows)} rows hold, {failed} fail, {len(rows) - held - failed} "
+        f"informational ({results['gpu']}, torch {results['torch']}, {results['date'][:10]})"
+    )
 
 
 if __name__ == "__main__":

@@ -140,7 +140,7 @@ def _train_worker(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "built_mib": built,
         "peak_mib": torch.cuda.max_memory_allocated() / 2**20,
-        "layout": session.plan.describe(),
+        "layout": session.trainable.plan.describe(),
     }
 
 

@@ -1,5 +1,6 @@
 """The in-process sections of bench/gpu_check.py (one NCCL group of 1 rank), and the
-helpers both files use. Run bench/gpu_check.py, not this file; **not yet run on a GPU**.
+helpers both files use. Run bench/gpu_check.py, not this file (run once, on one H200:
+bench/results/gpu_check.json).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """What hang triage costs a run that never hangs: phase marks, the flight recorder, a step.
 
     .venv/bin/python bench/hang_overhead.py [--reps 4] [--steps 30]
+    .venv/bin/python bench/hang_overhead.py --render-docs    # only re-render the docs
 
 1. marks: ``HangProbe`` phase marks in this process (anonymous record and the
    launcher's file-backed one), per mark and per step (2 x micro-batches + 5 marks).
@@ -12,6 +13,8 @@
    on (the default) / off, plus a same-vs-same control pair; median step time of
    steps 3..N from metrics.jsonl. Expect noise of +-10% on a shared machine: rows
    1-2 are the precise numbers, row 3 shows nothing larger hides in a real run.
+
+Writes bench/results/hang_overhead.json and renders docs/runtime.md's table from it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ import tempfile
 import time
 import timeit
 from pathlib import Path
+from typing import Any
+
+import results_io
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
@@ -110,32 +116,70 @@ def training(reps: int, steps: int) -> dict[str, list[float]]:
     return out
 
 
+NAME = "hang_overhead"
+DOCS = results_io.ROOT / "docs" / "runtime.md"
+
+
+def measure(reps: int, steps: int) -> dict[str, Any]:
+    """Every figure of the table: marks (us), the recorder's all-reduce (us per
+    collective, each process), the training steps (s, each run)."""
+    fr = recorder(reps)
+    return {
+        "reps": reps,
+        "steps": steps,
+        "marks_us": [{"what": name, "us": round(us, 3)} for name, us in marks()],
+        "allreduce_us": {k: [round(v, 2) for v in vs] for k, vs in fr.items()},
+        "train_step_s": {k: [round(v, 5) for v in vs] for k, vs in training(reps, steps).items()},
+    }
+
+
+def render(results: dict[str, Any]) -> str:
+    """docs/runtime.md's table (tests/unit/test_bench_docs.py checks it)."""
+    fr, tr = results["allreduce_us"], results["train_step_s"]
+    off, on = statistics.median(fr["off"]), statistics.median(fr["on"])
+    base = statistics.median(tr["off"])
+    lines = [
+        results_io.provenance(results, NAME),
+        "",
+        f"{results['reps']} rounds; the all-reduce: median of {len(fr['off'])} processes per "
+        f"side; the train step: median of steps 3-{results['steps']} per run, median of "
+        f"{len(tr['off'])} runs per row.",
+        "",
+        "| measurement | value |",
+        "| --- | --- |",
+    ]
+    lines += [f"| {m['what']} | {m['us']:.2f} us |" for m in results["marks_us"]]
+    lines.append(
+        f"| gloo all-reduce of 1 KiB on a one-rank group, recorder off / on (per-process "
+        f"min-max {min(fr['off']):.1f}-{max(fr['off']):.1f} / {min(fr['on']):.1f}-"
+        f"{max(fr['on']):.1f} us) | {off:.1f} / {on:.1f} us ({on - off:+.1f} us per collective) |"
+    )
+    for label, values in tr.items():
+        med = statistics.median(values)
+        runs = ", ".join(f"{v * 1e3:.1f}" for v in values)
+        lines.append(
+            f"| `fsdpkit train`, tests' tiny Llama, step with the recorder {label} (runs: "
+            f"{runs} ms) | {med * 1e3:.1f} ms ({med / base:.3f} x off) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def render_docs() -> None:
+    results_io.render_into(DOCS, NAME, render(results_io.read(NAME)))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=4)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--render-docs", action="store_true", help="only re-render the docs")
     a = p.parse_args()
-    t0 = time.perf_counter()
-    print("| measurement | value |\n| --- | --- |")
-    for name, us in marks():
-        print(f"| {name} | {us:.2f} us |")
-    fr = recorder(a.reps)
-    off, on = statistics.median(fr["off"]), statistics.median(fr["on"])
-    print(
-        f"| gloo all-reduce 1 KiB, one rank, recorder off (median of {len(fr['off'])}) "
-        f"| {off:.1f} us |"
-    )
-    print(f"| same, recorder on (2000 entries) | {on:.1f} us (+{on - off:.1f} us) |")
-    tr = training(a.reps, a.steps)
-    base = statistics.median(tr["off"])
-    for label, values in tr.items():
-        med = statistics.median(values)
-        runs = ", ".join(f"{v * 1e3:.1f}" for v in values)
-        print(
-            f"| train step, recorder {label} (ms; runs: {runs}) | {med * 1e3:.1f} ms "
-            f"({med / base:.3f} x off) |"
-        )
-    print(f"\n{time.perf_counter() - t0:.0f} s")
+    if not a.render_docs:
+        t0 = time.perf_counter()
+        results = measure(a.reps, a.steps)
+        results_io.write(NAME, seconds=round(time.perf_counter() - t0), **results)
+        print(render(results_io.read(NAME)))
+    render_docs()
 
 
 if __name__ == "__main__":

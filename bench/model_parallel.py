@@ -111,7 +111,7 @@ def _rank(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
     session = build_session(cfg, env)
     built = _vm_rss_mib()
     dims = parallel_dims(cfg, world_size=world, local_world_size=world)
-    applied = [p for p in session.plan.describe().split("; ") if " parallel " in p]
+    applied = [p for p in session.trainable.plan.describe().split("; ") if " parallel " in p]
     split = session.split
     layout = "; ".join([dims.describe(), *applied, f"{split.grad_accum} x {split.micro_batch}"])
     run(session)

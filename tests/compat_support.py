@@ -1,6 +1,6 @@
 """What the checkpoint compatibility fixtures are and how they are checked: shared by
 tests/fixtures/checkpoints/make_fixtures.py (which writes them) and
-tests/unit/test_checkpoint_compat.py (which resumes them), so both run the same command.
+tests/e2e/test_checkpoint_compat.py (which resumes them), so both train with the same overrides.
 
 [Note: canonical format description]
 ``describe_format`` reduces a checkpoint to what decides whether another fsdpkit can
@@ -52,22 +52,26 @@ FIXTURES: dict[str, dict[str, Any]] = {
 LoRA adapters saved alone. Paths are relative to the fixtures directory."""
 
 
-def train_command(name: str, *, steps: int) -> list[str]:
-    """``fsdpkit train`` of fixture ``name`` (run directory ``name``) for ``steps``
-    steps, run from the fixtures directory: a fresh run, or a resume when the run
+def train_overrides(name: str, *, steps: int) -> list[str]:
+    """The config overrides of fixture ``name`` (run directory ``name``) for ``steps``
+    steps, relative to the fixtures directory: a fresh run, or a resume when the run
     directory holds a checkpoint (checkpoint.resume = auto)."""
     spec = FIXTURES[name]
+    return [*_COMMON, *spec["overrides"], f"logging.run_dir={name}", f"train.steps={steps}"]
+
+
+def train_command(name: str, *, steps: int) -> list[str]:
+    """``fsdpkit train`` of fixture ``name`` for ``steps`` steps (``train_overrides``),
+    run from the fixtures directory."""
+    nproc = str(FIXTURES[name]["nproc"])
     return [
         sys.executable,
         "-m",
         "fsdpkit",
         "train",
         "--nproc",
-        str(spec["nproc"]),
-        *_COMMON,
-        *spec["overrides"],
-        f"logging.run_dir={name}",
-        f"train.steps={steps}",
+        nproc,
+        *train_overrides(name, steps=steps),
     ]
 
 

@@ -105,7 +105,7 @@ def _train(rank: int, world: int, runs: list[list[str]]) -> list[bool | None]:
     for overrides in runs:
         session = build_session(load(None, overrides), env)
         run(session)
-        ref = session.loss_fn.reference  # type: ignore[attr-defined]
+        ref = session.trainable.loss_fn.reference  # type: ignore[attr-defined]
         sharded.append(
             None if ref is None else all(isinstance(p, DTensor) for p in ref.parameters())
         )

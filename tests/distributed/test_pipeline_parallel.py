@@ -96,7 +96,10 @@ def _train(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
     assert env is not None and env.world_size == world
     session = build_session(load(None, overrides), env)
     run(session)
-    return {"params": full_state(session.model), "pipeline": session.pipeline is not None}
+    return {
+        "params": full_state(session.trainable.model),
+        "pipeline": session.trainable.pipeline is not None,
+    }
 
 
 def _metrics(run_dir: Path) -> dict[str, list[float]]:

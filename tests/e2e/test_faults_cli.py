@@ -168,11 +168,14 @@ def test_6_busy_rendezvous_port_fails_without_waiting_naming_the_holder(
         port = sock.getsockname()[1]
         # timeout=120 is a hang guard under the rendezvous' 600-s join timeout: a run
         # that waited for the busy port raises TimeoutExpired here
+        started = time.monotonic()
         result = fsdpkit(
             "train", "--nnodes", nodes, "--nproc", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
             *FAST, f"logging.run_dir={tmp_path / 'run'}", cwd=tmp_path, timeout=120,
         )  # fmt: skip
+        took = time.monotonic() - started
     assert result.returncode == 2, result.stderr[-2000:]
+    assert took < 60, f"a refused launch took {took:.0f} s (docs/runtime.md: start-up only)"
     err = result.stderr
     assert f"127.0.0.1:{port}" in err and f"pid {os.getpid()}" in err and "free port" in err
     assert "Traceback" not in err

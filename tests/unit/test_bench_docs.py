@@ -26,6 +26,8 @@ RENDERED = {
     "model_parallel_pp",
     "expert_parallel",
     "moe_routing_replay",
+    "hang_overhead",
+    "checkpoint_staging",
 }  # fmt: skip
 """Benches whose tables the docs quote: each must have a block and a results file."""
 

@@ -114,6 +114,30 @@ def test_sharegpt_empty_user_turn_is_kept(chat_dir: Path) -> None:
     assert len(_runs(tok, ex)) == 2
 
 
+def test_sharegpt_empty_reply_is_rendered_not_trained_and_counted(
+    chat_dir: Path, tmp_path: Path
+) -> None:
+    """An empty assistant reply among others (axolotl's missingturns shape) stays in the
+    text as the data has it, is not trained (it would teach stopping at once) and is
+    counted in the prepared dataset's manifest, whose source line the run prints."""
+    from fsdpkit.data.first_lines import source_line
+    from fsdpkit.data.opened import open_source
+
+    path = FIXTURES / "axolotl" / "conversation.missingturns.json"
+    [ex], schemas, tok = _load(path, chat_dir)
+    assert dict(schemas) == {"sharegpt": 1}
+    assert "<|im_start|>assistant\n" + END + "<|im_start|>user\ncould you" in _text(tok, ex)
+    assert _runs(tok, ex) == [
+        "Treat the board as a space and read the mines off its invariants." + END,
+        "A closed ring of numbered cells around unknown ones bounds a hole: count it." + END,
+    ]
+    cfg = DataConfig(path=str(path), tokenizer=str(chat_dir), val_fraction=0.0)
+    opened, _ = open_source(cfg, work_dir=tmp_path)
+    assert opened.dataset.manifest.counts["empty_replies"] == 1
+    line = source_line(opened)
+    assert "ShareGPT conversations (1 rows); 1 empty assistant reply not trained" in line
+
+
 def test_alpaca_through_the_chat_template(chat_dir: Path) -> None:
     examples, schemas, tok = _load(FIXTURES / "llamafactory" / "alpaca_en_demo.json", chat_dir)
     assert dict(schemas) == {"alpaca": 3}
@@ -150,6 +174,7 @@ def test_mixed_jsonl_of_messages_sharegpt_and_a_tool_call(chat_dir: Path) -> Non
         "llamafactory/sharegpt_system.json",
         "axolotl/conversation.json",
         "axolotl/conversation.missingturn.json",
+        "axolotl/conversation.missingturns.json",
         "mixed/chat_tools.jsonl",
         "trl/conversational_prompt_completion.jsonl",
     ],
@@ -188,7 +213,7 @@ def _jsonl(path: Path, rows: list[Any]) -> Path:
         ({"conversations": [{"from": "narrator", "value": "x"}]}, "role 'narrator'"),
         (
             {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": ""}]},
-            "no assistant message to train on, or an empty one",
+            "no assistant message to train on \\(none, or only empty ones\\)",
         ),
         ({"messages": [{"role": "tool", "content": "x"}]}, "role 'tool'"),
         ({"prompt": [{"role": "user", "content": "q"}], "completion": "a"}, "both be strings"),

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -111,3 +112,50 @@ def test_tokenizers_not_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes the import fail
     with pytest.raises(DataError, match="pip install tokenizers"):
         build_tokenizer(DataConfig(tokenizer=str(tmp_path)))
+
+
+def _with_bos_post_processor(file: Path, bos: str = "<s>") -> None:
+    """Give a saved tokenizer.json Llama's post-processor: BOS before every text."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer.from_file(str(file))
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]
+    )
+    tok.save(str(file))
+
+
+def test_bos_is_what_the_tokenizers_own_encode_adds(tmp_path: Path) -> None:
+    """[Note: special tokens]: the tokenizer.json post-processor's BOS; an
+    ``add_bos_token`` in tokenizer_config.json changes nothing (transformers 5 drops it
+    when there is a tokenizer.json)."""
+    file = make_tokenizer_json(tmp_path, specials=("[UNK]", "<s>", "</s>"))
+    assert build_tokenizer(DataConfig(tokenizer=str(file))).bos_ids == ()  # type: ignore[attr-defined]
+    _with_bos_post_processor(file)
+    tok = build_tokenizer(DataConfig(tokenizer=str(file)))
+    assert tok.bos_ids == (1,) and tok.fingerprint()["bos_ids"] == [1]  # type: ignore[attr-defined]
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps({"add_bos_token": False, "bos_token": "<s>"}))
+    assert build_tokenizer(DataConfig(tokenizer=str(file))).bos_ids == (1,)  # type: ignore[attr-defined]
+
+
+def test_bos_once_and_eos_once(tmp_path: Path) -> None:
+    """BOS before a text unless it starts with it, EOS after unless it ends with it: a
+    text stream's documents and string rows never get two of either."""
+    from fsdpkit.data.tokenizer import document_ids, with_bos, with_eos
+
+    file = make_tokenizer_json(tmp_path / "t", specials=("[UNK]", "<s>", "</s>"))
+    _with_bos_post_processor(file)
+    tok = build_tokenizer(DataConfig(tokenizer=str(file)))
+    cat = np.asarray(tok.encode("the cat"))
+    assert with_bos(tok, cat).tolist() == [1, *cat.tolist()]
+    assert with_bos(tok, with_bos(tok, cat)).tolist() == [1, *cat.tolist()]
+    assert with_eos(tok, with_eos(tok, cat)).tolist() == [*cat.tolist(), 2]
+    assert document_ids(tok, np.asarray(tok.encode("<s> the cat </s>"))).tolist() == [
+        1,
+        *cat.tolist(),
+        2,
+    ]
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"text": t}) for t in ("the cat", "a dog </s>", "")))
+    stream = load_token_stream(DataConfig(path=str(data)), tok).tolist()
+    assert stream == [1, *cat.tolist(), 2, 1, *tok.encode("a dog"), 2]

@@ -121,11 +121,18 @@ def test_losses_follow_their_formulas() -> None:
     # length-averaged margins: (-1 + 1.5) - (-1.5 + 1.25) = 0.75 and (-3 + 3) - (-1 + 4/3)
     m = [0.75, -1.0 / 3.0]
     assert ipo.losses.tolist() == pytest.approx([(x - 1.0) ** 2 for x in m])
+    # IPO's rewards are TRL's: beta x the summed log-ratio, as DPO's (the loss alone
+    # averages over the answer's tokens), so the accuracy and margin read as TRL's
+    assert ipo.chosen_rewards.tolist() == pytest.approx([0.5, 0.0])
+    assert ipo.rejected_rewards.tolist() == pytest.approx([-0.5, 0.5])
     simpo = preference_loss(policy, None, counts, kind="simpo", beta=2.0, gamma=0.5)
     # 2 * (-1 - (-1.5)) - 0.5 = 0.5 and 2 * (-3 - (-1)) - 0.5 = -4.5
     assert simpo.losses.tolist() == pytest.approx(
         [math.log1p(math.exp(-0.5)), math.log1p(math.exp(4.5))]
     )
+    # SimPO (reference-free) logs beta x the averaged log-prob, as TRL's CPOTrainer
+    assert simpo.chosen_rewards.tolist() == pytest.approx([-2.0, -6.0])
+    assert simpo.rejected_rewards.tolist() == pytest.approx([-3.0, -2.0])
 
 
 def test_answer_logps_sum_only_the_answer_positions() -> None:

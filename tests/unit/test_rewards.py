@@ -95,7 +95,8 @@ def test_exact_format_and_length(tmp_path: Path) -> None:
     assert got.total.tolist() == [1.0, 0.0]
     custom = _score(["format"], rows, ["42", "4 2"], format_pattern=r"\d+")
     assert custom.total.tolist() == [1.0, 0.0]
-    trl_rewards = pytest.importorskip("trl.rewards")  # DAPO's penalty as TRL 1.16 computes it
+    import trl.rewards as trl_rewards  # DAPO's penalty as TRL 1.16 computes it (dev extra)
+
     theirs = trl_rewards.get_soft_overlong_punishment(max_completion_len=20, soft_punish_cache=8)
     lengths = [0, 5, 12, 13, 16, 19, 20]
     ids = [[7] * n for n in lengths]
@@ -204,7 +205,8 @@ def test_weights_sum_and_each_reward_is_kept(user_module: Any) -> None:
 
 
 def test_trls_own_reward_functions_run_unchanged() -> None:
-    trl_rewards = pytest.importorskip("trl.rewards")
+    import trl.rewards as trl_rewards  # the dev extra: the oracle never skips
+
     rewards = build_rewards(RlConfig(rewards=["trl.rewards:think_format_reward"]))
     chat = [{"role": "user", "content": "hi"}]
     texts = ["<think>\nhm\n</think>\nhello", "hello"]

@@ -6,6 +6,7 @@ depend on the other examples packed into its row (fsdpkit's Llama, HF Llama, GPT
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -14,25 +15,19 @@ from typing import Any
 import pytest
 import torch
 
+from chat_tokenizers import CHAT
 from fsdpkit.config import DataConfig
 from fsdpkit.data import ByteTokenizer, DataError
 from fsdpkit.data.batch import IGNORE_INDEX
 from fsdpkit.data.packing import pack
-from fsdpkit.data.sft import Example, is_sft
+from fsdpkit.data.schemas import Conversation
+from fsdpkit.data.sft import Example, Formatter, is_sft
 from fsdpkit.data.sft_loader import SFTLoader, load_sft
 from fsdpkit.data.tokenizer import load_hf_tokenizer
 from fsdpkit.data.work import load_examples
 from fsdpkit.loss.answers import sft_loss, token_losses
 
 transformers = pytest.importorskip("transformers")
-
-CHAT = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "Is 4 even?"},
-    {"role": "assistant", "content": "Yes."},
-    {"role": "user", "content": "And 7?"},
-    {"role": "assistant", "content": "No, 7 is odd."},
-]
 
 
 def _jsonl(path: Path, rows: list[Any]) -> str:
@@ -68,12 +63,26 @@ def test_prompt_completion_mask_is_exactly_the_answer(tmp_path: Path) -> None:
 
 
 def test_eos_is_a_target_with_an_hf_tokenizer(tmp_path: Path, chat_dir: Path) -> None:
-    path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "def f():", "completion": " return 1"}])
+    """One EOS, a target, after every completion: also after one that already ends with
+    the EOS text (no second EOS), in the batched prepare path as in the per-row one."""
+    rows = [
+        {"prompt": "def f():", "completion": " return 1"},
+        {"prompt": "def f():", "completion": " return 1<|endoftext|>"},
+    ]
+    path = _jsonl(tmp_path / "d.jsonl", rows)
     tok = load_hf_tokenizer(chat_dir)
-    [ex], _ = load_examples(DataConfig(path=path, format="sft"), tok)
-    answer = ex.ids[ex.train]
-    assert tok.decode(answer.tolist()) == " return 1<|endoftext|>"
-    assert answer[-1] == tok.eos_id and not ex.train[: len(tok.encode("def f():"))].any()
+    examples, _ = load_examples(DataConfig(path=path, format="sft"), tok)
+    for ex in examples:
+        answer = ex.ids[ex.train]
+        assert tok.decode(answer.tolist()) == " return 1<|endoftext|>"
+        assert answer[-1] == tok.eos_id and not ex.train[: len(tok.encode("def f():"))].any()
+    formatter = Formatter(tokenizer=tok, tokenizer_path=None, data_path=path)
+    block = formatter.block(
+        [Conversation("prompt_completion", plain=(r["prompt"], r["completion"])) for r in rows],
+        [0, 1],
+    )
+    assert block.ids.tolist() == examples[0].ids.tolist() * 2
+    assert block.train.tolist() == examples[0].train.tolist() * 2
 
 
 def test_chat_rows_format_as_apply_chat_template(tmp_path: Path, chat_dir: Path) -> None:
@@ -174,6 +183,27 @@ def test_too_little_sft_data_is_one_paragraph(tmp_path: Path) -> None:
     data = load_sft(DataConfig(path=path, seq_len=8, val_fraction=0.0, pack=False), ByteTokenizer())
     with pytest.raises(DataError, match="fewer than one step needs"):
         SFTLoader(data.train, seq_len=8, micro_batch_size=2, dp_rank=0, dp_world=2, seed=0)
+
+
+def test_too_few_packed_rows_name_data_pack_false(tmp_path: Path) -> None:
+    """Two small rows pack into one row of data.seq_len 512: too few for a step on two
+    ranks; unpacked they are two rows, a step of 2, so the message names the fix."""
+    path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "Q", "completion": "A"}] * 2)
+    cfg = DataConfig(path=path, seq_len=512, val_fraction=0.0)
+    packed = load_sft(cfg, ByteTokenizer())
+    for batch, fix in (
+        (4, "data.pack=false and train.global_batch_size=2"),
+        (1, "set data.pack=false"),
+    ):
+        with pytest.raises(DataError, match="packs into 1 rows") as err:
+            SFTLoader(
+                packed.train, seq_len=512, micro_batch_size=batch, dp_rank=0, dp_world=2, seed=0
+            )
+        assert "each of the 2 examples gets a row of its own" in str(err.value) and fix in str(
+            err.value
+        )
+    unpacked = load_sft(dataclasses.replace(cfg, pack=False), ByteTokenizer())
+    SFTLoader(unpacked.train, seq_len=512, micro_batch_size=1, dp_rank=0, dp_world=2, seed=0)
 
 
 def test_rows_too_long_for_seq_len_say_why_on_every_rank() -> None:

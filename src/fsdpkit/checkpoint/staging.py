@@ -12,6 +12,11 @@ save is in flight: ``Checkpointer.save`` waits for the previous one before stagi
 The buffers hold one full copy of this rank's checkpoint share in host memory for the
 life of the run: ``nbytes`` reports it, and ``async_staging_bytes`` estimates it for
 the planner.
+
+Why not DCP's ``DefaultStager``, which also caches host copies: on every save it
+rebuilds each tensor and DTensor wrapper and byte-copies whole storages, and it blocked
+async saves longer than an A/A control's spread allows (``bench/checkpoint_staging.py``;
+docs/checkpoints.md, "Async staging").
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ reward_weights), so a TRL user's values carry over as they are.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -104,14 +105,16 @@ class RlConfig:
     """The length reward's cache L_cache (DAPO): 0 up to max_completion_length -
     L_cache tokens, then falling linearly to -1 at max_completion_length; empty =
     max_completion_length // 4."""
-    logprob_gap_max: float = 1e-2
+    logprob_gap_max: float | None = None
     """Stop the run when the largest per-token |engine - trainer| log-prob gap of a
-    step's sampled tokens exceeds this (nats). The embedded engine samples with the
-    weights the trainer recomputes with, so in fp32 the gap is float noise (the issue's
-    bound: 1e-5 at step 0) while a stale or broken weight update shows as whole nats (a
-    public FSDP report: 0.017 healthy, 66.5 after two broken steps); 1e-2 sits orders
-    of magnitude from both. bf16 computes with ~3 significant digits, so its noise is
-    larger: read rl/logprob_gap_max in a bf16 run's metrics and set this above it."""
+    step's sampled tokens exceeds this (nats); empty = by the run's compute dtype: 1e-3
+    in fp32, 0.1 in bf16 / fp16 (gap_limit). The embedded engine samples with the
+    weights the trainer recomputes with, so the gap is float noise (measured on CPU,
+    fp32 and bf16: <= 1e-6 on the tiny models of tests/distributed/test_grpo.py), while a
+    stale or broken weight update shows as whole nats (a public FSDP report: 0.017
+    healthy, 66.5 after two broken steps). bf16 kernels on a GPU (another attention
+    kernel for decoding than for the full forward) have not been measured: read
+    rl/logprob_gap_max in a run's metrics and set this above it if a healthy run stops."""
     engine: Literal["embedded", "vllm"] = "embedded"
     """What samples the rollouts: embedded = the policy being trained, sharded as it
     trains (KV cache, no second copy). vllm is reserved for a later release."""
@@ -146,7 +149,7 @@ def _ranges(rl: RlConfig) -> None:
         ("epsilon", rl.epsilon > 0, "must be > 0"),
         ("beta", rl.beta >= 0, "must be >= 0 (0 = no KL term)"),
         ("num_iterations", rl.num_iterations >= 1, "must be >= 1"),
-        ("logprob_gap_max", rl.logprob_gap_max > 0, "must be > 0"),
+        ("logprob_gap_max", rl.logprob_gap_max is None or rl.logprob_gap_max > 0, "must be > 0"),
     ]  # fmt: skip
     for key, ok, rule in checks:
         if not ok:
@@ -235,6 +238,14 @@ def _grpo_run(cfg: RunConfig) -> None:
                 f"Set parallel.{axis} = 1 (FSDP shards the model over every rank), or train "
                 "another objective."
             )
+    if cfg.train.compile:
+        raise ConfigError(
+            "train.compile = true is not supported with train.objective = 'grpo' yet: "
+            "rollouts decode one token per forward at a new length each time, which a "
+            "compiled model would recompile for. Set train.compile = false."
+        )
+    if cfg.train.global_batch_size is not None:
+        check_grpo_batch(cfg.rl, global_batch=cfg.train.global_batch_size)
     if not cfg.rl.rewards:
         raise ConfigError(
             "train.objective = 'grpo' needs at least one reward: set rl.rewards, e.g. "
@@ -247,4 +258,35 @@ def _grpo_run(cfg: RunConfig) -> None:
             "name a file or directory of rows with a 'prompt' (a string or chat messages) "
             "and the columns the rewards read (data.mix is not supported for prompts); "
             "see docs/rl.md."
+        )
+
+
+def gap_limit(rl: RlConfig, *, low_precision: bool) -> float:
+    """rl.logprob_gap_max, or its default for the run's compute dtype."""
+    if rl.logprob_gap_max is not None:
+        return rl.logprob_gap_max
+    return 0.1 if low_precision else 1e-3
+
+
+def with_rl_context(cfg: RunConfig) -> RunConfig:
+    """Under ``train.objective = grpo`` a prompt and its completion are one sequence of
+    the model: ``data.seq_len`` (the built-in models' context, what the planner plans)
+    raised to rl.max_prompt_length + rl.max_completion_length when shorter. The
+    trainer and the planner both resolve the run's length through this."""
+    need = cfg.rl.max_prompt_length + cfg.rl.max_completion_length
+    if cfg.train.objective != "grpo" or cfg.data.seq_len >= need:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=need))
+
+
+def check_grpo_batch(rl: RlConfig, *, global_batch: int) -> None:
+    """``train.global_batch_size`` counts completions: whole groups of
+    rl.num_generations ([Note: the GRPO step] in fsdpkit.train.rl_step)."""
+    if global_batch % rl.num_generations:
+        raise ConfigError(
+            f"train.global_batch_size = {global_batch} is not a multiple of "
+            f"rl.num_generations = {rl.num_generations}: under train.objective = 'grpo' "
+            "the global batch counts completions, num_generations per prompt. Use a "
+            f"multiple of {rl.num_generations} (e.g. "
+            f"{max(1, global_batch // rl.num_generations) * rl.num_generations})."
         )

@@ -130,7 +130,10 @@ def _unsupported(cfg: RunConfig) -> list[tuple[str, str]]:
             ("parallel.accum_keep_unsharded = true", "torch's schedule decides the resharding")
         )
     if cfg.precision.mode == "fp16" or cfg.precision.grad_scaler:
-        found.append(("an fp16 gradient scaler", "the schedule runs each stage's backward"))
+        scaled = (
+            "precision.mode = fp16" if cfg.precision.mode == "fp16" else "precision.grad_scaler"
+        )
+        found.append((f"{scaled} (a gradient scaler)", "the schedule runs each stage's backward"))
     zero_bubble = SCHEDULES[p.pp_schedule].zero_bubble
     if t.compile and zero_bubble:
         found.append((f"train.compile with {p.pp_schedule}", "torch splits no compiled backward"))

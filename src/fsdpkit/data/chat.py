@@ -90,13 +90,15 @@ class ChatTemplate:
         where: object,
         train_from: int = 0,
         tools: list[Any] | None = None,
+        untrained: tuple[int, ...] = (),
     ) -> tuple[np.ndarray, np.ndarray]:
         """(ids, answer-token mask) of one conversation ([Note: assistant spans]); only
-        assistant messages from index ``train_from`` on are trained."""
+        assistant messages from index ``train_from`` on, and not in ``untrained``, are
+        trained."""
         text = self.render(messages, tools=tools)
         spans = []
         for i, message in enumerate(messages):
-            if message["role"] != "assistant" or i < train_from:
+            if message["role"] != "assistant" or i < train_from or i in untrained:
                 continue
             start = self.render(messages[:i], generation_prompt=True, tools=tools) if i else ""
             upto = self.render(messages[: i + 1], tools=tools)

@@ -17,6 +17,7 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fsdpkit.config import DataConfig
@@ -24,7 +25,7 @@ from fsdpkit.data.dataset import PreparedDataset
 from fsdpkit.data.errors import DataError
 from fsdpkit.data.plan import describe_source, plan_units, resolve_config, stdlib_dir, stdlib_files
 from fsdpkit.data.prepare import prepare
-from fsdpkit.data.tokenizer import BulkEncoder, Tokenizer
+from fsdpkit.data.tokenizer import BulkEncoder, Tokenizer, document_ids
 from fsdpkit.data.work import Job, texts_of
 
 __all__ = ["describe_source", "load_token_stream", "read_documents", "stdlib_dir", "stdlib_files"]
@@ -50,13 +51,11 @@ def load_token_stream(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> to
 
 def _slow(cfg: DataConfig, tokenizer: Tokenizer) -> torch.Tensor:
     """A tokenizer of the user's own (no batch path): token by token, same layout."""
-    sep = [tokenizer.eos_id] if tokenizer.eos_id is not None else tokenizer.encode("\n\n")
-    ids: list[int] = []
-    for doc in read_documents(cfg):
-        ids += [*tokenizer.encode(doc), *sep]
-    if not ids:
+    docs = [np.asarray(tokenizer.encode(doc), dtype=np.int64) for doc in read_documents(cfg)]
+    ids = [document_ids(tokenizer, doc) for doc in docs]
+    if not sum(map(len, ids)):
         raise DataError(f"{describe_source(cfg)} holds no text: nothing to train on.")
-    return torch.tensor(ids, dtype=torch.int64)
+    return torch.from_numpy(np.concatenate(ids))
 
 
 def read_documents(cfg: DataConfig) -> list[str]:

@@ -13,6 +13,7 @@ from typing import Any
 from fsdpkit.data.manifest import Manifest
 from fsdpkit.data.opened import Opened
 from fsdpkit.data.sft import describe_schemas
+from fsdpkit.data.tokenizer import SPECIALS, Tokenizer, describe_special_tokens
 
 
 def tokenizer_name(manifest: Manifest) -> str:
@@ -38,7 +39,23 @@ def source_line(opened: Opened) -> str:
         f"{c['documents']:,} {'examples' if m.sft else 'documents'}, {c['tokens']:,} tokens"
     )
     kind = f"SFT: {describe_schemas(m.schemas)}" if m.sft else "plain text"
+    empty = c.get("empty_replies", 0)
+    if empty:
+        kind += f"; {empty:,} empty assistant repl{'y' if empty == 1 else 'ies'} not trained"
     return f"data: {what}: {kind}; {body} ({tokenizer_name(m)}, {m.dtype}; {how})"
+
+
+def special_tokens_line(opened: Opened, tokenizer: Tokenizer) -> str:
+    """``data: bos: ...; eos: ...`` ([Note: special tokens]) as the dataset was prepared."""
+    m = opened.dataset.manifest
+    if m.tokenizer.get("specials") != SPECIALS:
+        return (
+            "data: bos/eos: as the fsdpkit that prepared this dataset added them (no BOS; an "
+            "EOS after every completion and document, even one already ending with it). "
+            "Prepare it again for the tokenizer's own BOS and one EOS."
+        )
+    chat = m.sft and m.tokenizer.get("chat_template") is not None
+    return "data: " + describe_special_tokens(tokenizer, rows=m.sft, chat=chat)
 
 
 def left_out_lines(opened: Opened) -> list[str]:
@@ -98,10 +115,16 @@ def epochs_line(loader: Any, *, steps: int | None, epochs: Callable[[int], float
 
 
 def describe_run(
-    opened: Opened, *, loader: Any, steps: int | None, epochs: Callable[[int], float]
+    opened: Opened,
+    *,
+    tokenizer: Tokenizer,
+    loader: Any,
+    steps: int | None,
+    epochs: Callable[[int], float],
 ) -> str:
     """The data lines a run prints first."""
-    lines = [source_line(opened), split_line(opened, loader)]
+    lines = [source_line(opened), special_tokens_line(opened, tokenizer)]
+    lines.append(split_line(opened, loader))
     lines.append(epochs_line(loader, steps=steps, epochs=epochs))
     lines += left_out_lines(opened)
     return "\n".join(lines)

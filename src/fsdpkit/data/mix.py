@@ -25,7 +25,7 @@ import torch
 from fsdpkit.config import DataConfig
 from fsdpkit.data.batch import SFTBatch
 from fsdpkit.data.errors import DataError
-from fsdpkit.data.first_lines import epochs_line, source_line
+from fsdpkit.data.first_lines import epochs_line, source_line, special_tokens_line
 from fsdpkit.data.loader import Loader, Sequences, validation_from
 from fsdpkit.data.opened import Opened, open_source
 from fsdpkit.data.order import Permutation
@@ -219,6 +219,7 @@ def open_mixture(cfg: DataConfig, *, work_dir: Path, **loader_args: Any) -> Mixt
     sft = opened[0].sft
     loader = MixLoader(table, weighted=sft, **loader_args)
     lines = [source_line(o) for o in opened]
+    lines += sorted({special_tokens_line(o, tokenizer) for o in opened})
     shares = [
         {"path": path, "weight": weight, "share": n / BLOCK, "train_sequences": len(o.train)}
         for (path, weight), o, n in zip(entries, opened, counts)

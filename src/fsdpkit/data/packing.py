@@ -105,6 +105,7 @@ class PackedRows:
             f"one step needs ({world} rank(s) x train.micro_batch_size x accumulation = "
             f"{batch} per rank)"
         )
+        text += self._unpacked(world=world, batch=batch)
         lost = self.stats.dropped + self.stats.truncated
         if not lost:
             return DataError(
@@ -116,6 +117,21 @@ class PackedRows:
             f"{self._longest():,} tokens: raise data.seq_len (to {self._longest() - 1:,} to keep "
             "every example whole), or add examples, or lower train.micro_batch_size, the "
             "world size or data.val_fraction."
+        )
+
+    def _unpacked(self, *, world: int, batch: int) -> str:
+        """What ``data.pack = false`` would give when it fills a step (a small dataset
+        packs into fewer rows than there are examples), else ''."""
+        n = self.stats.examples
+        if not self.packed or n <= len(self) or n < world:
+            return ""
+        text = f". With data.pack=false each of the {n:,} examples gets a row of its own"
+        if n >= world * batch:
+            return f"{text}, enough for a step: set data.pack=false"
+        fit = world * (n // world)
+        return (
+            f"{text}, enough for a step of {fit:,} rows: set data.pack=false and "
+            f"train.global_batch_size={fit}"
         )
 
     def _longest(self) -> int:

@@ -95,7 +95,9 @@ def open_training_data(
             **ranks,
         )
     data = TrainingData(tokenizer, loader, val, opened.sft, None, [opened.dataset.root])
-    data.note = describe_run(opened, loader=loader, steps=steps, epochs=data.epochs)
+    data.note = describe_run(
+        opened, tokenizer=tokenizer, loader=loader, steps=steps, epochs=data.epochs
+    )
     data.record = _record(data)
     return data
 

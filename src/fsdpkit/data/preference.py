@@ -4,7 +4,8 @@
 A row is one of TRL's preference formats (``data.columns`` renames keys first):
 
 - standard: ``{"prompt": str, "chosen": str, "rejected": str}``: each side is
-  ``prompt ids + answer ids + EOS`` (as an SFT prompt/completion, fsdpkit.data.sft);
+  ``BOS + prompt ids + answer ids + EOS`` (as an SFT prompt/completion, fsdpkit.data.sft:
+  BOS when the tokenizer adds one, EOS once; [Note: special tokens]);
 - conversational: ``prompt`` a list of messages, ``chosen`` / ``rejected`` lists of
   assistant messages: each side is ``prompt + side`` through the tokenizer's chat
   template, the answer being the side's assistant turns ([Note: assistant spans]);
@@ -44,7 +45,7 @@ from fsdpkit.data.pipeline import TrainingData
 from fsdpkit.data.rows import read_rows
 from fsdpkit.data.schemas import Conversation, normalize
 from fsdpkit.data.sft import Example, Formatter
-from fsdpkit.data.tokenizer import Tokenizer, build_tokenizer
+from fsdpkit.data.tokenizer import Tokenizer, build_tokenizer, describe_special_tokens
 
 SIDES = ("chosen", "rejected")
 
@@ -189,6 +190,8 @@ class PreferenceData:
     truncated: int
     """Pairs with a side longer than data.seq_len + 1 tokens (their tails cut)."""
     formats: Counter[str]
+    specials: str = ""
+    """``describe_special_tokens`` of the tokenizer the pairs were made with."""
 
     def describe(self, cfg: DataConfig) -> str:
         kinds = ", ".join(f"{k} ({n:,} rows)" for k, n in sorted(self.formats.items()))
@@ -200,7 +203,8 @@ class PreferenceData:
                 f"; {self.truncated:,} pairs have a side longer than data.seq_len + 1 = "
                 f"{cfg.seq_len + 1} tokens: their answers' tails are cut"
             )
-        return text + "; loss on the answer tokens only"
+        text += "; loss on the answer tokens only"
+        return text + (f"\ndata: {self.specials}" if self.specials else "")
 
 
 def load_pairs(cfg: DataConfig, tokenizer: Tokenizer) -> PreferenceData:
@@ -231,7 +235,8 @@ def load_pairs(cfg: DataConfig, tokenizer: Tokenizer) -> PreferenceData:
     cut = 2 * (len(rows) - n_val)
     train = Pairs(examples[:cut], seq_len=cfg.seq_len, pad_id=pad)
     val = Pairs(examples[cut:], seq_len=cfg.seq_len, pad_id=pad) if n_val else None
-    return PreferenceData(train, val, truncated, formats)
+    specials = describe_special_tokens(tokenizer, rows=True, chat=formats["conversational"] > 0)
+    return PreferenceData(train, val, truncated, formats, specials)
 
 
 def open_preference_data(

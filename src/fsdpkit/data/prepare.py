@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import multiprocessing
 import os
 import secrets
@@ -34,13 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from fsdpkit.config import DataConfig
-from fsdpkit.data.chat import template_hash
 from fsdpkit.data.errors import DataError
 from fsdpkit.data.manifest import MANIFEST, TOKENIZER_DIR, Manifest, Shard, is_dataset, token_dtype
-from fsdpkit.data.plan import Plan, data_kind, plan_units, resolve_config
+from fsdpkit.data.plan import Plan, plan_units, resolve_config
 from fsdpkit.data.prepare_progress import Progress
+from fsdpkit.data.recipe import differences, recipe, sha256_file, source_stats
 from fsdpkit.data.sources import Resolved, resolve
-from fsdpkit.data.tokenizer import BulkEncoder, build_tokenizer
 from fsdpkit.data.work import Job, Result, init_worker, run
 
 ALIVE = ".alive"
@@ -66,67 +64,6 @@ class Prepared:
     plan_notes: tuple[str, ...] = ()
 
 
-def recipe(cfg: DataConfig, resolved: Resolved) -> tuple[str, dict[str, Any], dict[str, Any]]:
-    """(kind, tokenizer fingerprint, options): what decides the tokens besides the sources."""
-    kind = data_kind(cfg, resolved)
-    tok = build_tokenizer(cfg)
-    if not isinstance(tok, BulkEncoder):
-        raise DataError("prepare needs the byte tokenizer or a tokenizer.json (data.tokenizer).")
-    fingerprint = tok.fingerprint()
-    fingerprint["chat_template"] = template_hash(cfg.tokenizer) if kind == "sft" else None
-    options = {
-        "text_field": cfg.text_field,
-        "schema": cfg.schema,
-        "columns": list(cfg.columns),
-        "allow_binary": cfg.allow_binary,
-        "max_bytes": cfg.max_bytes,
-    }
-    return kind, fingerprint, options
-
-
-def _stat(resolved: Resolved) -> list[dict[str, Any]]:
-    """Each source's path, size and mtime: what says cheaply that it has not changed."""
-    stats = [(s.path, s.path.stat()) for s in resolved.sources]
-    return [
-        {"path": str(p.resolve()), "size": t.st_size, "mtime_ns": t.st_mtime_ns} for p, t in stats
-    ]
-
-
-def sha256_file(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def differences(
-    old: Manifest, *, kind: str, tokenizer: dict, options: dict, sources: list
-) -> list[str]:
-    """What makes ``old`` not the dataset these inputs would give (empty: the same)."""
-    out = []
-    if old.tokenizer.get("fingerprint") != tokenizer["fingerprint"]:
-        out.append(
-            f"the tokenizer ({old.tokenizer.get('path', old.tokenizer.get('kind'))} -> "
-            f"{tokenizer.get('path', tokenizer['kind'])})"
-        )
-    elif old.tokenizer.get("chat_template") != tokenizer.get("chat_template"):
-        out.append("the tokenizer's chat template")
-    if old.kind != kind:
-        out.append(f"the data kind ({old.kind} -> {kind})")
-    changed = [k for k in options if old.options.get(k) != options[k]]
-    out += [f"data.{k} ({old.options.get(k)!r} -> {options[k]!r})" for k in changed]
-    before = {s["path"]: s for s in old.sources}
-    now = {s["path"] for s in sources}
-    out += [f"{p} is no longer a source" for p in sorted(set(before) - now)]
-    for s in sources:
-        was = before.get(s["path"])
-        if was is None:
-            out.append(f"{s['path']} is a new source")
-        elif was["size"] != s["size"]:
-            out.append(f"{s['path']} changed size ({was['size']:,} -> {s['size']:,} bytes)")
-        elif was["mtime_ns"] != s["mtime_ns"] and was.get("sha256") != sha256_file(Path(s["path"])):
-            out.append(f"{s['path']} changed (sha256)")
-    return out
-
-
 def prepare(
     cfg: DataConfig,
     out: Path,
@@ -140,7 +77,7 @@ def prepare(
     start = time.perf_counter()
     resolved = _resolve_all(cfg, paths)
     kind, tokenizer, options = recipe(cfg, resolved)
-    sources = _stat(resolved)
+    sources = source_stats(resolved)
     if is_dataset(out):
         old = Manifest.read(out)
         changes = differences(old, kind=kind, tokenizer=tokenizer, options=options, sources=sources)
@@ -315,6 +252,7 @@ def _manifest(plan: Plan, results: list[Result], **fields: Any) -> Manifest:
         "documents": docs,
         "tokens": sum(s.tokens for s in shards),
         "answer_tokens": sum(s.answer_tokens for s in shards),
+        "empty_replies": sum(r.empty_replies for r in results),
         "source_files": len(plan.sources),
         "source_bytes": plan.planned_bytes,
         "left_out_bytes": plan.left_out_bytes,

@@ -4,8 +4,9 @@
 A row is TRL's prompt-only format (``data.columns`` renames keys first):
 
 - ``prompt`` a string (standard): the model continues the string itself; its ids are
-  the run's tokenizer's ``encode`` of it (fsdpkit.data.tokenizer decides the special
-  tokens, as for every string row; TRL 1.16 calls ``processing_class(text=prompts)``);
+  the run's tokenizer's ``encode`` of it with the tokenizer's BOS first where its own
+  encode adds one ([Note: special tokens] in fsdpkit.data.tokenizer), as TRL 1.16's
+  ``processing_class(text=prompts)`` gives them;
 - ``prompt`` a list of ``{"role", "content"}`` messages (conversational): the text is
   the tokenizer's chat template rendered with ``add_generation_prompt=True`` and its ids
   that text tokenized without added special tokens: exactly TRL 1.16's
@@ -41,7 +42,7 @@ from fsdpkit.data.chat import ChatTemplate
 from fsdpkit.data.errors import DataError
 from fsdpkit.data.rows import read_rows
 from fsdpkit.data.schemas import normalize
-from fsdpkit.data.tokenizer import BulkEncoder, Tokenizer
+from fsdpkit.data.tokenizer import BulkEncoder, Tokenizer, with_bos
 
 RESERVED = frozenset(
     {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"}
@@ -155,8 +156,10 @@ class PromptEncoder:
             encoded = self._chat.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
             return [np.asarray(ids, dtype=np.int64) for ids in encoded]
         if isinstance(self.tokenizer, BulkEncoder):
-            return [ids.astype(np.int64) for ids in self.tokenizer.encode_many(list(texts))]
-        return [np.asarray(self.tokenizer.encode(t), dtype=np.int64) for t in texts]
+            ids = [a.astype(np.int64) for a in self.tokenizer.encode_many(list(texts))]
+        else:
+            ids = [np.asarray(self.tokenizer.encode(t), dtype=np.int64) for t in texts]
+        return [with_bos(self.tokenizer, a) for a in ids]  # as TRL's processing_class(text=)
 
 
 @dataclass

@@ -19,6 +19,11 @@ this order; ``data.columns`` renames columns first, e.g. ``["prompt=question",
   reply, through the chat template when the tokenizer has one, else ``ALPACA_PROMPT``;
 - ``text``: ``data.text_field`` (plain text, every token trained).
 
+A conversation must have an assistant reply to train on; an empty reply among others
+(a ShareGPT turn with ``"value": ""``, as in axolotl's ``conversation.missingturns``
+fixture) stays in the text as the data has it but is not trained, and the run's first
+lines count such replies.
+
 Preference rows (``chosen``/``rejected``: ``train.objective = dpo``, see
 fsdpkit.data.preference) and records that match nothing are refused here with the keys
 they have: a record is never trained as its JSON text.
@@ -27,7 +32,7 @@ they have: a record is never trained as its JSON text.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fsdpkit.data.errors import DataError
@@ -87,6 +92,9 @@ class Conversation:
     tools: list[Any] | None = None
     plain: tuple[str, str] | None = None
     """(prompt, completion) strings: the example without a chat template."""
+    untrained: tuple[int, ...] = ()
+    """Indices of empty assistant replies: rendered as the data has them, not trained
+    (an empty reply would teach the model to stop at once; [Note: SFT schemas])."""
 
 
 def parse_columns(columns: list[str]) -> dict[str, str]:
@@ -229,15 +237,22 @@ def _checked(conv: Conversation, where: object) -> Conversation:
                 "first, or drop the message."
             )
         seen_assistant |= m["role"] == "assistant"
-    replies = [m for m in conv.messages[conv.train_from :] if m["role"] == "assistant"]
-    empty = [m for m in replies if not (m["content"].strip() or m.get("tool_calls"))]
-    if not replies or empty:
+    replies = [
+        i for i, m in enumerate(conv.messages) if i >= conv.train_from and m["role"] == "assistant"
+    ]
+    empty = tuple(i for i in replies if _empty(conv.messages[i]))
+    if len(empty) == len(replies):
         raise DataError(
-            f"{where}: the conversation has no assistant message to train on, or an empty "
-            "one, so it has nothing to learn (the loss is taken on assistant replies "
-            "only). Add the reply or remove the row."
+            f"{where}: the conversation has no assistant message to train on (none, or "
+            "only empty ones), so it has nothing to learn (the loss is taken on assistant "
+            "replies only). Add the reply or remove the row."
         )
-    return conv
+    return replace(conv, untrained=empty) if empty else conv
+
+
+def _empty(message: dict[str, Any]) -> bool:
+    """An assistant message with no text and no tool call."""
+    return not (message["content"].strip() or message.get("tool_calls"))
 
 
 def _prompt_completion(record: dict[str, Any], where: object) -> Conversation:

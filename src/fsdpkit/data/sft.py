@@ -1,8 +1,11 @@
 """Supervised fine-tuning examples: normalized records -> token ids and a loss mask.
 
 A string prompt/completion (TRL standard, or alpaca without a chat template) becomes
-``prompt ids + completion ids + EOS`` (the tokenizer's end-of-sequence token when it has
-one; no BOS is added, as for plain text), with the loss on the completion and the EOS.
+``BOS + prompt ids + completion ids + EOS``: BOS when the tokenizer's own encode adds one,
+EOS (its end-of-sequence token, when it has one) unless the completion already ends with
+it ([Note: special tokens] in fsdpkit.data.tokenizer); the prompt and the completion are
+tokenized separately, so the answer starts exactly at the completion's first character.
+The loss is on the completion and the EOS.
 A conversation (messages, ShareGPT, TRL conversational, alpaca with a template) is
 formatted with the tokenizer's chat template, with the loss on the assistant turns
 ([Note: assistant spans] in fsdpkit.data.chat). The first token of an example is never
@@ -19,7 +22,7 @@ from fsdpkit.config import DataConfig
 from fsdpkit.data.chat import ChatTemplate
 from fsdpkit.data.plan import data_kind
 from fsdpkit.data.schemas import LABELS, Conversation
-from fsdpkit.data.tokenizer import Tokenizer
+from fsdpkit.data.tokenizer import Tokenizer, with_bos, with_eos
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,11 @@ class Formatter:
                 plain.append(i)
                 continue
             ids, train = chat.encode(
-                conv.messages, where=wheres[i], train_from=conv.train_from, tools=conv.tools
+                conv.messages,
+                where=wheres[i],
+                train_from=conv.train_from,
+                tools=conv.tools,
+                untrained=conv.untrained,
             )
             out[i] = _example(ids, train)
         if plain:
@@ -104,25 +111,29 @@ class Formatter:
         chat = any(c.messages and self._template(required=c.plain is None) for c in convs)
         if chat or not convs:
             return Block.of(self.examples(convs, wheres))
-        texts = [part for conv in convs for part in conv.plain or ("", "")]
-        encoded = _encode_many(self.tokenizer, texts)
-        eos = np.asarray([self.tokenizer.eos_id] if self.tokenizer.eos_id is not None else [])
-        prompt = np.asarray([len(p) for p in encoded[0::2]], dtype=np.int64)
-        answer = np.asarray([len(a) for a in encoded[1::2]], dtype=np.int64) + len(eos)
-        pieces = [x for p, a in zip(encoded[0::2], encoded[1::2]) for x in (p, a, eos)]
+        prompts, answers = self._strings(convs)
+        prompt = np.asarray([len(p) for p in prompts], dtype=np.int64)
+        answer = np.asarray([len(a) for a in answers], dtype=np.int64)
+        pieces = [x for p, a in zip(prompts, answers) for x in (p, a)]
         lengths = prompt + answer
         train = np.repeat(np.tile([False, True], len(convs)), np.stack([prompt, answer], 1).ravel())
         starts = np.cumsum(lengths) - lengths
         train[starts[lengths > 0]] = False  # the first token is predicted from nothing
         return Block(np.concatenate(pieces).astype(np.int64), train, lengths)
 
-    def _plain(self, convs: list[Conversation]) -> list[Example]:
+    def _strings(self, convs: list[Conversation]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(prompt ids with BOS, completion ids with EOS) of string rows, encoded in one
+        batch call ([Note: special tokens])."""
         texts = [part for conv in convs if conv.plain for part in conv.plain]
         encoded = _encode_many(self.tokenizer, texts)
-        eos = [self.tokenizer.eos_id] if self.tokenizer.eos_id is not None else []
+        prompts = [with_bos(self.tokenizer, p.astype(np.int64)) for p in encoded[0::2]]
+        answers = [with_eos(self.tokenizer, a.astype(np.int64)) for a in encoded[1::2]]
+        return prompts, answers
+
+    def _plain(self, convs: list[Conversation]) -> list[Example]:
         out = []
-        for prompt, answer in zip(encoded[0::2], encoded[1::2]):
-            ids = np.concatenate([prompt, answer, np.asarray(eos)]).astype(np.int64)
+        for prompt, answer in zip(*self._strings(convs)):
+            ids = np.concatenate([prompt, answer])
             train = np.zeros(len(ids), dtype=bool)
             train[len(prompt) :] = True
             out.append(_example(ids, train))

@@ -9,6 +9,21 @@ Both concrete tokenizers also implement the bulk path of ``BulkEncoder``: ``enco
 (a list of texts to token arrays in one call: the Rust batch API for HF tokenizers, a numpy
 view of the bytes for the byte tokenizer) and ``fingerprint`` (what a prepared dataset
 records, so that data tokenized with one tokenizer is never trained with another).
+
+[Note: special tokens]
+``encode`` never adds special tokens; what a row starts and ends with is decided here,
+once, as the tokenizer itself defines it (and as TRL's trainers tokenize):
+
+- BOS: ``bos_ids`` are the tokens the tokenizer's own encode puts before a text (its
+  tokenizer.json post-processor, which is what transformers' ``tokenizer(text)`` adds):
+  Llama 3's ``<|begin_of_text|>``, nothing for Qwen2.5 or the byte tokenizer.
+  ``with_bos`` puts them before every plain document and every string prompt, unless
+  the text already starts with them: never twice. A chat row gets what its template
+  writes (Llama 3's template writes BOS itself).
+- EOS: ``with_eos`` appends the tokenizer's EOS after every string completion and
+  document, once: a text that already ends with it gets no second one. A tokenizer
+  whose encode also appends EOS (a post-processor ``$A EOS``) still ends each row with
+  one EOS.
 """
 
 from __future__ import annotations
@@ -31,10 +46,17 @@ DOC_SEPARATOR = "\n\n"
 _EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 """End-of-text tokens of common tokenizer families, tried when no tokenizer_config.json
 names one."""
+_PROBE = "a"
+"""A text every tokenizer encodes to something: its ids with and without special tokens
+show what the tokenizer puts before a text."""
+SPECIALS = "bos-as-tokenizer,eos-once"
+"""The rule of [Note: special tokens], recorded in a prepared dataset's manifest: data
+prepared under another rule (or before there was one) is prepared again."""
 
 
 class Tokenizer(Protocol):
-    """What the data pipeline and the training loop need from a tokenizer."""
+    """What the data pipeline and the training loop need from a tokenizer (an optional
+    ``bos_ids`` attribute: [Note: special tokens]; absent means none)."""
 
     vocab_size: int
     eos_id: int | None
@@ -60,11 +82,58 @@ def separator_ids(tokenizer: Tokenizer) -> list[int]:
     return tokenizer.encode(DOC_SEPARATOR)
 
 
+def bos_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The tokens ``tokenizer`` puts before a text ([Note: special tokens]); () for a
+    tokenizer of the user's own without ``bos_ids``."""
+    return tuple(getattr(tokenizer, "bos_ids", ()))
+
+
+def with_bos(tokenizer: Tokenizer, ids: np.ndarray) -> np.ndarray:
+    """``ids`` of a document or string prompt with the tokenizer's BOS first, unless it
+    is already there ([Note: special tokens])."""
+    bos = bos_ids(tokenizer)
+    if not bos or (len(ids) >= len(bos) and tuple(ids[: len(bos)].tolist()) == bos):
+        return ids
+    return np.concatenate([np.asarray(bos, dtype=ids.dtype), ids])
+
+
+def with_eos(tokenizer: Tokenizer, ids: np.ndarray) -> np.ndarray:
+    """``ids`` of a completion or document with the EOS appended, unless it already ends
+    with it or the tokenizer has none ([Note: special tokens])."""
+    eos = tokenizer.eos_id
+    if eos is None or (len(ids) and int(ids[-1]) == eos):
+        return ids
+    return np.concatenate([ids, np.asarray([eos], dtype=ids.dtype)])
+
+
+def describe_special_tokens(tokenizer: Tokenizer, *, rows: bool, chat: bool = False) -> str:
+    """What the run's first lines say about BOS and EOS ([Note: special tokens]);
+    ``rows``: SFT or preference rows (else plain documents), ``chat``: some are chat."""
+    bos, eos = bos_ids(tokenizer), tokenizer.eos_id
+    before, after = ("string prompt", "string completion") if rows else ("document",) * 2
+    if bos:
+        text = f"bos: added by the tokenizer ({tokenizer.decode(list(bos))}) before each {before}"
+    else:
+        text = "bos: none (the tokenizer's encode adds none)"
+    if eos is None:
+        text += "; eos: none (the tokenizer has none"
+        text += ")" if rows else ": documents are separated by a blank line)"
+    else:
+        text += (
+            f"; eos: appended ({tokenizer.decode([eos])}) after each {after}, once (none "
+            "added to one already ending with it)"
+        )
+    if chat:
+        text += "; chat rows: as the chat template writes them (its BOS, its end of turn)"
+    return text
+
+
 class ByteTokenizer:
     """UTF-8 bytes as tokens (vocab 256); decoding replaces invalid byte sequences."""
 
     vocab_size: int = 256
     eos_id: int | None = None
+    bos_ids: tuple[int, ...] = ()
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -81,21 +150,31 @@ class ByteTokenizer:
         return join_documents(self, docs)
 
     def fingerprint(self) -> dict[str, Any]:
-        return {"kind": "byte", "fingerprint": "byte-utf8", "vocab_size": 256, "eos_id": None}
+        return {
+            "kind": "byte",
+            "fingerprint": "byte-utf8",
+            "vocab_size": 256,
+            "eos_id": None,
+            "bos_ids": [],
+        }
 
 
 class HFTokenizer:
     """A ``tokenizers.Tokenizer`` loaded from a local ``tokenizer.json``.
 
-    Special tokens (BOS and the like) are not added per document: the documents are
-    packed into one stream, separated by the end-of-sequence token when there is one.
+    ``encode`` adds no special tokens; ``bos_ids`` are those the tokenizer's own encode
+    puts first, added by the data pipeline where TRL's trainers get them ([Note:
+    special tokens]).
     """
 
-    def __init__(self, tok: Any, *, eos_id: int | None, source: Path) -> None:
+    def __init__(
+        self, tok: Any, *, eos_id: int | None, source: Path, bos_ids: tuple[int, ...] = ()
+    ) -> None:
         self._tok = tok
         self.source = source
         self.vocab_size: int = int(tok.get_vocab_size(with_added_tokens=True))
         self.eos_id: int | None = eos_id
+        self.bos_ids: tuple[int, ...] = bos_ids
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
@@ -120,6 +199,7 @@ class HFTokenizer:
             "fingerprint": tokenizer_json_hash(self.source),
             "vocab_size": self.vocab_size,
             "eos_id": self.eos_id,
+            "bos_ids": list(self.bos_ids),
             "path": str(self.source),
         }
 
@@ -134,12 +214,29 @@ def tokenizer_json_hash(file: Path) -> str:
     return "sha256:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
+def document_end(tokenizer: Tokenizer, *, last: int) -> list[int]:
+    """What closes a document whose last token is ``last``: the EOS, unless it already
+    is one; a blank line when the tokenizer has no EOS ([Note: special tokens])."""
+    if tokenizer.eos_id is None:
+        return separator_ids(tokenizer)
+    return [] if last == tokenizer.eos_id else [tokenizer.eos_id]
+
+
+def document_ids(tokenizer: Tokenizer, ids: np.ndarray) -> np.ndarray:
+    """One document as a text stream holds it: the BOS (when the tokenizer adds one), its
+    ids, then ``document_end``; an empty document is nothing."""
+    if not len(ids):
+        return np.empty(0, dtype=np.int64)
+    ids = with_bos(tokenizer, ids.astype(np.int64))
+    end = document_end(tokenizer, last=int(ids[-1]))
+    return np.concatenate([ids, np.asarray(end, dtype=np.int64)])
+
+
 def join_documents(tokenizer: BulkEncoder, docs: Sequence[str]) -> torch.Tensor:
-    """Each document's ids followed by ``separator_ids`` (what a prepared text stream holds)."""
-    sep = np.asarray(separator_ids(tokenizer), dtype=np.int64)  # type: ignore[arg-type]
+    """Each document's ``document_ids`` (what a prepared text stream holds)."""
     parts: list[np.ndarray] = []
     for ids in tokenizer.encode_many(docs):
-        parts += [ids.astype(np.int64), sep]
+        parts.append(document_ids(tokenizer, ids))  # type: ignore[arg-type]
     if not parts:
         return torch.empty(0, dtype=torch.int64)
     return torch.from_numpy(np.concatenate(parts))
@@ -180,13 +277,18 @@ def load_hf_tokenizer(path: Path) -> HFTokenizer:
             f"({type(e).__name__}: {e}). Check that the file is complete and was written by "
             "the `tokenizers` library (tokenizer.save or save_pretrained)."
         ) from e
-    return HFTokenizer(tok, eos_id=_find_eos_id(tok, file.parent), source=file)
+    config = _tokenizer_config(file.parent / "tokenizer_config.json")
+    return HFTokenizer(
+        tok,
+        eos_id=_find_eos_id(tok, config),
+        source=file,
+        bos_ids=_find_bos_ids(tok),
+    )
 
 
-def _find_eos_id(tok: Any, directory: Path) -> int | None:
+def _find_eos_id(tok: Any, config: dict[str, Any]) -> int | None:
     """The EOS id named by a sibling tokenizer_config.json, else a well-known EOS token."""
-    name = _configured_eos_token(directory / "tokenizer_config.json")
-    for candidate in (name, *_EOS_CANDIDATES):
+    for candidate in (_config_token(config, "eos_token"), *_EOS_CANDIDATES):
         if candidate is None:
             continue
         token_id = tok.token_to_id(candidate)
@@ -195,13 +297,31 @@ def _find_eos_id(tok: Any, directory: Path) -> int | None:
     return None
 
 
-def _configured_eos_token(config_file: Path) -> str | None:
-    """``eos_token`` from tokenizer_config.json (a string or {"content": ...}), if any."""
+def _find_bos_ids(tok: Any) -> tuple[int, ...]:
+    """What the tokenizer's own encode puts before a text ([Note: special tokens]): the
+    tokens its tokenizer.json post-processor adds before a probe text. (transformers 5
+    drops tokenizer_config.json's ``add_bos_token`` when there is a tokenizer.json, so
+    the post-processor is what ``tokenizer(text)`` adds, and what TRL's rows start with.)"""
+    plain = list(tok.encode(_PROBE, add_special_tokens=False).ids)
+    full = list(tok.encode(_PROBE, add_special_tokens=True).ids)
+    for k in range(len(full) - len(plain) + 1):
+        if full[k : k + len(plain)] == plain:
+            return tuple(int(i) for i in full[:k])
+    return ()
+
+
+def _tokenizer_config(config_file: Path) -> dict[str, Any]:
+    """tokenizer_config.json as a dict ({} when there is none or it is not readable)."""
     try:
         data = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None
-    eos = data.get("eos_token") if isinstance(data, dict) else None
-    if isinstance(eos, dict):
-        eos = eos.get("content")
-    return eos if isinstance(eos, str) else None
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _config_token(config: dict[str, Any], key: str) -> str | None:
+    """A special token of tokenizer_config.json (a string or {"content": ...}), if any."""
+    value = config.get(key)
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None

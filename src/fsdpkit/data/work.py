@@ -35,7 +35,7 @@ from fsdpkit.data.schemas import (
 )
 from fsdpkit.data.sft import Block, Example, Formatter
 from fsdpkit.data.sources import Source
-from fsdpkit.data.tokenizer import BulkEncoder, build_tokenizer, separator_ids
+from fsdpkit.data.tokenizer import BulkEncoder, build_tokenizer, document_end, with_bos
 
 PIECE_CHARS = 1 << 20
 BATCH_CHARS = 4 << 20
@@ -61,6 +61,8 @@ class Result:
     shard: Shard
     schemas: dict[str, int] = field(default_factory=dict)
     nbytes: int = 0
+    empty_replies: int = 0
+    """Empty assistant replies rendered but not trained (Conversation.untrained)."""
 
 
 @cache
@@ -93,6 +95,7 @@ def run(job: Job) -> Result:
         batch: list[tuple[Conversation, object]] = []
         for conv, where in _conversations(job.sources, job.pieces, cfg=job.cfg):
             sink.schemas[conv.schema] += 1
+            sink.empty_replies += len(conv.untrained)
             batch.append((conv, where))
             if len(batch) >= BATCH_ROWS:
                 sink.block(formatter.block([c for c, _ in batch], [w for _, w in batch]))
@@ -112,6 +115,7 @@ class _Sink:
         self.answers: list[int] = []
         self.tokens = 0
         self.schemas: Counter[str] = Counter()
+        self.empty_replies = 0
 
     def add(self, ids: np.ndarray, *, end: bool, mask: np.ndarray | None = None) -> None:
         self.parts.append(ids.astype(self.job.dtype, copy=False))
@@ -149,7 +153,7 @@ class _Sink:
             answer_tokens=int(sum(self.answers)),
             crc32=crc,
         )
-        return Result(shard=shard, schemas=dict(self.schemas), nbytes=nbytes)
+        return Result(shard, dict(self.schemas), nbytes, empty_replies=self.empty_replies)
 
 
 def _concat(parts: list[np.ndarray], dtype: str) -> np.ndarray:
@@ -170,19 +174,24 @@ def write_array(path: Path, array: np.ndarray) -> str:
 
 
 def _text_unit(job: Job, *, tok: BulkEncoder, sink: _Sink) -> None:
-    sep = np.asarray(separator_ids(tok), dtype=np.int64)  # type: ignore[arg-type]
+    """Every document as ``document_ids`` lays it out, a long one arriving in parts: the
+    BOS before its first part, the separator after its last ([Note: special tokens]);
+    an empty document gets neither."""
     texts: list[str] = []
     ends: list[bool] = []
-    open_doc = [0]  # tokens of the document being written (an empty one gets no separator)
+    last: list[int | None] = [None]  # the last token of the open document (None: none open)
 
     def flush() -> None:
         for ids, end in zip(tok.encode_many(texts), ends):
             if len(ids):
+                if last[0] is None:
+                    ids = with_bos(tok, ids.astype(np.int64))  # type: ignore[arg-type]
                 sink.add(ids, end=False)
-                open_doc[0] += len(ids)
-            if end and open_doc[0]:
-                sink.add(sep, end=True)
-                open_doc[0] = 0
+                last[0] = int(ids[-1])
+            if end and last[0] is not None:
+                close = document_end(tok, last=last[0])  # type: ignore[arg-type]
+                sink.add(np.asarray(close, dtype=np.int64), end=True)
+                last[0] = None
         texts.clear()
         ends.clear()
 

@@ -11,9 +11,12 @@ the answer tokens only, fp32; ``pi`` the policy, ``ref`` the frozen reference):
 - ``simpo`` (Meng et al. 2024, reference-free): ``h = beta * (avg pi_w - avg pi_l) -
   gamma`` on length-averaged log-probs, ``loss = -log sigmoid(h)``.
 
-Rewards (logged, never differentiated): ``beta * (pi - ref)`` of each side (SimPO:
-``beta * avg pi``); accuracy is the share of pairs whose chosen reward is the larger;
-the margin is chosen minus rejected reward. The batch's loss is the mean over its pairs.
+Rewards (logged, never differentiated), in TRL's convention so that metrics.jsonl reads
+like TRL's logs: ``beta * (pi - ref)`` of each side with the log-probs *summed* over the
+answer, for DPO and IPO alike (IPO averages over the answer's tokens inside its loss
+only, as TRL's DPOTrainer does); SimPO, reference-free, ``beta * avg pi`` (TRL's
+CPOTrainer). Accuracy is the share of pairs whose chosen reward is the larger; the
+margin is chosen minus rejected reward. The batch's loss is the mean over its pairs.
 
 [Note: preference losses over a split sequence]
 Under context parallelism each cp rank holds a slice of every row's tokens
@@ -101,11 +104,9 @@ def preference_loss(
     """[Note: preference losses] of rows ``2i`` (chosen) / ``2i + 1`` (rejected):
     ``policy`` and ``reference`` are summed answer log-probs per row, ``counts`` the
     answer tokens per row."""
-    if kind in LENGTH_AVERAGED:
-        policy = policy / counts
-        reference = None if reference is None else reference / counts
     if kind in REFERENCE_FREE:
-        chosen, rejected = beta * policy[0::2], beta * policy[1::2]
+        average = beta * policy / counts
+        chosen, rejected = average[0::2], average[1::2]
         losses = -F.logsigmoid(chosen - rejected - gamma)
         return PreferenceOutput(losses, chosen.detach(), rejected.detach())
     if reference is None:
@@ -115,7 +116,8 @@ def preference_loss(
     if kind == "sigmoid":
         losses = -F.logsigmoid(beta * (chosen - rejected))
     elif kind == "ipo":
-        losses = (chosen - rejected - 1 / (2 * beta)) ** 2
+        margin = chosen / counts[0::2] - rejected / counts[1::2]
+        losses = (margin - 1 / (2 * beta)) ** 2
     else:
         raise ValueError(f"unknown preference loss {kind!r}; one of {', '.join(KINDS)}")
     return PreferenceOutput(losses, beta * chosen.detach(), beta * rejected.detach())

@@ -1,11 +1,19 @@
-"""Online RL's rollout side: what scores the policy's completions (and, next, the
-engines that sample them and the weight sync after each update).
+"""Online RL's rollout side: the engines that sample the policy's completions, and what
+scores them.
 
 Modules:
-    rewards  the built-in rewards and users' own with TRL's reward signature, weighted
-             and checked ([Note: reward functions])
-    final_answer  final-answer extraction and equivalence for the math reward, math-verify
-                  or the fallback ([Note: math answers])
+    sampling         the settings, one seed per completion, the Gumbel-max draw ([Note:
+                     world-size-independent samples])
+    decoding         KV-cache decoding of built-in and transformers models ([Note:
+                     decoding with a KV cache])
+    embedded         the embedded engine: the sharded policy gathered whole per rollout
+                     ([Note: the embedded engine])
+    completion_rows  sampled completions laid out for the trainer ([Note: rollout batches])
+    gap              the engine's log-probs against the trainer's ([Note: the log-prob gap])
+    rewards          the built-in rewards and users' own with TRL's reward signature,
+                     weighted and checked ([Note: reward functions])
+    final_answer     final-answer extraction and equivalence for the math reward,
+                     math-verify or the fallback ([Note: math answers])
 
 Names are imported on first use ([Note: lazy package faces] in fsdpkit.lazy).
 """

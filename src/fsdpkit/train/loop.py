@@ -18,11 +18,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from fsdpkit.checkpoint import step_dir_name
 from fsdpkit.errors import UserError
-from fsdpkit.observe.breakdown import DATA_NAME
 from fsdpkit.observe.observer import Observer
 from fsdpkit.runtime.failures import newest_checkpoint_note
 from fsdpkit.runtime.hangs import HangProbe
@@ -31,73 +29,19 @@ from fsdpkit.runtime.runlock import RunLock, acquire
 from fsdpkit.runtime.signals import StopFlag, agreed_signal, describe_stop, install_stop_flag
 from fsdpkit.sharding.compile import compile_seconds
 from fsdpkit.sharding.context.attention import local_attention
-from fsdpkit.sharding.policy import sync_mode
 from fsdpkit.train.generate import sample
 from fsdpkit.train.guards import check_finite
 from fsdpkit.train.progress import Progress
 from fsdpkit.train.session import Session, write_run_dir
+from fsdpkit.train.stepping import StepOutcome, evaluate, run_step
 from fsdpkit.train.summary import RunSummary
 from fsdpkit.train.telemetry import device_peak_flops, peak_memory_kind, peak_memory_mib
-from fsdpkit.trainable.pipeline.step import pipeline_eval, pipeline_step
-from fsdpkit.trainable.step import train_step
 
 log = logging.getLogger(__name__)
 
 
 class StepError(RuntimeError):
     """A step failed (collective timeout, a peer died...); says at which step."""
-
-
-def _global_mean(value: torch.Tensor) -> float:
-    if dist.get_world_size() > 1:
-        value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        value /= dist.get_world_size()
-    return float(value)
-
-
-def _step(s: Session, probe: HangProbe) -> tuple[float, float, dict[str, float]]:
-    """One optimizer step on the next micro-batches; (mean loss over ranks, grad norm,
-    the objective's own metrics: DPO rewards). The scheduler steps too, so read the
-    step's LR before calling this."""
-    with record_function(DATA_NAME):  # the profiler's "data" category
-        batches = [b.to(s.device, non_blocking=True) for b in s.loader.next_step()]
-    if s.pipeline is not None:  # [Note: the pipelined step]
-        result = pipeline_step(
-            s.pipeline, s.model, s.optimizer, batches, max_norm=s.cfg.train.grad_clip
-        )
-        s.scheduler.step()
-        return _global_mean(result.loss), float(result.grad_norm), {}
-    result = train_step(
-        s.model,
-        s.optimizer,
-        batches,
-        loss_fn=s.loss_fn,
-        max_norm=s.cfg.train.grad_clip,
-        keep_unsharded=s.cfg.parallel.accum_keep_unsharded,
-        accum_sync=sync_mode(s.cfg.parallel.accum_sync),
-        scaler=s.scaler,
-        mark=probe.marker(len(batches)),
-    )
-    s.scheduler.step()
-    metrics = getattr(s.loss_fn, "step_metrics", None)  # DPO's rewards (collective), MoE's router
-    extra = metrics() if metrics is not None else {}
-    return _global_mean(result.loss), float(result.grad_norm), extra
-
-
-@torch.no_grad()
-def evaluate(s: Session) -> float | None:
-    """Mean validation loss over the fixed validation batches of every rank."""
-    if not s.val:
-        return None
-    if s.pipeline is not None:
-        return _global_mean(pipeline_eval(s.pipeline, [t.to(s.device) for t in s.val]))
-    s.model.eval()
-    total = torch.zeros((), device=s.device)
-    for tokens in s.val:
-        total += s.loss_fn(s.model, tokens.to(s.device)).float()
-    s.model.train()
-    return _global_mean(total / len(s.val))
 
 
 def _compile_share(s: Session, seconds: float) -> float:
@@ -112,25 +56,28 @@ def _compile_share(s: Session, seconds: float) -> float:
 
 
 def _record(
-    s: Session, *, step: int, loss: float, norm: float, lr: float, dt: float, compile_s: float
+    s: Session, *, step: int, outcome: StepOutcome, lr: float, dt: float, compile_s: float
 ) -> dict[str, Any]:
     """One metrics record; tokens/s over the step time without compilation."""
     cfg = s.cfg
     rows = s.split.global_batch * (2 if cfg.train.objective == "dpo" else 1)  # DPO: 2 per pair
-    tokens_per_s = rows * cfg.data.seq_len / max(dt - compile_s, 1e-9)
-    peak = device_peak_flops(device_type=s.env.device_type, low_precision=s.precision.low_precision)
+    tokens = outcome.tokens if outcome.tokens is not None else rows * cfg.data.seq_len
+    tokens_per_s = tokens / max(dt - compile_s, 1e-9)
+    peak = device_peak_flops(
+        device_type=s.env.device_type, low_precision=s.trainable.precision.low_precision
+    )
     mfu = None
-    if peak and s.llama is not None:
-        flops = s.model.flops_per_token(cfg.data.seq_len)  # type: ignore[operator]
+    if peak and s.trainable.llama is not None:
+        flops = s.trainable.model.flops_per_token(cfg.data.seq_len)  # type: ignore[operator]
         mfu = flops * tokens_per_s / s.env.world_size / peak
     mem = torch.tensor([peak_memory_mib(s.env.device_type)], device=s.device)
     mems = [torch.zeros(1, device=s.device) for _ in range(s.env.world_size)]
     dist.all_gather(mems, mem)
     return {
         "step": step,
-        "loss": loss,
+        "loss": outcome.loss,
         "lr": lr,
-        "grad_norm": norm,
+        "grad_norm": outcome.grad_norm,
         "tokens_per_s": tokens_per_s,
         "mfu": mfu,
         "peak_mem_mib": [round(float(m), 1) for m in mems],
@@ -146,12 +93,18 @@ def _maybe_eval(
 ) -> None:
     every = s.cfg.train.eval_every
     if every and (step % every == 0 or step == s.cfg.train.steps):
-        val = evaluate(s)
+        values = evaluate(s)
+        if values is None:
+            return
+        _write_metrics(s, {"step": step, **values})
+        val = values.get("val_loss")
         if val is not None:
             summary.val_losses.append(val)
             progress.message(f"step {step}: validation loss {val:.4f}")
-            _write_metrics(s, {"step": step, "val_loss": val})
             obs.on_eval(step, val)
+        else:
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in values.items())
+            progress.message(f"step {step}: held out: {shown}")
 
 
 def _maybe_checkpoint(s: Session, *, step: int, progress: Progress, obs: Observer) -> None:
@@ -231,7 +184,7 @@ def _run_steps(
         t0, c0 = time.perf_counter(), compile_seconds()
         lr = float(s.scheduler.get_last_lr()[0])
         try:
-            loss, norm, extra = _step(s, probe)
+            outcome = run_step(s, probe)
         except UserError:  # e.g. a model output without logits: the message says what to do
             raise
         except Exception as exc:
@@ -239,8 +192,13 @@ def _run_steps(
         s.state.step += 1
         step = s.state.step
         probe.step_done(step)
+        loss = outcome.loss
         check_finite(
-            loss=loss, grad_norm=norm, step=step, scaled=bool(s.scaler), checkpointer=s.checkpointer
+            loss=loss,
+            grad_norm=outcome.grad_norm,
+            step=step,
+            scaled=bool(s.scaler),
+            checkpointer=s.checkpointer,
         )
         dt = time.perf_counter() - t0
         compile_s = _compile_share(s, compile_seconds() - c0)
@@ -248,8 +206,8 @@ def _run_steps(
         if note := obs.after_step(step, step_time_s=dt):
             progress.message(note)
         if step % cfg.logging.log_every == 0 or step == cfg.train.steps:
-            record = _record(s, step=step, loss=loss, norm=norm, lr=lr, dt=dt, compile_s=compile_s)
-            record |= extra
+            record = _record(s, step=step, outcome=outcome, lr=lr, dt=dt, compile_s=compile_s)
+            record |= outcome.metrics
             _write_metrics(s, record)
             obs.on_step(record)
             rates.append(record["tokens_per_s"])
@@ -305,9 +263,9 @@ def reapply_schedule(s: Session) -> None:
     train.lr, warm-up or schedule would otherwise apply one step late. Bit-identical to
     the saved LR when nothing changed (the same expression on the same numbers)."""
     sched = s.scheduler
-    sched.base_lrs = [s.cfg.train.lr for _ in s.optimizer.param_groups]
+    sched.base_lrs = [s.cfg.train.lr for _ in s.trainable.optimizer.param_groups]
     lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
-    for group, lr in zip(s.optimizer.param_groups, lrs):
+    for group, lr in zip(s.trainable.optimizer.param_groups, lrs):
         group["initial_lr"] = s.cfg.train.lr
         group["lr"] = lr
     sched._last_lr = lrs  # what get_last_lr() reports
@@ -351,17 +309,24 @@ def _train(s: Session, *, obs: Observer, stop: StopFlag, probe: HangProbe) -> Ru
         total=cfg.train.steps, start=s.state.step, mode=cfg.logging.progress, enabled=env.rank == 0
     )
     progress.message(
-        f"fsdpkit: {env.world_size} ranks ({env.device_type}), {s.plan.describe()}; "
+        f"fsdpkit: {env.world_size} ranks ({env.device_type}), {s.trainable.plan.describe()}; "
         f"{s.split.global_batch} {'pairs' if cfg.train.objective == 'dpo' else 'sequences'} "
         f"per step ({s.split.grad_accum} x {s.split.micro_batch} per rank)"
     )
-    pipe = s.pipeline.describe() if s.pipeline is not None else None
-    for note in (pipe, s.finetune.describe() if s.finetune else None, s.data_note, s.loss_note):
+    pipe = s.trainable.pipeline.describe() if s.trainable.pipeline is not None else None
+    for note in (
+        pipe,
+        s.trainable.finetune.describe() if s.trainable.finetune else None,
+        s.data_note,
+        s.trainable.loss_note,
+    ):
         if note:
             progress.message(note)
     if resumed is not None:
         progress.message(f"resumed from step {resumed}")
-    summary = RunSummary(params=s.finetune.counts.describe() if s.finetune else None)
+    summary = RunSummary(
+        params=s.trainable.finetune.counts.describe() if s.trainable.finetune else None
+    )
     _run_steps(s, progress=progress, summary=summary, stop=stop, obs=obs, probe=probe)
     probe.phase("finish")
     if s.checkpointer is not None:
@@ -369,14 +334,20 @@ def _train(s: Session, *, obs: Observer, stop: StopFlag, probe: HangProbe) -> Ru
     if note := obs.close():
         progress.message(note)
     progress.close()
-    if s.pipeline is not None and cfg.train.sample_tokens:
+    if s.trainable.pipeline is not None and cfg.train.sample_tokens:
         progress.message("train.sample_tokens: no sample under parallel.pp (not supported)")
-    elif s.llama is not None and cfg.train.sample_tokens and s.state.step == cfg.train.steps:
+    elif (
+        s.trainable.llama is not None
+        and cfg.train.sample_tokens
+        and s.state.step == cfg.train.steps
+    ):
         # every cp rank runs the same whole window: no sequence exchange
-        local = local_attention(s.model) if cfg.parallel.cp > 1 else contextlib.nullcontext()
+        local = (
+            local_attention(s.trainable.model) if cfg.parallel.cp > 1 else contextlib.nullcontext()
+        )
         with local:
             summary.sample_text = sample(
-                s.model,
+                s.trainable.model,
                 s.tokenizer,
                 prompt="def ",
                 max_new_tokens=cfg.train.sample_tokens,

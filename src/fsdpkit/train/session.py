@@ -15,26 +15,28 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpkit.checkpoint import Checkpointer, ModelOptimizerState, RankLocal, RNGState
 from fsdpkit.checkpoint.frozen import FrozenBase
 from fsdpkit.config import BatchSplit, ParallelDims, RunConfig, batch_split, parallel_dims, to_toml
+from fsdpkit.config.rl import check_grpo_batch, with_rl_context
 from fsdpkit.data import Tokenizer, TrainingData, open_training_data
 from fsdpkit.data.preference import open_preference_data
-from fsdpkit.finetune import Finetune
-from fsdpkit.loss.contract import LossFn
+from fsdpkit.data.prompt_order import open_prompt_data
 from fsdpkit.models.hf.directory import HF_RUN_DIR, copy_hf_files, with_model_tokenizer
 from fsdpkit.models.llama import LlamaConfig
-from fsdpkit.precision import Precision
+from fsdpkit.rollout.rewards import Rewards, build_rewards
 from fsdpkit.runtime.distenv import DistEnv, pin_collectives, rendezvous_store
 from fsdpkit.runtime.rundir import RunDirError, describe_os_error, write_text_atomically
-from fsdpkit.sharding import ShardPlan, make_grad_scaler
+from fsdpkit.sharding import make_grad_scaler
 from fsdpkit.sharding.mesh import build_mesh
+from fsdpkit.train.rl_step import RlRun, build_rl
+from fsdpkit.train.rl_step import check_lengths as check_rl_lengths
+from fsdpkit.train.rl_step import describe as describe_rl
 from fsdpkit.train.state import TrainerState
 from fsdpkit.train.telemetry import MetricsWriter
-from fsdpkit.trainable.build import build_unsharded, shard_trainable
+from fsdpkit.trainable.build import Trainable, build_unsharded, shard_trainable
 from fsdpkit.trainable.optim import build_scheduler
 from fsdpkit.trainable.reference import DpoLoss, build_reference_unsharded, shard_reference
 from fsdpkit.version import written_by
@@ -54,47 +56,41 @@ class Session:
     """This rank's batches (fsdpkit.data.Loader: next_step(), state_dict())."""
     val: list[Any]
     """This rank's validation micro-batches (token ids, or SFTBatch for SFT data)."""
-    model: nn.Module
-    loss_fn: LossFn
-    llama: LlamaConfig | None
-    plan: ShardPlan
-    precision: Precision
-    optimizer: torch.optim.Optimizer
+    trainable: Trainable
+    """The sharded model, its loss and optimizer and what building them decided
+    ([Note: one builder]); the session reads through it (``s.trainable.model``)."""
     scheduler: torch.optim.lr_scheduler.LambdaLR
     scaler: torch.amp.GradScaler | None
     state: TrainerState
     checkpointer: Checkpointer | None
     metrics: MetricsWriter
-    finetune: Finetune | None = None
-    """What model.freeze / [lora] did (None for sessions built without them)."""
     data_note: str | None = None
     """What the data pipeline reports at the start (SFT rows, truncation counts)."""
     data_record: dict[str, Any] | None = None
     """The same as data, for metrics.jsonl (fsdpkit.data.TrainingData.record)."""
-    loss_note: str | None = None
-    """Why ``train.chunked_loss = auto`` kept full logits (None: it did not)."""
-    pipeline: Any = None
-    """Under parallel.pp: this rank's stages and schedule (fsdpkit.sharding.pipeline.stages);
-    ``model`` is the rank's view of its parameters. None without pp."""
+    rl: RlRun | None = None
+    """Under train.objective = grpo: the rollout engine, rewards and reference
+    ([Note: the GRPO step] in fsdpkit.train.rl_step). None otherwise."""
 
     def app_state(self) -> dict[str, Any]:
         """What a checkpoint holds (DCP Statefuls)."""
 
         only = self.cfg.checkpoint.adapters_only
+        run, pipeline = self.trainable, self.trainable.pipeline
         state: dict[str, Any] = {
             "app": ModelOptimizerState(
-                self.model,
-                self.optimizer,
+                run.model,
+                run.optimizer,
                 trainable_only=only,
-                group_names=self.pipeline.group_names if self.pipeline is not None else None,
-                tied=self.pipeline.tied_names if self.pipeline is not None else None,
+                group_names=pipeline.group_names if pipeline is not None else None,
+                tied=pipeline.tied_names if pipeline is not None else None,
             ),
             "scheduler": self.scheduler,
             "trainer": self.state,
             "rng": RankLocal(RNGState()),
         }
-        if self.finetune is not None and self.finetune.active:
-            state["frozen"] = FrozenBase(self.model, check=only)
+        if run.finetune.active:
+            state["frozen"] = FrozenBase(run.model, check=only)
         return state
 
 
@@ -127,9 +123,27 @@ def init_process_group(cfg: RunConfig, env: DistEnv) -> torch.device:
     return device
 
 
-def _data(cfg: RunConfig, env: DistEnv, split: BatchSplit, dims: ParallelDims) -> TrainingData:
+def _data(
+    cfg: RunConfig,
+    env: DistEnv,
+    split: BatchSplit,
+    dims: ParallelDims,
+    *,
+    rewards: Rewards | None = None,
+) -> TrainingData:
     """This rank's data: the one pipeline (fsdpkit.data.open_training_data) prepares raw
-    sources into the run directory once per node and maps the shards; no collective."""
+    sources into the run directory once per node and maps the shards; no collective.
+    GRPO: prompt rows with the columns ``rewards`` read (fsdpkit.data.prompt_order)."""
+    if rewards is not None:
+        return open_prompt_data(
+            cfg.data,
+            max_prompt_length=cfg.rl.max_prompt_length,
+            prompts_per_step=split.global_batch // cfg.rl.num_generations,
+            seed=cfg.train.seed,
+            dp_rank=dims.dp_rank(env.rank),
+            dp_world=dims.dp,
+            required=rewards.required_columns,
+        )
     if cfg.train.objective == "dpo":  # preference pairs (fsdpkit.data.preference)
         ranks = {"dp_rank": dims.dp_rank(env.rank), "dp_world": dims.dp}
         opts = {"seed": cfg.train.seed, "eval_batches": cfg.train.eval_batches}
@@ -151,14 +165,20 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     """Set up this rank; collective (every rank must call it). Data, model and block
     choice are checked before the process group starts, so bad input fails every rank
     alike without any collective ([Note: one builder])."""
-    cfg = with_model_tokenizer(cfg)
+    if cfg.train.objective == "grpo":
+        check_rl_lengths(cfg)  # named by the [rl] keys, before data.seq_len is derived
+    cfg = with_rl_context(with_model_tokenizer(cfg))
     dims = parallel_dims(cfg, world_size=env.world_size, local_world_size=env.local_world_size)
     split = batch_split(cfg.train, dp_world=dims.dp)
-    data = _data(cfg, env, split, dims)
+    grpo = cfg.train.objective == "grpo"
+    if grpo:  # the global batch at this world size counts whole groups
+        check_grpo_batch(cfg.rl, global_batch=split.global_batch)
+    rewards = build_rewards(cfg.rl) if grpo else None  # users' functions imported here
+    data = _data(cfg, env, split, dims, rewards=rewards)
     unsharded = build_unsharded(
         cfg, vocab_size=data.tokenizer.vocab_size, device_type=env.device_type, sft=data.sft
     )
-    reference = build_reference_unsharded(  # DPO's frozen reference ([Note: reference model])
+    reference = build_reference_unsharded(  # the frozen reference ([Note: reference model])
         cfg, vocab_size=data.tokenizer.vocab_size, device_type=env.device_type
     )
     device = init_process_group(cfg, env)
@@ -174,6 +194,19 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
             ring=cfg.parallel.cp_attention == "ring",
         )
         run.loss_note = run.loss_fn.describe()  # its own loss: the chunked-loss note is moot
+    rl = None
+    if rewards is not None:
+        ref = shard_reference(reference, cfg, mesh=mesh, device=device) if reference else None
+        rl = build_rl(
+            cfg,
+            model=run.model,
+            tokenizer=data.tokenizer,
+            device=device,
+            rewards=rewards,
+            reference=ref,
+            low_precision=run.precision.low_precision,
+        )
+        run.loss_note = describe_rl(rl, cfg)
     scaler = make_grad_scaler(run.precision, device_type=env.device_type)
     run_dir = Path(cfg.logging.run_dir)
     return Session(
@@ -186,12 +219,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         tokenizer=data.tokenizer,
         loader=data.loader,
         val=data.val,
-        model=run.model,
-        loss_fn=run.loss_fn,
-        llama=run.llama,
-        plan=run.plan,
-        precision=run.precision,
-        optimizer=run.optimizer,
+        trainable=run,
         scheduler=build_scheduler(run.optimizer, cfg.train),
         scaler=scaler,
         state=TrainerState(loader=data.loader, scaler=scaler),
@@ -204,11 +232,9 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
             finetune=run.finetune.record(run.model),
         ),
         metrics=MetricsWriter(run_dir / "metrics.jsonl", enabled=env.rank == 0),
-        finetune=run.finetune,
         data_note=data.note,
         data_record=data.record,
-        loss_note=run.loss_note,
-        pipeline=run.pipeline,
+        rl=rl,
     )
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -52,6 +52,9 @@ from fsdpkit.sharding.mesh import cp_mesh
 from fsdpkit.sharding.tensor.rules import check_model
 from fsdpkit.trainable.optim import build_optimizer
 
+if TYPE_CHECKING:  # typing only: torch's pipelining is imported only under parallel.pp
+    from fsdpkit.sharding.pipeline.stages import Pipeline
+
 
 @dataclass
 class Unsharded:
@@ -78,10 +81,11 @@ class Trainable:
     llama: LlamaConfig | None
     """The built-in model's shape (None for model.hf and factory models)."""
     loss_note: str | None = None
-    pipeline: Any = None
-    """Under parallel.pp: this rank's stages and their schedule
-    (fsdpkit.sharding.pipeline.stages.Pipeline); ``model`` is then the rank's view of its
-    parameters ([Note: stage modules]). None without pp."""
+    """What the run's first lines say about the loss: where a model.hf model's weights
+    came from, the chunked-loss choice, the router loss (None: nothing to say)."""
+    pipeline: Pipeline | None = None
+    """Under parallel.pp: this rank's stages and their schedule; ``model`` is then the
+    rank's view of its parameters ([Note: stage modules]). None without pp."""
 
 
 def build_unsharded(

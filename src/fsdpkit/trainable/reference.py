@@ -1,8 +1,10 @@
-"""The reference model of preference tuning, and the DPO loss the training step calls.
+"""The reference model of preference tuning and of GRPO's KL term, and the DPO loss
+the training step calls.
 
 [Note: reference model]
-``train.objective = dpo`` with ``dpo.loss`` sigmoid / ipo compares the policy with a
-frozen reference:
+``train.objective = dpo`` with ``dpo.loss`` sigmoid / ipo, and ``train.objective =
+grpo`` with ``rl.beta > 0`` (fsdpkit.train.rl_step), compare the policy with a frozen
+reference (``dpo.reference`` and ``dpo.reference_dtype`` name it for both):
 
 - full fine-tune (``lora.rank = 0``): a second model built the way the policy is
   ([Note: one builder]: meta build, ``fsdpkit.shard`` on the same mesh, the same
@@ -61,12 +63,23 @@ from fsdpkit.sharding.mesh import cp_mesh
 from fsdpkit.trainable.build import Unsharded, build_unsharded, init_from
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")
-"""What each DPO step adds to its metrics record (means over every rank's pairs)."""
+"""What each DPO step adds to its metrics record (means over every rank's pairs), in
+TRL's convention ([Note: preference losses]); TRL names the last two
+``rewards/accuracies`` and ``rewards/margins``."""
+
+
+def needs_reference(cfg: RunConfig) -> bool:
+    """The objective compares the policy with a reference: DPO / IPO, or GRPO with a KL
+    term (``rl.beta > 0``)."""
+    if cfg.train.objective == "grpo":
+        return cfg.rl.beta > 0
+    return cfg.train.objective == "dpo" and cfg.dpo.loss not in REFERENCE_FREE
 
 
 def needs_reference_model(cfg: RunConfig) -> bool:
-    """A separate reference model is built: DPO / IPO without LoRA."""
-    return cfg.train.objective == "dpo" and cfg.dpo.loss not in REFERENCE_FREE and not cfg.lora.rank
+    """A separate reference model is built: a reference without LoRA (under LoRA the
+    reference is the base with the adapters off)."""
+    return needs_reference(cfg) and not cfg.lora.rank
 
 
 def reference_dtype(cfg: RunConfig, *, param_dtype: torch.dtype) -> torch.dtype:

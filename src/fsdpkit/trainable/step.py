@@ -45,7 +45,7 @@ class StepResult:
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    micro_batches: Sequence[torch.Tensor],
+    micro_batches: Sequence[Any],
     *,
     loss_fn: LossFn,
     max_norm: float,
@@ -54,16 +54,21 @@ def train_step(
     scaler: torch.amp.GradScaler | None = None,
     foreach: bool = True,
     mark: Callable[[str], None] | None = None,
+    average: bool = True,
 ) -> StepResult:
-    """One optimizer step over ``micro_batches`` (token ids, on the model's device)."""
+    """One optimizer step over ``micro_batches`` (token ids or an objective's batches,
+    on the model's device). ``average``: the step's loss is the mean of the micro-batch
+    losses; False: their sum (a loss normalized over the whole step already, as GRPO's:
+    [Note: GRPO loss normalization] in fsdpkit.loss.grpo)."""
     note = mark or (lambda _: None)
     last = len(micro_batches) - 1
+    share = len(micro_batches) if average else 1
     total = torch.zeros((), device=micro_batches[0].device)
     for i, tokens in enumerate(micro_batches):
         with micro_batch(
             model, last=i == last, accum_sync=accum_sync, keep_unsharded=keep_unsharded
         ):
-            loss = loss_fn(model, tokens) / len(micro_batches)
+            loss = loss_fn(model, tokens) / share
             note("forward")
             (scaler.scale(loss) if scaler is not None else loss).backward()
             total += loss.detach().float()
