@@ -77,7 +77,7 @@ def _run(cfg: RunConfig, *, world: int, rank: int, steps: int) -> dict[str, floa
     """Tokens/s (all ranks) over ``steps`` steady steps, compile seconds, step peak."""
     torch._dynamo.reset()  # every compiled run compiles (warm on-disk caches after the first)
     base = live_bytes()
-    mesh = build_mesh(replicate=1, shard=world, device_type="cpu")
+    mesh = build_mesh(device_type="cpu")
     shape = model_shape(cfg)
     with torch.device("meta"):
         model = Llama(shape)

@@ -234,7 +234,7 @@ def _probe(rank: int, world: int, dataset: str, work: str, kind: str) -> dict[st
     )
     model = Llama(cfg)
     init_weights(model, seed=0)
-    shard(model, RunConfig(), mesh=build_mesh(replicate=1, shard=world, device_type="cpu"))
+    shard(model, RunConfig(), mesh=build_mesh(device_type="cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = data.loader.next_batch()
     if kind == "sft":

@@ -29,8 +29,11 @@ table is rendered from it.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # tiny_hf
 
 import results_io
 
@@ -100,7 +103,7 @@ def _measure(
 def _model_dir(cache: str, dim: int, vocab: int) -> Path:
     model_dir = Path(cache) / f"llama-d{dim}-v{vocab}-l8"
     if not (model_dir / "config.json").is_file():
-        from fsdpkit.testing.hf import write_tiny_model
+        from tiny_hf import write_tiny_model
 
         write_tiny_model(
             model_dir, arch="llama", vocab_size=vocab, dim=dim, layers=8, heads=8,

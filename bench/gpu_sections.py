@@ -84,7 +84,7 @@ def _small_model(cfg: RunConfig) -> torch.nn.Module:
 
     with torch.device("meta"):
         model = Llama(model_shape(cfg))
-    shard(model, cfg, mesh=build_mesh(shard=1, device_type="cuda", world_size=1))
+    shard(model, cfg, mesh=build_mesh(device_type="cuda"))
     return model
 
 
@@ -144,7 +144,7 @@ def check_parity() -> list[Row]:
     ref_model = build(shape).to("cuda")
     ref = train_mixed(ref_model, batches, dp=1, param_dtype=torch.bfloat16, clip=0.0)
     model = build(shape).to("cuda")
-    shard(model, bf16_config(), mesh=build_mesh(shard=1, device_type="cuda", world_size=1))
+    shard(model, bf16_config(), mesh=build_mesh(device_type="cuda"))
     got = train(model, batches, clip=0.0)
     loss = max(abs(a - b) / abs(b) for a, b in zip(got["loss"], ref["loss"]))
     norm = max(abs(a - b) / abs(b) for a, b in zip(got["norm"], ref["norm"]))

@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # tiny_hf
 
 import results_io
 
@@ -121,7 +124,7 @@ def _measure(rank: int, world: int, model_dir: str, how: str) -> dict[str, Any]:
 
 
 def _write(cache: Path, *, dim: int, layers: int, vocab: int) -> tuple[Path, int]:
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     out = cache / f"llama-d{dim}-l{layers}-v{vocab}"
     if not (out / "model.safetensors").is_file() and not any(out.glob("*.index.json")):

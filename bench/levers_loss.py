@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # tiny_hf
 
 from fsdpkit.testing import run_ranks
 
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=4, help="timed steps per mode")
     parser.add_argument("--chunk", type=int, default=1024, help="train.loss_chunk_tokens")
     args = parser.parse_args(argv)
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="levers-loss-") as tmp:
         model_dir = write_tiny_model(

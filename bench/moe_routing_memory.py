@@ -51,9 +51,7 @@ def _worker(rank: int, world: int, cfg: Any, steps: int) -> list[tuple[int, floa
     enable_process_wide_accounting()
     base = live_bytes()
     dims = parallel_dims(cfg, world_size=world, local_world_size=world)
-    mesh = build_mesh(
-        replicate=dims.replicate, shard=dims.shard, cp=dims.cp, tp=dims.tp, device_type="cpu"
-    )
+    mesh = build_mesh(dims, device_type="cpu")
     unsharded = build_unsharded(cfg, vocab_size=1, device_type="cpu", shape=None)
     run = shard_trainable(unsharded, cfg, mesh=mesh, device=torch.device("cpu"))
     gen = torch.Generator().manual_seed(dims.dp_rank(rank))

@@ -9,14 +9,18 @@ from __future__ import annotations
 import atexit
 import functools
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # tiny_hf
+
+from tiny_hf import write_tiny_model
+
 from fsdpkit.config import RunConfig, load
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.planner.shapes.scenario import model_shape
-from fsdpkit.testing.hf import write_tiny_model
 
 MODELS = {
     # fp32 models (bf16 matmuls are ~86x slower on CPUs without AVX512-BF16)

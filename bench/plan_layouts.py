@@ -148,7 +148,7 @@ def _moe_fields(p: Any, *, seconds: float) -> dict[str, Any]:
         "plan_s": round(seconds, 1),
         "all_gather_gib": round(p.comm.all_gather / GiB, 1),
         "ep_traffic_gib": round(p.comm.ep_exchange / GiB, 1),
-        "layout": f"{p.scenario.strategy}, ep {p.scenario.ep}, "
+        "layout": f"{p.scenario.strategy}, ep {p.scenario.dims.ep}, "
         f"{p.scenario.ac_mode} AC, micro-batch {p.scenario.micro_batch} x accumulation "
         f"{p.scenario.grad_accum}",
     }

@@ -5,7 +5,7 @@
     .venv/bin/python bench/slurm_scenarios.py --render-docs   # only re-render the docs
 
 Runs ``pytest tests/slurm`` (a real cluster: munge, slurmctld and two slurmds in
-network namespaces, fsdpkit.testing.slurmcluster) with ``FSDPKIT_SLURM_RESULTS`` set:
+network namespaces, tests/slurmcluster.py) with ``FSDPKIT_SLURM_RESULTS`` set:
 every scenario records what happened and how long it took, through real ``sbatch``.
 Writes bench/results/slurm_scenarios.json with pytest's pass/fail counts beside them.
 """

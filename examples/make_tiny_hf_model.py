@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from fsdpkit.testing.hf import ARCHS, write_tiny_model
+from tiny_hf import ARCHS, write_tiny_model
 
 
 def main() -> None:

@@ -1,5 +1,7 @@
-"""Make the shared test support importable (also in spawned ranks, which inherit sys.path),
-and fail the suite if any process the tests started outlives it.
+"""Make the shared test support and examples/tiny_hf.py (tiny HF configs, models and
+tokenizers, the README example's own module) importable (also in spawned ranks, which
+inherit sys.path; CLI subprocesses get both on PYTHONPATH from e2e/clirun.py), and fail
+the suite if any process the tests started outlives it.
 
 Every process the suite starts inherits ``FSDPKIT_TEST_SESSION`` (set here, unique
 per pytest run), so leftovers are found by that marker in ``/proc/PID/environ`` and
@@ -21,6 +23,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).parents[1] / "examples"))
 
 MARKER = "FSDPKIT_TEST_SESSION"
 os.environ[MARKER] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"

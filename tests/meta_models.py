@@ -52,7 +52,7 @@ def positional_mlp_bare_meta() -> nn.Module:
 
 
 def _llama_config() -> object:
-    from fsdpkit.testing.hf import tiny_config
+    from tiny_hf import tiny_config
 
     return tiny_config("llama", vocab_size=VOCAB, dim=32)
 

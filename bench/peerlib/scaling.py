@@ -36,7 +36,7 @@ def _local_bytes(tensors: Any) -> int:
 def worker(rank: int, world: int, seq_len: int, micro_batch: int) -> dict[str, dict[str, int]]:
     """run_ranks body: {strategy: {"model_state": bytes, "peak": bytes}} of this rank."""
     from fsdpkit import config as configuration
-    from fsdpkit.config import mesh_shape
+    from fsdpkit.config import ParallelDims, mesh_shape
     from fsdpkit.cpumem import enable_process_wide_accounting, live_bytes, peak_bytes
     from fsdpkit.loss.contract import next_token_loss
     from fsdpkit.models.llama import Llama, preset
@@ -53,7 +53,7 @@ def worker(rank: int, world: int, seq_len: int, micro_batch: int) -> dict[str, d
         base = live_bytes()  # what earlier strategies left behind is not this one's
         cfg = configuration.load(None, _overrides(strategy, world))
         replicate, shard_deg = mesh_shape(cfg, world_size=world, local_world_size=world)
-        mesh = build_mesh(replicate=replicate, shard=shard_deg, device_type="cpu")
+        mesh = build_mesh(ParallelDims(replicate=replicate, shard=shard_deg), device_type="cpu")
         with torch.device("meta"):
             model = Llama(preset("tiny", max_seq_len=max(seq_len, 256)))
         shard(model, cfg, mesh=mesh)

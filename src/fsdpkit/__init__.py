@@ -10,23 +10,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fsdpkit.lazy import lazy_exports
-from fsdpkit.version import __version__
+from fsdpkit.version import __version__ as __version__
 
-if TYPE_CHECKING:
-    from fsdpkit.config import ConfigError, RunConfig
-    from fsdpkit.models.buffers import meta_params
-    from fsdpkit.models.hf.initialize import init_weights
-    from fsdpkit.sharding import (
-        BlockDetectionError,
-        ShardPlan,
-        clip_grad_norm,
-        detect_blocks,
-        gradient_sync,
-        make_grad_scaler,
-        resolve_precision,
-        shard,
-    )
-    from fsdpkit.sharding.mesh import MeshError, build_mesh
+if TYPE_CHECKING:  # the names of _HOMES from their modules (tests/unit/test_lazy_faces.py)
+    from fsdpkit.config import ConfigError as ConfigError
+    from fsdpkit.config import RunConfig as RunConfig
+    from fsdpkit.models.buffers import meta_params as meta_params
+    from fsdpkit.models.hf.initialize import init_weights as init_weights
+    from fsdpkit.sharding.apply import ShardPlan as ShardPlan
+    from fsdpkit.sharding.apply import shard as shard
+    from fsdpkit.sharding.blocks import BlockDetectionError as BlockDetectionError
+    from fsdpkit.sharding.blocks import detect_blocks as detect_blocks
+    from fsdpkit.sharding.grads import clip_grad_norm as clip_grad_norm
+    from fsdpkit.sharding.grads import gradient_sync as gradient_sync
+    from fsdpkit.sharding.mesh import MeshError as MeshError
+    from fsdpkit.sharding.mesh import build_mesh as build_mesh
+    from fsdpkit.sharding.policy import make_grad_scaler as make_grad_scaler
+    from fsdpkit.sharding.policy import resolve_precision as resolve_precision
 
 _HOMES = {
     "ConfigError": "fsdpkit.config",
@@ -44,23 +44,8 @@ _HOMES = {
     "make_grad_scaler": "fsdpkit.sharding.policy",
     "resolve_precision": "fsdpkit.sharding.policy",
 }
-"""Where each public name lives ([Note: lazy package faces] in fsdpkit.lazy)."""
+"""Where each public name lives: the one list of them ([Note: lazy package faces] in
+fsdpkit.lazy)."""
 
-__all__ = [
-    "BlockDetectionError",
-    "ConfigError",
-    "MeshError",
-    "RunConfig",
-    "ShardPlan",
-    "__version__",
-    "build_mesh",
-    "clip_grad_norm",
-    "detect_blocks",
-    "gradient_sync",
-    "init_weights",
-    "make_grad_scaler",
-    "meta_params",
-    "resolve_precision",
-    "shard",
-]
+__all__ = sorted([*_HOMES, "__version__"])
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

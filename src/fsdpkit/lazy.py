@@ -5,8 +5,13 @@ Importing ``fsdpkit.x.y`` runs ``fsdpkit/__init__.py`` and ``fsdpkit/x/__init__.
 first. When those re-export the whole library eagerly, every command pays for torch,
 FSDP2, DTensor and sympy (~2 s) before it parses argv: ``fsdpkit --help`` took longer
 than ``python -c "import torch"``. A face built with ``lazy_exports`` imports a name's
-module only when the name is looked up, so a caller pays for what it uses; the names,
-``__all__`` and the ``TYPE_CHECKING`` imports that type checkers read stay the same.
+module only when the name is looked up, so a caller pays for what it uses.
+
+A face writes its public names once, in ``_HOMES`` (name -> module); ``__all__`` is
+``sorted(_HOMES)``. Type checkers cannot run that, so the face also imports each name
+from its home under ``if TYPE_CHECKING:``, in the explicit re-export form ``import X as
+X`` (public to mypy and pyright whatever ``__all__`` holds); tests/unit/test_lazy_faces.py
+checks that those imports name exactly ``_HOMES``, module for module.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from fsdpkit import build_mesh, make_grad_scaler, resolve_precision, shard
-from fsdpkit.config import RunConfig, load, mesh_shape
+from fsdpkit.config import ParallelDims, RunConfig, load, mesh_shape
 from fsdpkit.loss.contract import next_token_loss
 from fsdpkit.sharding.policy import sync_mode
 from fsdpkit.testing import run_ranks
@@ -52,7 +52,7 @@ def _train(rank: int, world: int, cfg: RunConfig, micro: int) -> dict[str, Any]:
     """The trainer's step over ``STEPS`` steps; per-micro-batch collective counts of
     the first step."""
     replicate, shard_deg = mesh_shape(cfg, world_size=world, local_world_size=2)
-    mesh = build_mesh(replicate=replicate, shard=shard_deg, device_type="cpu")
+    mesh = build_mesh(ParallelDims(replicate=replicate, shard=shard_deg), device_type="cpu")
     model = build(TINY)
     shard(model, cfg, mesh=mesh)
     precision = resolve_precision(cfg.precision, device_type="cpu")

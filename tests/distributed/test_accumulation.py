@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fsdpkit import build_mesh, gradient_sync, shard
-from fsdpkit.config import ParallelConfig, RunConfig, mesh_shape
+from fsdpkit.config import ParallelConfig, ParallelDims, RunConfig, mesh_shape
 from fsdpkit.testing import run_ranks
 from support import (
     GLOBAL_BATCH,
@@ -34,7 +34,7 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _accumulate(rank: int, world: int, strategy: str, keep_unsharded: bool) -> dict[str, Any]:
     cfg = RunConfig(parallel=ParallelConfig(strategy=strategy))  # type: ignore[arg-type]
     replicate, shard_deg = mesh_shape(cfg, world_size=world, local_world_size=2)
-    mesh = build_mesh(replicate=replicate, shard=shard_deg, device_type="cpu")
+    mesh = build_mesh(ParallelDims(replicate=replicate, shard=shard_deg), device_type="cpu")
     micro = global_batches(1, micro=K)[0]  # (K, GLOBAL_BATCH, seq+1)
     counter: Counter[str] = Counter()
     count_collectives(counter)

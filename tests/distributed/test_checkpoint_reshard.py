@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from fsdpkit import build_mesh, shard
 from fsdpkit.checkpoint import Checkpointer, ModelOptimizerState, load_hf_weights
-from fsdpkit.config import CheckpointConfig, ParallelConfig, RunConfig, mesh_shape
+from fsdpkit.config import CheckpointConfig, ParallelConfig, ParallelDims, RunConfig, mesh_shape
 from fsdpkit.export import export
 from fsdpkit.testing import run_ranks
 from support import SEQ, TINY, build, full_state, lm_loss, untied
@@ -47,7 +47,11 @@ def _model(
     )
     replicate, degree = mesh_shape(cfg, world_size=world, local_world_size=world)
     model = build(TINY if tied else CFG, seed=seed)
-    shard(model, cfg, mesh=build_mesh(replicate=replicate, shard=degree, device_type="cpu"))
+    shard(
+        model,
+        cfg,
+        mesh=build_mesh(ParallelDims(replicate=replicate, shard=degree), device_type="cpu"),
+    )
     return model, torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
 
 

@@ -113,7 +113,7 @@ def _all(rank: int, world: int, model_dir: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Any]:
     pytest.importorskip("transformers")
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     tmp = tmp_path_factory.mktemp("hf")

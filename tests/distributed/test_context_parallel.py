@@ -178,7 +178,7 @@ def _models(rank: int, world: int, dirs: dict[str, str]) -> dict[str, dict[str, 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, float]]:
     pytest.importorskip("transformers")
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     tmp = tmp_path_factory.mktemp("cp-hf")

@@ -44,7 +44,7 @@ def _open(cfg: DataConfig, rank: int, world: int, work: Path, *, micro: int, acc
 def _losses(rank: int, world: int, cfg: DataConfig, work: Path) -> list[float]:
     data = _open(cfg, rank, world, work, micro=2, accum=2)
     model = build(dataclasses.replace(TINY, vocab_size=256), seed=0)
-    shard(model, RunConfig(), mesh=build_mesh(replicate=1, shard=world, device_type="cpu"))
+    shard(model, RunConfig(), mesh=build_mesh(device_type="cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, eps=1e-6)
     out = []
     for _ in range(4):
@@ -154,7 +154,7 @@ def _refused(rank: int, world: int, tmp: str) -> str:
 
 def test_tokenizer_mismatch_with_model_hf_is_refused_by_name(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     write_tiny_model(tmp_path / "model", arch="llama", dim=32, weights=False)
     (tmp_path / "corpus.txt").write_text(TEXT)

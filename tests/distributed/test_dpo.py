@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from tiny_hf import write_tiny_model
 from torch.distributed.tensor import DTensor
 
 from fsdpkit.config import load
@@ -37,7 +38,6 @@ from fsdpkit.data.tokenizer import build_tokenizer
 from fsdpkit.models.hf.directory import with_model_tokenizer
 from fsdpkit.runtime.distenv import joined_env
 from fsdpkit.testing import run_ranks
-from fsdpkit.testing.hf import write_tiny_model
 from fsdpkit.train.loop import run
 from fsdpkit.train.session import build_session
 

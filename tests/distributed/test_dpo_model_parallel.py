@@ -30,9 +30,9 @@ import pytest
 import test_dpo
 import torch
 from test_dpo import GAMMA, LORA, _close, _metrics, _overrides, _reference, _rows, _train
+from tiny_hf import write_tiny_model
 
 from fsdpkit.testing import run_ranks
-from fsdpkit.testing.hf import write_tiny_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 pytest.importorskip("transformers")

@@ -64,7 +64,7 @@ def _model(overrides: list[str], *, sharded: bool, hf: str | None = None) -> Any
     if sharded:
         world = torch.distributed.get_world_size()
         dims = parallel_dims(cfg, world_size=world, local_world_size=world)
-        mesh = build_mesh(shard=dims.shard, ep=dims.ep, device_type="cpu")
+        mesh = build_mesh(dims, device_type="cpu")
         shard(built.module, cfg, mesh=mesh, init=built.init)
     return built.module
 
@@ -84,7 +84,7 @@ def _rank(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
 
 
 def _hf_dir(tmp: Path) -> str:
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     return str(write_tiny_model(tmp / "qwen3_moe", arch="qwen3_moe", vocab_size=VOCAB, dim=32))

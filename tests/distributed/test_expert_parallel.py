@@ -70,9 +70,7 @@ def _run(overrides: list[str]) -> tuple[Any, Any]:
     cfg = load(None, overrides)
     world = torch.distributed.get_world_size()
     dims = parallel_dims(cfg, world_size=world, local_world_size=world)
-    mesh = build_mesh(
-        replicate=dims.replicate, shard=dims.shard, cp=dims.cp, ep=dims.ep, device_type="cpu"
-    )
+    mesh = build_mesh(dims, device_type="cpu")
     built = build_model(cfg.model, vocab_size=VOCAB, seq_len=16, seed=0)
     plan = shard(built.module, cfg, mesh=mesh, init=built.init)
     built.module.cp = cp_mesh(mesh)
@@ -147,7 +145,7 @@ def _one_process(overrides: list[str], *, hf: str | None = None) -> dict[str, An
 
 
 def _hf_dir(tmp: Path, arch: str) -> str:
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     out = write_tiny_model(tmp / arch, arch=arch, vocab_size=VOCAB, dim=32, tokenizer=False)
     config = json.loads((out / "config.json").read_text())

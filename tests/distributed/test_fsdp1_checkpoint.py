@@ -101,7 +101,7 @@ def load_fsdpkit(rank: int, world: int, out: str) -> dict[str, Any]:
     a different mesh); logits on the same tokens. Mismatching models: the errors."""
     from fsdpkit import RunConfig, build_mesh, shard
     from fsdpkit.checkpoint import CheckpointError
-    from fsdpkit.config import ParallelConfig
+    from fsdpkit.config import ParallelConfig, ParallelDims
     from fsdpkit.migrate import load_fsdp1_checkpoint
 
     acc = Path(out, "accelerate")
@@ -114,7 +114,9 @@ def load_fsdpkit(rank: int, world: int, out: str) -> dict[str, Any]:
     results: dict[str, Any] = {"logits": {}, "kinds": {}, "errors": {}}
     for strategy in ("full", "replicate"):
         cfg = RunConfig(parallel=ParallelConfig(strategy=strategy))
-        mesh = build_mesh(replicate=world if strategy == "replicate" else 1)
+        mesh = build_mesh(
+            ParallelDims(replicate=world, shard=1) if strategy == "replicate" else None
+        )
         for name, path in sources.items():
             model = build(CFG, meta=True)
             shard(model, cfg, mesh=mesh)

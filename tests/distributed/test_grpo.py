@@ -221,9 +221,9 @@ def test_lora_with_a_kl_term_trains_the_adapters_and_saves_only_them(tmp_path: P
     model]): the KL starts at 0 and grows as the adapters move; the checkpoint holds the
     adapters only, and exports as a peft adapter."""
     import torch.distributed.checkpoint as dcp
+    from tiny_hf import write_tiny_model
 
     from fsdpkit.export import export
-    from fsdpkit.testing.hf import write_tiny_model
 
     model_dir = write_tiny_model(tmp_path / "tiny", arch="llama", vocab_size=320)
     data = _prompts(tmp_path / "add.jsonl")

@@ -60,7 +60,7 @@ def _write_family(model_type: str, out: Path) -> str | None:
     """A shrunk random model of ``model_type`` saved by save_pretrained; the reason
     when transformers itself cannot build, save, reload it exactly and run it (then
     skipped: the family's own code refuses the shrunk config)."""
-    from fsdpkit.testing.hf import shrunk_config
+    from tiny_hf import shrunk_config
 
     try:
         config = shrunk_config(model_type)
@@ -183,7 +183,7 @@ def _train_all(rank: int, world: int, dirs: dict[str, str], runs: dict[str, str]
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     tmp = tmp_path_factory.mktemp("moe")

@@ -166,7 +166,7 @@ def _all(rank: int, world: int, dirs: dict[str, str], runs: dict[str, str]) -> d
 
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     tmp = tmp_path_factory.mktemp("lora")

@@ -70,7 +70,7 @@ def _all(rank: int, world: int, llama_dir: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     pytest.importorskip("transformers")
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     llama = write_tiny_model(
         tmp_path_factory.mktemp("llama"), arch="llama", vocab_size=VOCAB, dim=32, tokenizer=False

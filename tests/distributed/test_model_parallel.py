@@ -120,7 +120,7 @@ FAMILIES = (
     *("phi", "cohere2", "hrm_text"),
 )
 """Dense families whose transformers plan fsdpkit admits, each at tp2 with full logits
-(tiny configs: fsdpkit.testing.hf.tiny_config)."""
+(tiny configs: tiny_hf.tiny_config)."""
 NO_SP = ("hf-gpt_neox", "hf-phi", "hf-hrm_text")
 """Kinds whose residual stream stays whole (GPT-NeoX: dropouts beside its attention and
 MLP, and no ``model.norm``)."""
@@ -232,9 +232,7 @@ def _run_variant(rank: int, name: str, dirs: dict[str, str]) -> dict[str, Any]:
     cfg = _config(kind, overrides, dirs)
     dims = parallel_dims(cfg, world_size=WORLD, local_world_size=WORLD)
     model, init = _model(kind, cfg, sharded=True)
-    mesh = build_mesh(
-        replicate=dims.replicate, shard=dims.shard, cp=dims.cp, tp=dims.tp, device_type="cpu"
-    )
+    mesh = build_mesh(dims, device_type="cpu")
     plan = shard(model, cfg, mesh=mesh, init=init)
     out = train(
         model,
@@ -276,7 +274,7 @@ def _selected(request: pytest.FixtureRequest, among: dict[str, Any]) -> list[str
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     tmp = tmp_path_factory.mktemp("hf-tp")

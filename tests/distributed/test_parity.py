@@ -19,6 +19,7 @@ from fsdpkit.config import (
     ActivationsConfig,
     OffloadConfig,
     ParallelConfig,
+    ParallelDims,
     PrecisionConfig,
     RunConfig,
     mesh_shape,
@@ -82,7 +83,7 @@ def _run_variant(rank: int, world: int, name: str) -> dict[str, Any]:
     if opts.get("frozen"):
         _freeze(model)
     replicate, shard_deg = mesh_shape(cfg, world_size=world, local_world_size=world)
-    mesh = build_mesh(replicate=replicate, shard=shard_deg, device_type="cpu")
+    mesh = build_mesh(ParallelDims(replicate=replicate, shard=shard_deg), device_type="cpu")
     plan = shard(model, cfg, mesh=mesh)
     precision = resolve_precision(cfg.precision, device_type="cpu")
     batches = global_batches(STEPS, micro=opts.get("micro", 1))

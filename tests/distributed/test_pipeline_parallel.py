@@ -113,7 +113,7 @@ def _overrides(name: str, tmp: Path) -> list[str]:
     if name.startswith("factory-"):
         return [*common, "model.factory=factories:token_mlp"]
     if name.startswith("sft-"):
-        from fsdpkit.testing.hf import write_tiny_model
+        from tiny_hf import write_tiny_model
 
         chat = tmp / "hf-llama-chat"
         if not chat.exists():
@@ -129,7 +129,7 @@ def _overrides(name: str, tmp: Path) -> list[str]:
         ]
     if not name.startswith(("hf-", "tied-hf-")):
         return [*BASE, *BATCH]
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     arch = name.split("-")[-2] if name.startswith("tied-") else "llama"
     model = tmp / name.removesuffix("-pp2xdp2")
@@ -145,8 +145,7 @@ def _write_tied_llama(out: Path) -> None:
     embedding only)."""
     import torch
     import transformers as T
-
-    from fsdpkit.testing.hf import tiny_config, write_tokenizer
+    from tiny_hf import tiny_config, write_tokenizer
 
     config = tiny_config("llama", layers=4)
     config.tie_word_embeddings = True

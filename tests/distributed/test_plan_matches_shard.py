@@ -21,7 +21,7 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.fsdp import FSDPModule
 
 from fsdpkit import build_mesh, shard
-from fsdpkit.config import load, mesh_shape
+from fsdpkit.config import ParallelDims, load, mesh_shape
 from fsdpkit.models.factory import build_model
 from fsdpkit.planner.shapes.scenario import model_shape, scenario
 from fsdpkit.precision import PRESETS
@@ -87,7 +87,9 @@ def _applied(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
     blocks = list(choose_blocks(built.module).blocks)
     replicate, shard_deg = mesh_shape(cfg, world_size=world, local_world_size=world)
     shard(
-        built.module, cfg, mesh=build_mesh(replicate=replicate, shard=shard_deg, device_type="cpu")
+        built.module,
+        cfg,
+        mesh=build_mesh(ParallelDims(replicate=replicate, shard=shard_deg), device_type="cpu"),
     )
     units = []
     seen: set[int] = set()
@@ -126,7 +128,7 @@ def _planned(world: int, overrides: list[str]) -> dict[str, Any]:
     def facts(u: Any, modules: int) -> dict[str, Any]:
         return {
             "modules": modules,
-            "reshard": effective_reshard(u.reshard_after_forward, shard=sc.shard),
+            "reshard": effective_reshard(u.reshard_after_forward, shard=sc.dims.fsdp_shard),
             "param_dtype": preset.param_dtype,
             "reduce_dtype": preset.reduce_dtype,
         }

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tiny_hf import write_tiny_model
 
 from fsdpkit.config import RunConfig, load
 from fsdpkit.planner import plan
@@ -28,7 +29,6 @@ from fsdpkit.planner.experts.routing import BALANCED, from_records
 from fsdpkit.planner.shapes.scenario import model_shape
 from fsdpkit.planner.traced.measure import measure_step_records
 from fsdpkit.testing import run_ranks
-from fsdpkit.testing.hf import write_tiny_model
 
 pytestmark = pytest.mark.distributed
 

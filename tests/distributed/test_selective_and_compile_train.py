@@ -43,8 +43,7 @@ class OddBlock(nn.Module):
 def _hf_llama() -> nn.Module:
     """A transformers Llama as fsdpkit builds ``model.hf`` ones (no KV cache)."""
     import transformers
-
-    from fsdpkit.testing.hf import tiny_config
+    from tiny_hf import tiny_config
 
     config = tiny_config("llama", vocab_size=128, dim=32)
     config.use_cache = False
@@ -78,7 +77,7 @@ COMPILED: dict[str, tuple[str, RunConfig]] = {
 
 def _run(rank: int, world: int, kind: str, cfg: RunConfig) -> dict[str, Any]:
     model = {"llama": build, "odd": _odd_net, "hf": _hf_llama}[kind]()
-    mesh = build_mesh(replicate=1, shard=world, device_type="cpu")
+    mesh = build_mesh(device_type="cpu")
     plan = shard(model, cfg, mesh=mesh)
     loss = next_token_loss if kind == "hf" else None  # HF returns a ModelOutput
     out = train(model, global_batches(STEPS), rank=rank, world=world, loss_fn=loss)

@@ -12,14 +12,16 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).parent
+EXAMPLES = HERE.parents[1] / "examples"
+"""examples/: tiny_hf, which factories build their tiny transformers models with."""
 
 
 def cli_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a CLI run: tests/e2e and tests on PYTHONPATH (factories), no
-    inherited launcher variables."""
+    """The environment of a CLI run: tests/e2e, tests and examples on PYTHONPATH
+    (factories), no inherited launcher variables."""
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(
-        [str(HERE), str(HERE.parent), *filter(None, [full_env.get("PYTHONPATH")])]
+        [str(HERE), str(HERE.parent), str(EXAMPLES), *filter(None, [full_env.get("PYTHONPATH")])]
     )
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
         full_env.pop(key, None)

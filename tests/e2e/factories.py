@@ -36,10 +36,10 @@ def exploding() -> nn.Module:
 def gpt2_nan_on_rank1() -> tuple[nn.Module, Any]:
     """A transformers GPT-2 (its forward returns a ModelOutput) whose loss turns NaN on
     rank 1 only, at the third training step."""
+    from tiny_hf import tiny_config
     from transformers import GPT2LMHeadModel
 
     from fsdpkit.loss.contract import next_token_loss
-    from fsdpkit.testing.hf import tiny_config
 
     calls = 0
 

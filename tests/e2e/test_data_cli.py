@@ -41,7 +41,7 @@ def test_prepare_rerun_inspect_verify(tmp_path: Path) -> None:
 
 def test_killed_prepare_leaves_nothing_a_run_would_load(tmp_path: Path, launched: list) -> None:
     pytest.importorskip("tokenizers")
-    from fsdpkit.testing.hf import write_tokenizer
+    from tiny_hf import write_tokenizer
 
     (tmp_path / "tok").mkdir()
     write_tokenizer(tmp_path / "tok", vocab_size=400)

@@ -51,7 +51,7 @@ def _lora(model_dir: Path, run: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     tmp = tmp_path_factory.mktemp("ft")
     model_dir = write_tiny_model(tmp / "tiny-chat", arch="llama", dim=32, chat=True)
@@ -119,7 +119,7 @@ def test_peft_and_merged_exports_agree(runs: dict[str, Any]) -> None:
 
 def _bad_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
     """name -> (overrides, what the one-paragraph error must name)."""
-    from fsdpkit.testing.hf import write_tokenizer
+    from tiny_hf import write_tokenizer
 
     plain = tmp / "plain-tokenizer"
     plain.mkdir(exist_ok=True)
@@ -162,7 +162,7 @@ def test_bad_input_is_one_paragraph_and_exit_2(runs: dict[str, Any]) -> None:
         assert all(n in str(err.value) for n in needles), (name, str(err.value))
         assert "\n" not in str(err.value)
     # resuming the adapters onto another base, or into a run that loads the whole model
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     other = write_tiny_model(tmp / "other-base", arch="llama", dim=32, chat=True, seed=1)
     step3 = f"checkpoint.resume={tmp / 'a' / 'checkpoints' / 'step-00000003'}"

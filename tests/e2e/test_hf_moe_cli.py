@@ -21,7 +21,7 @@ REMOVED = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
 
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("moe") / "mixtral", arch="mixtral", dim=32)
 

@@ -117,7 +117,7 @@ def test_bad_layout_is_one_paragraph_before_any_worker(
 def test_lora_sft_at_tp2_exports_the_adapters_an_fsdp_only_run_does(tmp_path: Path) -> None:
     """LoRA SFT on a transformers Llama (packed chat rows, adapters only): tp2 and dp2
     runs of 3 steps export the same peft adapter tensors."""
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     model_dir = write_tiny_model(tmp_path / "tiny-chat", arch="llama", dim=32, chat=True)
     sft = Path(__file__).parents[2] / "examples" / "sft_tiny.jsonl"

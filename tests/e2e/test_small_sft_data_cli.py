@@ -47,8 +47,9 @@ def test_two_alpaca_rows_name_data_pack_false_then_train(tmp_path: Path) -> None
 
 
 def test_sharegpt_with_an_empty_reply_trains_and_counts_it(tmp_path: Path) -> None:
+    from tiny_hf import write_tiny_model
+
     from chat_tokenizers import write_chat_tokenizer
-    from fsdpkit.testing.hf import write_tiny_model
 
     model = write_tiny_model(tmp_path / "llama3", tokenizer=False, vocab_size=400, dim=32)
     write_chat_tokenizer(model, "llama3")

@@ -78,10 +78,17 @@ def test_wheel_and_sdist_ship_what_users_need(installed: dict[str, Path]) -> Non
     )
     assert f"Version: {__version__}" in meta and "License-Expression: Apache-2.0" in meta
     assert "fsdpkit = fsdpkit.cli:main" in entry
+    # only what users call: run_ranks of fsdpkit.testing, none of the test-only helpers
+    # (tests/netns.py, slurmcluster.py, slurmconf.py; examples/tiny_hf.py, once testing/hf)
+    testing = sorted(n for n in names if n.startswith("fsdpkit/testing/"))
+    assert testing == ["fsdpkit/testing/__init__.py", "fsdpkit/testing/spawn.py"], testing
+    test_only = {"netns.py", "slurmcluster.py", "slurmconf.py", "tiny_hf.py"}
+    assert not [n for n in names if Path(n).name in test_only], sorted(names)
     for path in (
         "LICENSE",
         "CHANGELOG.md",
         "examples/make_tiny_hf_model.py",
+        "examples/tiny_hf.py",  # the quick start's script imports it from beside itself
         "docs/compatibility.md",
     ):
         assert (installed["sdist"] / path).is_file(), f"the sdist lacks {path}"

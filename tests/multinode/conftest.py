@@ -1,5 +1,5 @@
 """Tests on two "nodes" made of network namespaces ([Note: netns lifetime] in
-fsdpkit.testing.netns): skipped, saying why, only where namespaces cannot be made
+tests/netns.py): skipped, saying why, only where namespaces cannot be made
 (not root, no ``ip``); CI runs them as root.
 
 Namespaces an interrupted run left behind (their creating pid is gone) are deleted,
@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "e2e"))  # clirun, factories
 
-from fsdpkit.testing import netns
+import netns
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,4 +1,4 @@
-"""Faults between two namespace "nodes" (fsdpkit.testing.netns) that loopback hides:
+"""Faults between two namespace "nodes" (tests/netns.py) that loopback hides:
 a cut link, a rank of node 1 asleep inside a step, a node that cannot route to the
 rendezvous (``fsdpkit doctor --nnodes 2``).
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from clirun import FAST, cli_env, wait_for_step
 
+import netns
 from fsdpkit.checkpoint.stepdir import complete_entries
-from fsdpkit.testing import netns
-from fsdpkit.testing.netns import Cluster
+from netns import Cluster
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

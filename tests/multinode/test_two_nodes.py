@@ -1,4 +1,4 @@
-"""Two real "nodes" (network namespaces on a bridge, fsdpkit.testing.netns), one rank
+"""Two real "nodes" (network namespaces on a bridge, tests/netns.py), one rank
 each, gloo: what on 127.0.0.1 could not show (issue 24).
 
 - a 2-node run trains the losses of a one-node run at the same world size, and every
@@ -25,7 +25,7 @@ from clirun import FAST, HERE, cli_env, fsdpkit, losses, metrics, wait_for_step
 
 from fsdpkit import netinfo
 from fsdpkit.checkpoint.stepdir import complete_entries
-from fsdpkit.testing.netns import Cluster, Node
+from netns import Cluster, Node
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -1,5 +1,5 @@
 """A real SLURM cluster for these tests ([Note: SLURM test cluster] in
-fsdpkit.testing.slurmcluster): munge, slurmctld and two slurmds, each in a network
+tests/slurmcluster.py): munge, slurmctld and two slurmds, each in a network
 namespace of its own, started once per session and removed with everything in it at
 the end. Skipped, saying why, where it cannot run (not root, no ``ip``, SLURM not
 installed: ``make test`` runs tests/slurm/install.sh first, as root).
@@ -17,7 +17,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "e2e"))  # clirun, factories
 
-from fsdpkit.testing import netns, slurmcluster
+import netns
+import slurmcluster
 
 REQUIRE_VAR = "FSDPKIT_REQUIRE_SLURM"
 """Set (CI does, as root with Debian's mirror): a cluster that cannot be made fails the

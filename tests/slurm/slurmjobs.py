@@ -11,7 +11,7 @@ from pathlib import Path
 
 from clirun import FAST, cli_env
 
-from fsdpkit.testing.slurmcluster import SlurmCluster
+from slurmcluster import SlurmCluster
 
 STEPS = 8
 EVERY = 5

@@ -13,13 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from fsdpkit.testing import netns
+import netns
 
 pytestmark = pytest.mark.distributed
 
+TESTS = Path(__file__).resolve().parents[1]
+"""tests/: the cluster's modules (slurmcluster, netns), which the maker imports."""
 MAKER = """
 import sys, time
-from fsdpkit.testing import slurmcluster
+import slurmcluster
 with slurmcluster.cluster(nodes=2) as c:
     job = c.run(["sbatch", "--parsable", "-N2", "--output=/dev/null", "--wrap",
                  "srun sleep 300"]).stdout.strip()
@@ -44,7 +46,9 @@ def _daemons(workdir: str) -> list[int]:
 
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])
 def test_nothing_is_left_after_the_maker_dies(how: signal.Signals, slurm_possible: None) -> None:
-    maker = subprocess.Popen([sys.executable, "-c", MAKER], stdout=subprocess.PIPE, text=True)
+    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+    maker = subprocess.Popen([sys.executable, "-c", MAKER], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": path})  # fmt: skip
     try:
         workdir = maker.stdout.readline().strip()  # type: ignore[union-attr]
         assert workdir, "the cluster did not come up"

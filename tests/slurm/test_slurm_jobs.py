@@ -34,8 +34,8 @@ from slurmjobs import (
     wait_for_step,
 )
 
-from fsdpkit.testing.slurmcluster import DONE, SlurmCluster
-from fsdpkit.testing.slurmconf import KILL_WAIT_S
+from slurmcluster import DONE, SlurmCluster
+from slurmconf import KILL_WAIT_S
 
 pytestmark = [pytest.mark.distributed, pytest.mark.e2e]
 

@@ -172,7 +172,7 @@ def test_unsupported_models_fall_back_under_auto_and_fail_under_on() -> None:
 
 def test_hf_models_by_their_config(tmp_path: object) -> None:
     transformers = pytest.importorskip("transformers")
-    from fsdpkit.testing.hf import tiny_config
+    from tiny_hf import tiny_config
 
     llama = transformers.LlamaForCausalLM(tiny_config("llama", vocab_size=64, dim=32))
     assert _choose(llama, "auto").chunked

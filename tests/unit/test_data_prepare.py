@@ -73,7 +73,7 @@ def test_rerun_is_a_noop_and_changes_are_refused_or_rebuilt(tmp_path: Path) -> N
 
 
 def test_changed_tokenizer_is_refused_by_name(tmp_path: Path) -> None:
-    from fsdpkit.testing.hf import write_tokenizer
+    from tiny_hf import write_tokenizer
 
     src = _corpus(tmp_path)
     tok = tmp_path / "tok"
@@ -91,7 +91,7 @@ def test_changed_tokenizer_is_refused_by_name(tmp_path: Path) -> None:
 def test_same_tokens_at_any_worker_count_and_piece_size(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fsdpkit.testing.hf import write_tokenizer
+    from tiny_hf import write_tokenizer
 
     tok = tmp_path / "tok"
     tok.mkdir()

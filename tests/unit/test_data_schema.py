@@ -25,7 +25,7 @@ END = "<|im_end|>\n"
 
 @pytest.fixture(scope="module")
 def chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from fsdpkit.testing.hf import write_tokenizer
+    from tiny_hf import write_tokenizer
 
     out = tmp_path_factory.mktemp("chat-tok")
     write_tokenizer(out, vocab_size=320, chat=True)

@@ -46,7 +46,7 @@ def test_a_tokenizer_mismatch_with_model_hf_fails_naming_both(
     dataset: Path, tmp_path: Path
 ) -> None:
     pytest.importorskip("transformers")
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     model = write_tiny_model(tmp_path / "hf", vocab_size=300)
     (check,) = dataset_checks(load(None, [f"data.path={dataset}", f"model.hf={model}"]))

@@ -80,8 +80,9 @@ def test_meta_buffers_without_a_source_are_refused_by_name() -> None:
 
 def test_meta_built_hf_model_gets_its_buffers_from_its_own_init() -> None:
     transformers = pytest.importorskip("transformers")
+    from tiny_hf import tiny_config
+
     from fsdpkit.models.hf.initialize import recreate_hf_buffers
-    from fsdpkit.testing.hf import tiny_config
 
     for arch in ("llama", "gemma"):
         cfg = tiny_config(arch, vocab_size=64, dim=32)
@@ -105,8 +106,9 @@ def test_model_hf_config_conflicts_name_the_keys() -> None:
 
 def test_model_hf_directory_errors(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
+    from tiny_hf import write_tiny_model
+
     from fsdpkit.models.hf.directory import check_inputs, read_hf_dir
-    from fsdpkit.testing.hf import write_tiny_model
 
     with pytest.raises(ModelError, match="does not exist"):
         read_hf_dir(tmp_path / "missing")
@@ -142,9 +144,10 @@ def test_non_finite_loss_or_norm_stops_with_step_and_checkpoint(tmp_path: Path) 
 
 def test_doctor_sees_model_hf_and_meta_params_buffers_as_kept(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
+    from tiny_hf import write_tiny_model
+
     from fsdpkit.config import RunConfig
     from fsdpkit.doctor.diagnose import model_checks
-    from fsdpkit.testing.hf import write_tiny_model
 
     d = write_tiny_model(tmp_path / "m", arch="llama", dim=32)  # vocab 320 > bytes: its tokenizer
     for model in (ModelConfig(hf=str(d)), ModelConfig(factory="meta_models:positional_mlp_meta")):

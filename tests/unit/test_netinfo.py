@@ -21,7 +21,7 @@ def test_listeners_are_read_from_proc() -> None:
 
 def test_a_table_from_another_namespace_is_parsed() -> None:
     """What ``ip netns exec NODE cat /proc/net/tcp /proc/net/tcp6`` printed for a
-    node at 10.213.23.1 (fsdpkit.testing.netns): listeners only, headers skipped."""
+    node at 10.213.23.1 (tests/netns.py): listeners only, headers skipped."""
     text = (
         "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid\n"
         "   0: 0117D50A:733C 00000000:0000 0A 00000000:00000000 00:00000000 00000000 0 0 17 1\n"

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from fsdpkit.config import ConfigError, load, parallel_dims
+from fsdpkit.config import ConfigError, ParallelDims, load, parallel_dims
+from fsdpkit.config.dims import MeshAxis
 from fsdpkit.sharding.tensor.rules import TensorParallelError, check_layout, check_model
 from support import TINY, build
 
@@ -35,6 +36,25 @@ def test_dims_multiply_to_the_world(overrides: tuple[str, ...], expected: tuple[
     assert (dims.replicate, dims.shard, dims.cp, dims.tp) == expected
     assert dims.world == 8
     assert dims.fsdp_shard == dims.shard * dims.cp
+
+
+@pytest.mark.parametrize(
+    "degrees",
+    [dict(shard=0), dict(shard=2, tp=0), dict(shard=2, cp=-1), dict(shard=2, pp=0),
+     dict(shard=3, ep=2), dict(shard=2, ep=0)],
+)  # fmt: skip
+def test_dims_refuse_degrees_that_make_no_mesh(degrees: dict[str, int]) -> None:
+    """ParallelDims checks its own degrees, so build_mesh needs no check of its own."""
+    with pytest.raises(ConfigError, match=r"must be >= 1 and ep must divide shard"):
+        ParallelDims(replicate=1, **degrees)
+
+
+def test_dims_name_their_axes_by_the_mesh_axis_enum() -> None:
+    dims = ParallelDims(replicate=2, shard=4, cp=2, tp=2, pp=2, ep=2)
+    assert [name for name, _ in dims.named()] == ["pp", "replicate", "shard", "cp", "tp", "ep"]
+    assert all(isinstance(name, MeshAxis) for name, _ in dims.named())
+    assert dims.describe() == "pp 2 x replicate 2 x shard 4 x cp 2 x tp 2 (ep 2 of the shard axis)"
+    assert (dims.fsdp_shard, dims.efsdp, dims.world) == (8, 4, 64)
 
 
 def test_ranks_of_one_tp_and_cp_group_read_the_same_batches() -> None:
@@ -81,7 +101,7 @@ def test_a_model_without_a_plan_is_refused_by_name() -> None:
 
 def test_hf_directories_are_checked_from_their_config(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     llama = write_tiny_model(tmp_path / "llama", arch="llama", weights=False, tokenizer=False)

@@ -33,7 +33,7 @@ WIDE = [  # experts dominate: 16 experts of d=256, few tokens
 def test_experts_units_split_the_routed_parameters_over_ep() -> None:
     without = scenario(load(None, TINY), world_size=4)
     sc = scenario(load(None, [*TINY, "parallel.ep=2"]), world_size=4)
-    assert not without.expert_units and sc.ep == 2 and len(sc.expert_units) == 2
+    assert not without.expert_units and sc.dims.ep == 2 and len(sc.expert_units) == 2
     routed = 4 * 3 * 64 * 32  # experts x (gate, up, down) x d x f, one block
     experts = sc.expert_units[0]
     assert experts.numel == routed // 2  # this ep rank's 2 of 4 experts
@@ -94,4 +94,4 @@ def test_the_recommender_picks_ep_where_fsdp_alone_does_not_fit() -> None:
     assert int(rec.best.changes.get("parallel.ep", 1)) > 1  # type: ignore[call-overload]
     assert rec.best.plan.fits and rec.searched > rec.considered
     assert not any("extended to" in n for n in rec.best.plan.memory.notes)  # traced whole
-    assert replace(rec.best.plan.scenario).ep == int(rec.best.changes["parallel.ep"])  # type: ignore[call-overload]
+    assert replace(rec.best.plan.scenario).dims.ep == int(rec.best.changes["parallel.ep"])  # type: ignore[call-overload]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from tiny_hf import tiny_config, write_tiny_model
 
 from fsdpkit.config import load
 from fsdpkit.doctor.expert_check import expert_checks
@@ -23,7 +24,6 @@ from fsdpkit.planner import plan
 from fsdpkit.planner.experts.routed import moe_notes
 from fsdpkit.planner.formatting import describe_scenario, plan_dict
 from fsdpkit.sharding import choose_blocks
-from fsdpkit.testing.hf import tiny_config, write_tiny_model
 
 
 @pytest.fixture(scope="module")

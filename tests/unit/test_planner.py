@@ -239,6 +239,22 @@ def test_recommend_when_nothing_fits() -> None:
     assert "nothing fits" in format_recommendation(rec)
 
 
+def test_json_scenario_keeps_its_degree_keys_and_their_places() -> None:
+    """``--json`` scripts read world_size, replicate, shard (the cp-folded FSDP group),
+    tp, cp, pp, ep where they stood when Scenario held them as fields."""
+    sc = scenario(_cfg("parallel.tp=2", "parallel.cp=2"), world_size=16, ranks_per_node=8)
+    got = plan_dict(plan(_cfg("parallel.tp=2", "parallel.cp=2"), world_size=16))["scenario"]
+    keys = list(got)
+    assert keys[:4] == ["world_size", "replicate", "shard", "strategy"]
+    assert keys[keys.index("cp_attention") - 2 : keys.index("cp_attention")] == ["tp", "cp"]
+    assert keys[keys.index("experts") + 1 : keys.index("experts") + 4] == ["pp", "ep", "routing"]
+    assert "dims" not in got
+    degrees = {k: got[k] for k in ("world_size", "replicate", "shard", "tp", "cp", "pp", "ep")}
+    assert degrees == dict(world_size=16, replicate=1, shard=sc.dims.fsdp_shard, tp=2, cp=2,
+                           pp=1, ep=1)  # fmt: skip
+    assert sc.dims.fsdp_shard == 2 * sc.dims.shard == 8  # 16 / (tp 2 x cp 2) x cp 2
+
+
 def test_reports() -> None:
     p = plan(_cfg(), world_size=2, device=parse_device("cpu:8GiB"))
     text = format_plan(p)

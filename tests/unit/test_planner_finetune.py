@@ -11,12 +11,12 @@ import re
 from pathlib import Path
 
 import pytest
+from tiny_hf import write_tiny_model
 
 from fsdpkit.config import load
 from fsdpkit.planner import PlanError, parse_device, plan
 from fsdpkit.planner.formatting import format_plan
 from fsdpkit.planner.search.recommend import recommend
-from fsdpkit.testing.hf import write_tiny_model
 
 pytest.importorskip("peft")
 

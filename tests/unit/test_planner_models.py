@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_hf import tiny_config, write_tiny_model
 from torch import nn
 
 from fsdpkit.config import load
@@ -19,7 +20,6 @@ from fsdpkit.planner import PlanError, parse_device, plan, recommend
 from fsdpkit.planner.formatting import format_plan
 from fsdpkit.planner.model.user_models import hf_llama_shape
 from fsdpkit.planner.search.auto import auto_plan
-from fsdpkit.testing.hf import tiny_config, write_tiny_model
 from support import MLPNet
 
 RUN = ["data.seq_len=64", "train.micro_batch_size=2", "precision.mode=fp32"]

@@ -87,7 +87,7 @@ def test_model_states_and_gathers_divide_by_the_layout() -> None:
     full = scenario(_8b(8192), world_size=8, device=H100)
     for tp, cp in ((2, 1), (4, 1), (1, 4), (2, 2)):
         sc = scenario(_8b(8192, f"parallel.tp={tp}", f"parallel.cp={cp}"), world_size=8)
-        assert sc.shard == 8 // tp and sc.dp == 8 // (tp * cp)
+        assert sc.dims.fsdp_shard == 8 // tp and sc.dims.dp == 8 // (tp * cp)
         norms = 2 * 4096  # whole on every tp rank; the matmuls split
         for u, f in zip(sc.units, full.units, strict=True):
             assert u.numel == (f.numel - norms) // tp + norms

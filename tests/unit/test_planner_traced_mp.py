@@ -104,7 +104,7 @@ def test_transformers_families_without_a_llama_shape_are_traced_at_tp_and_cp(
 ) -> None:
     # Qwen2 (q / k / v biases) has no analytic shape: its tp / cp layouts are traced on
     # the trainer's own plan; the traffic line says the exchanges are not counted
-    from fsdpkit.testing.hf import write_tiny_model
+    from tiny_hf import write_tiny_model
 
     hf = write_tiny_model(tmp_path / "qwen2", arch="qwen2", weights=False, tokenizer=False)
     base = [f"model.hf={hf}", "data.seq_len=64", "train.micro_batch_size=2"]

@@ -21,7 +21,7 @@ from fsdpkit.models.llama import Llama, preset
 from fsdpkit.planner import PlanError, plan
 
 pytest.importorskip("transformers")
-from fsdpkit.testing.hf import write_tiny_model
+from tiny_hf import write_tiny_model
 
 KINDS = {
     "bnb-4bit": (

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_hf import ARCHS, tiny_config
 
 from fsdpkit import init_weights
 from fsdpkit.loss.contract import logits_of
@@ -19,7 +20,6 @@ from fsdpkit.rollout.completion_rows import completion_logits, rollout_batch
 from fsdpkit.rollout.decoding import RolloutModelError, decoder_factory
 from fsdpkit.rollout.embedded import EmbeddedEngine
 from fsdpkit.rollout.sampling import Sampling, completion_seed
-from fsdpkit.testing.hf import ARCHS, tiny_config
 
 SMALL = {"vocab_size": 96, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2}
 

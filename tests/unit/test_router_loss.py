@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_hf import MOE_ARCHS, tiny_config
 
 from fsdpkit.loss.contract import next_token_loss
 from fsdpkit.loss.router import RouterLoss, router_spec, with_router_loss
-from fsdpkit.testing.hf import MOE_ARCHS, tiny_config
 
 transformers = pytest.importorskip("transformers")
 

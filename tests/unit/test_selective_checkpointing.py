@@ -178,7 +178,7 @@ def test_llama_blocks_match_no_checkpointing(packed: bool) -> None:
 
 def test_hf_llama_blocks_match_no_checkpointing() -> None:
     transformers = pytest.importorskip("transformers")
-    from fsdpkit.testing.hf import tiny_config
+    from tiny_hf import tiny_config
 
     torch.manual_seed(0)
     config = tiny_config("llama", vocab_size=64, dim=32)

@@ -37,7 +37,7 @@ def _jsonl(path: Path, rows: list[Any]) -> str:
 
 @pytest.fixture(scope="module")
 def chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from fsdpkit.testing.hf import write_tokenizer
+    from tiny_hf import write_tokenizer
 
     out = tmp_path_factory.mktemp("chat-tok")
     write_tokenizer(out, vocab_size=320, chat=True)
@@ -122,7 +122,7 @@ def test_bad_rows_name_the_line_and_the_fix(tmp_path: Path, row: Any, needle: st
 
 
 def test_chat_without_template_is_refused(tmp_path: Path) -> None:
-    from fsdpkit.testing.hf import write_tokenizer
+    from tiny_hf import write_tokenizer
 
     write_tokenizer(tmp_path, vocab_size=300)  # no chat_template
     path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
@@ -231,9 +231,10 @@ def test_rows_too_long_for_seq_len_say_why_on_every_rank() -> None:
 
 
 def _models() -> dict[str, torch.nn.Module]:
+    from tiny_hf import tiny_config
+
     from fsdpkit import init_weights
     from fsdpkit.models.llama import Llama, LlamaConfig
-    from fsdpkit.testing.hf import tiny_config
 
     torch.manual_seed(0)
     built_in = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2))

@@ -33,29 +33,37 @@ from typing import TYPE_CHECKING
 
 from fsdpkit.lazy import lazy_exports
 
-if TYPE_CHECKING:
-    from fsdpkit.checkpoint.checkpointer import Checkpointer
-    from fsdpkit.checkpoint.errors import CheckpointError
-    from fsdpkit.checkpoint.hf_weights import load_hf_weights
-    from fsdpkit.checkpoint.listing import inspect_checkpoint, list_run
-    from fsdpkit.checkpoint.retention import steps_to_delete
-    from fsdpkit.checkpoint.staging import async_staging_bytes
-    from fsdpkit.checkpoint.statefuls import ModelOptimizerState, RankLocal, RNGState
-    from fsdpkit.checkpoint.stepdir import (
-        Entry,
-        VerifyReport,
-        complete_entries,
-        list_entries,
-        read_meta,
-        step_dir_name,
-        verify,
-    )
-    from fsdpkit.checkpoint.untrusted import UnsafeCheckpointError
+if TYPE_CHECKING:  # the names of _HOMES from their modules (tests/unit/test_lazy_faces.py)
+    from fsdpkit.checkpoint.checkpointer import Checkpointer as Checkpointer
+    from fsdpkit.checkpoint.errors import CheckpointError as CheckpointError
+    from fsdpkit.checkpoint.hf_weights import load_hf_weights as load_hf_weights
+    from fsdpkit.checkpoint.listing import inspect_checkpoint as inspect_checkpoint
+    from fsdpkit.checkpoint.listing import list_run as list_run
+    from fsdpkit.checkpoint.retention import steps_to_delete as steps_to_delete
+    from fsdpkit.checkpoint.staging import async_staging_bytes as async_staging_bytes
+    from fsdpkit.checkpoint.statefuls import ModelOptimizerState as ModelOptimizerState
+    from fsdpkit.checkpoint.statefuls import RankLocal as RankLocal
+    from fsdpkit.checkpoint.statefuls import RNGState as RNGState
+    from fsdpkit.checkpoint.stepdir import Entry as Entry
+    from fsdpkit.checkpoint.stepdir import VerifyReport as VerifyReport
+    from fsdpkit.checkpoint.stepdir import complete_entries as complete_entries
+    from fsdpkit.checkpoint.stepdir import list_entries as list_entries
+    from fsdpkit.checkpoint.stepdir import read_meta as read_meta
+    from fsdpkit.checkpoint.stepdir import step_dir_name as step_dir_name
+    from fsdpkit.checkpoint.stepdir import verify as verify
+    from fsdpkit.checkpoint.untrusted import UnsafeCheckpointError as UnsafeCheckpointError
 
 _HOMES = {
     "Checkpointer": "fsdpkit.checkpoint.checkpointer",
     "CheckpointError": "fsdpkit.checkpoint.errors",
     "load_hf_weights": "fsdpkit.checkpoint.hf_weights",
+    "inspect_checkpoint": "fsdpkit.checkpoint.listing",
+    "list_run": "fsdpkit.checkpoint.listing",
+    "steps_to_delete": "fsdpkit.checkpoint.retention",
+    "async_staging_bytes": "fsdpkit.checkpoint.staging",
+    **dict.fromkeys(
+        ["ModelOptimizerState", "RankLocal", "RNGState"], "fsdpkit.checkpoint.statefuls"
+    ),
     **dict.fromkeys(
         [
             "Entry",
@@ -68,33 +76,10 @@ _HOMES = {
         ],
         "fsdpkit.checkpoint.stepdir",
     ),
-    "steps_to_delete": "fsdpkit.checkpoint.retention",
-    "async_staging_bytes": "fsdpkit.checkpoint.staging",
-    **dict.fromkeys(
-        ["ModelOptimizerState", "RankLocal", "RNGState"], "fsdpkit.checkpoint.statefuls"
-    ),
-    "inspect_checkpoint": "fsdpkit.checkpoint.listing",
-    "list_run": "fsdpkit.checkpoint.listing",
     "UnsafeCheckpointError": "fsdpkit.checkpoint.untrusted",
 }
-__all__ = [
-    "CheckpointError",
-    "Checkpointer",
-    "Entry",
-    "ModelOptimizerState",
-    "RNGState",
-    "RankLocal",
-    "UnsafeCheckpointError",
-    "VerifyReport",
-    "async_staging_bytes",
-    "complete_entries",
-    "inspect_checkpoint",
-    "list_entries",
-    "list_run",
-    "load_hf_weights",
-    "read_meta",
-    "step_dir_name",
-    "steps_to_delete",
-    "verify",
-]
+"""Where each public name lives: the one list of them ([Note: lazy package faces] in
+fsdpkit.lazy)."""
+
+__all__ = sorted(_HOMES)
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdpkit.pretrained import is_hf_model
+
 
 @dataclass
 class Group:
@@ -76,15 +78,6 @@ class KeyPlan:
         """Whether any key is renamed or converted (the directory is not in the model's
         own names)."""
         return bool(self.groups) or any(k != v for k, v in self.renamed.items())
-
-
-def is_hf_model(module: nn.Module) -> bool:
-    """Whether ``module`` is a transformers ``PreTrainedModel`` (without importing
-    transformers when the user never did)."""
-    import sys
-
-    modeling = sys.modules.get("transformers.modeling_utils")
-    return modeling is not None and isinstance(module, modeling.PreTrainedModel)
 
 
 def _transformers_loading() -> Any:

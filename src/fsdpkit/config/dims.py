@@ -34,15 +34,37 @@ ep changes neither which batches a rank reads (``dp_rank``) nor the world size
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from fsdpkit.config.schema import RunConfig
 from fsdpkit.errors import ConfigError
 from fsdpkit.strategies import strategy
 
 
+class MeshAxis(StrEnum):
+    """The names of a run's mesh axes ([Note: parallel dimensions]), in mesh order
+    (slowest first), then the flattened axes fsdpkit.sharding.mesh adds. One spelling
+    for every module that builds a mesh or asks one for an axis."""
+
+    PP = "pp"
+    REPLICATE = "replicate"
+    SHARD = "shard"
+    """FSDP's shard axis; under ep the flattening of efsdp x ep."""
+    EFSDP = "efsdp"
+    """Under ep: the shard axis without its ep ranks (the routed experts' FSDP axis)."""
+    CP = "cp"
+    EP = "ep"
+    TP = "tp"
+    SHARD_CP = "shard_cp"
+    """Flattened shard x cp (efsdp x cp x ep under ep): what FSDP2 shards over with cp."""
+    EFSDP_CP = "efsdp_cp"
+    """Flattened efsdp x cp: what the routed experts are sharded over with cp and ep."""
+
+
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of [Note: parallel dimensions]; their product is the world size."""
+    """Degrees of [Note: parallel dimensions]; their product is the world size.
+    Validated when made: every degree >= 1, and ep divides shard."""
 
     replicate: int
     shard: int
@@ -51,6 +73,16 @@ class ParallelDims:
     pp: int = 1
     ep: int = 1
     """Expert-parallel ranks, borrowed from ``shard`` (it divides ``shard``)."""
+
+    def __post_init__(self) -> None:
+        named = self.named()
+        if min(d for _, d in named) < 1 or self.shard % self.ep:
+            degrees = ", ".join(f"{n}={d}" for n, d in named)
+            raise ConfigError(
+                f"parallel dimensions {degrees}: every degree must be >= 1 and ep must divide "
+                "shard (expert parallelism borrows its ranks from the shard axis). Choose "
+                "parallel.pp, tp, cp and ep >= 1, with an ep that divides the shard group."
+            )
 
     @property
     def dp(self) -> int:
@@ -95,18 +127,18 @@ class ParallelDims:
         return self.shard // self.ep * self.cp
 
     def describe(self) -> str:
-        parts = [f"{n} {d}" for n, d in self.named() if (d > 1 or n == "shard") and n != "ep"]
-        text = " x ".join(parts)
+        shown = [(n, d) for n, d in self.named() if (d > 1 or n == MeshAxis.SHARD)]
+        text = " x ".join(f"{n} {d}" for n, d in shown if n != MeshAxis.EP)
         return f"{text} (ep {self.ep} of the shard axis)" if self.ep > 1 else text
 
-    def named(self) -> list[tuple[str, int]]:
+    def named(self) -> list[tuple[MeshAxis, int]]:
         return [
-            ("pp", self.pp),
-            ("replicate", self.replicate),
-            ("shard", self.shard),
-            ("cp", self.cp),
-            ("tp", self.tp),
-            ("ep", self.ep),
+            (MeshAxis.PP, self.pp),
+            (MeshAxis.REPLICATE, self.replicate),
+            (MeshAxis.SHARD, self.shard),
+            (MeshAxis.CP, self.cp),
+            (MeshAxis.TP, self.tp),
+            (MeshAxis.EP, self.ep),
         ]
 
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from fsdpkit.data.batch import IGNORE_INDEX, SFTBatch
 from fsdpkit.loss.contract import logits_of, next_token_loss
-from fsdpkit.models.hf.initialize import is_hf_model
+from fsdpkit.pretrained import is_hf_model
 
 
 def model_kwargs(model: nn.Module, batch: SFTBatch) -> dict[str, Any]:

@@ -44,7 +44,7 @@ from fsdpkit.loss.chunked_ce import VocabShard, chunked_linear_cross_entropy
 from fsdpkit.loss.contract import LossFn, ModelOutputError, logits_of, next_token_loss
 from fsdpkit.models.accessors import output_embeddings
 from fsdpkit.models.errors import ModelError
-from fsdpkit.models.hf.initialize import is_hf_model
+from fsdpkit.pretrained import is_hf_model
 
 _LOGIT_POSTPROCESSING = (
     "final_logit_softcapping",

@@ -46,8 +46,8 @@ from torch import nn
 from fsdpkit.loss.balance import balance_loss
 from fsdpkit.loss.contract import LossFn
 from fsdpkit.models.experts import expert_field
-from fsdpkit.models.hf.initialize import is_hf_model
 from fsdpkit.models.moe import MoE, MoEConfig, TopKRouter
+from fsdpkit.pretrained import is_hf_model
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,10 @@ def decide_accum_sync(sc: Scenario, *, usable: int | None) -> Scenario:
     if not sc.accum_auto:
         return sc
     last = sc.with_(accum_auto=False, accum_sync="last")
-    if sc.pp > 1:  # torch's schedules accumulate without sync ([Note: FSDP inside a stage])
+    if sc.dims.pp > 1:  # torch's schedules accumulate without sync ([Note: FSDP inside a stage])
         return last
     formulas = sc.analytic_why_not is None and sc.model is not None
-    if usable is None or sc.grad_accum == 1 or sc.shard == 1 or not formulas:
+    if usable is None or sc.grad_accum == 1 or sc.dims.fsdp_shard == 1 or not formulas:
         return last
     peak = analytic_memory(last).peak.bytes
     if peak <= usable:
@@ -69,7 +69,7 @@ def plan_scenario(
     sc = decide_accum_sync(sc, usable=usable)
     other: MemoryPlan | None = None
     analytic = sc.analytic_why_not is None and sc.model is not None
-    if sc.pp > 1:  # [Note: pipeline plans]
+    if sc.dims.pp > 1:  # [Note: pipeline plans]
         return _pipeline(sc, cfg=cfg, trace=trace, usable=usable, margin=margin, start=start)
     if trace is None and not analytic:  # [Note: planning any model]: trace the rest
         trace = True

@@ -14,6 +14,7 @@ from fsdpkit.planner.pipeline.report import pipeline_dict, pipeline_lines
 from fsdpkit.planner.search.recommendation import Candidate, Recommendation
 from fsdpkit.planner.shapes.result import CATEGORIES, PHASES, MemoryPlan, Plan
 from fsdpkit.planner.shapes.scenario import Scenario
+from fsdpkit.planner.shapes.scenario_json import scenario_dict
 from fsdpkit.strategies import strategy
 
 GiB, MiB = 1024**3, 1024**2
@@ -30,28 +31,27 @@ def fmt_bytes(n: int | None) -> str:
 
 
 def _mesh(sc: Scenario) -> str:
-    ep = (
-        f"; expert parallel {sc.ep} (experts sharded over {sc.shard // sc.ep})" if sc.ep > 1 else ""
-    )
+    d = sc.dims
+    ep = f"; expert parallel {d.ep} (experts sharded over {d.efsdp})" if d.ep > 1 else ""
     return _data_mesh(sc) + ep
 
 
 def _data_mesh(sc: Scenario) -> str:
-    chosen = strategy(sc.strategy)
+    chosen, d = strategy(sc.strategy), sc.dims
     if chosen.replicates:
-        mesh = f"replicate x{sc.replicate}"
+        mesh = f"replicate x{d.replicate}"
     elif chosen.hybrid:
-        mesh = f"{sc.strategy} {sc.replicate} replicas x shard {sc.shard}"
+        mesh = f"{sc.strategy} {d.replicate} replicas x shard {d.fsdp_shard}"
     else:
-        mesh = f"{sc.strategy} shard over {sc.shard}"
-    stages = f"pp {sc.pp} x " if sc.pp > 1 else ""
-    if sc.tp == 1 and sc.cp == 1:
+        mesh = f"{sc.strategy} shard over {d.fsdp_shard}"
+    stages = f"pp {d.pp} x " if d.pp > 1 else ""
+    if d.tp == 1 and d.cp == 1:
         return f"{stages}{mesh}"
     sp = " (sequence parallel)" if sc.sequence_parallel else ""
     ring = " (ring attention)" if sc.cp_attention == "ring" else ""
-    parts = [f"cp {sc.cp}{ring}" if sc.cp > 1 else "", f"tp {sc.tp}{sp}" if sc.tp > 1 else ""]
-    folded = ", cp folded into the shard group" if sc.cp > 1 else ""
-    return f"{stages}{' x '.join(p for p in parts if p)} x {sc.dp} data-parallel ({mesh}{folded})"
+    parts = [f"cp {d.cp}{ring}" if d.cp > 1 else "", f"tp {d.tp}{sp}" if d.tp > 1 else ""]
+    folded = ", cp folded into the shard group" if d.cp > 1 else ""
+    return f"{stages}{' x '.join(p for p in parts if p)} x {d.dp} data-parallel ({mesh}{folded})"
 
 
 def describe_scenario(sc: Scenario) -> str:
@@ -62,7 +62,7 @@ def describe_scenario(sc: Scenario) -> str:
     source = f"{sc.source}, " if sc.source else ""
     return (
         f"{source}{params} ({shape}); "
-        f"{sc.world_size} ranks: {_mesh(sc)}, reshard_after_forward={sc.reshard_after_forward}; "
+        f"{sc.dims.world} ranks: {_mesh(sc)}, reshard_after_forward={sc.reshard_after_forward}; "
         f"{sc.precision}; {sc.micro_batch} x {sc.seq_len} tokens x {sc.grad_accum} accumulation; "
         f"{'selective ' if sc.ac_mode == 'selective' else ''}AC on "
         f"{sc.checkpointed_blocks}/{n_blocks} blocks{'; CPU offload' if sc.offload else ''}\n"
@@ -177,9 +177,10 @@ def _states_line(mem: MemoryPlan, sc: Scenario) -> str:
     units = list(sc.all_units)
     trainable = sum(u.grads_numel for u in units)
     total = sum(u.numel for u in units)
-    per = f"shard {sc.shard}"
-    if sc.tp > 1:  # the blocks are split over tp too; embedding and head are not
-        per = f"(tp {sc.tp} x shard {sc.shard}) in the blocks, / shard {sc.shard} elsewhere"
+    shard, tp = sc.dims.fsdp_shard, sc.dims.tp
+    per = f"shard {shard}"
+    if tp > 1:  # the blocks are split over tp too; embedding and head are not
+        per = f"(tp {tp} x shard {shard}) in the blocks, / shard {shard} elsewhere"
     why = (
         f"16 bytes/param / {per}"
         if trainable == total
@@ -216,11 +217,7 @@ def plan_dict(p: Plan) -> dict[str, Any]:
     sc = p.scenario
     out: dict[str, Any] = {
         "scenario": {
-            **{
-                k: v
-                for k, v in dataclasses.asdict(sc).items()
-                if k not in ("model", "device", "layout", "root", "units", "edges", "expert_units")
-            },
+            **scenario_dict(sc),
             "units": [
                 {
                     "name": u.name,
@@ -284,7 +281,7 @@ def _cost(c: Candidate) -> str:
 
 def _tokens(sc: Scenario) -> int:
     """Tokens of one optimizer step over all data-parallel ranks."""
-    return sc.dp * sc.tokens * sc.grad_accum
+    return sc.dims.dp * sc.tokens * sc.grad_accum
 
 
 def _peak(c: Candidate) -> str:
@@ -322,7 +319,7 @@ def _chosen_layout(rec: Recommendation) -> str:
     """One sentence: the layout picked and the smaller ones that did not do."""
     assert rec.best is not None
     sc = rec.best.plan.scenario
-    chosen = next(t for t in rec.layouts if (t.tp, t.cp) == (sc.tp, sc.cp))
+    chosen = next(t for t in rec.layouts if (t.tp, t.cp) == (sc.dims.tp, sc.dims.cp))
     smaller = [t for t in rec.layouts if t.ranks < chosen.ranks]
     offload = " with CPU offload" if rec.best.config.offload.params else ""
     why = f"layout: {chosen.describe()}{offload}, the fewest model-parallel ranks that fit"

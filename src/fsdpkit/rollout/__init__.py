@@ -22,16 +22,20 @@ from typing import TYPE_CHECKING
 
 from fsdpkit.lazy import lazy_exports
 
-if TYPE_CHECKING:
-    from fsdpkit.rollout.rewards import (
-        RewardError,
-        RewardFn,
-        Rewards,
-        RewardState,
-        Scores,
-        build_rewards,
-    )
+if TYPE_CHECKING:  # the names of _HOMES from their modules (tests/unit/test_lazy_faces.py)
+    from fsdpkit.rollout.rewards import RewardError as RewardError
+    from fsdpkit.rollout.rewards import RewardFn as RewardFn
+    from fsdpkit.rollout.rewards import Rewards as Rewards
+    from fsdpkit.rollout.rewards import RewardState as RewardState
+    from fsdpkit.rollout.rewards import Scores as Scores
+    from fsdpkit.rollout.rewards import build_rewards as build_rewards
 
-__all__ = ["RewardError", "RewardFn", "RewardState", "Rewards", "Scores", "build_rewards"]
-_HOMES = dict.fromkeys(__all__, "fsdpkit.rollout.rewards")
+_HOMES = dict.fromkeys(
+    ["RewardError", "RewardFn", "RewardState", "Rewards", "Scores", "build_rewards"],
+    "fsdpkit.rollout.rewards",
+)
+"""Where each public name lives: the one list of them ([Note: lazy package faces] in
+fsdpkit.lazy)."""
+
+__all__ = sorted(_HOMES)
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -34,8 +34,8 @@ from torch import nn
 
 from fsdpkit.errors import UserError
 from fsdpkit.loss.contract import logits_of
-from fsdpkit.models.hf.initialize import is_hf_model
 from fsdpkit.models.llama import Attention
+from fsdpkit.pretrained import is_hf_model
 
 
 class Decoder(Protocol):

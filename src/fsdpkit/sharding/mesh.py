@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
 
+from fsdpkit.config.dims import MeshAxis, ParallelDims
 from fsdpkit.devices import device_type as local_device_type
 from fsdpkit.errors import UserError
 
@@ -26,60 +27,69 @@ class MeshError(UserError, ValueError):
     """The requested mesh does not fit the world size."""
 
 
-def build_mesh(
-    *,
-    shard: int | None = None,
-    replicate: int = 1,
-    cp: int = 1,
-    tp: int = 1,
-    pp: int = 1,
-    ep: int = 1,
-    device_type: str | None = None,
-    world_size: int | None = None,
-) -> DeviceMesh:
-    """A data-parallel mesh over all ranks.
+def build_mesh(dims: ParallelDims | None = None, *, device_type: str | None = None) -> DeviceMesh:
+    """The mesh of ``dims`` over all ranks (None: FSDP over all of them, a 1-D
+    ``("shard",)`` mesh).
 
-    ``replicate == 1`` gives a 1-D mesh named ``("shard",)`` (FSDP / ZeRO); otherwise a
-    2-D mesh ``("replicate", "shard")`` (HSDP; ``shard == 1`` is DDP-like replication).
-    ``shard`` defaults to world_size / (replicate x cp x tp). With ``cp`` or ``tp`` > 1
-    the mesh has the named axes of [Note: parallel dimensions] ("replicate" only when
-    > 1, "shard" always, then "cp", "tp" where > 1). The process group must be
-    initialized. DTensor's caches are dropped first ([Note: equal meshes]). With ``pp``
-    > 1 a "pp" axis comes first and the rest describes each stage's world / pp ranks.
-    ``ep`` > 1 splits the shard axis into "efsdp" x "ep" ([Note: parallel dimensions];
-    "shard" is then their flattening).
+    The axes of [Note: parallel dimensions], in ``MeshAxis`` order: "pp" where > 1 (the
+    rest then describes each stage's world / pp ranks), "replicate" where > 1 (HSDP;
+    ``shard == 1`` is DDP-like replication), "shard" always, "cp", "ep" and "tp" where
+    > 1. ``ep`` > 1 splits the shard axis into "efsdp" x "ep" ("shard" is then their
+    flattening); with cp the flattened axes FSDP2 shards over are added too
+    (``fsdp_mesh``, ``expert_fsdp_mesh``). ``dims`` validated its own degrees; the one
+    check here is that they make the process group's size, which must be initialized.
+    DTensor's caches are dropped first ([Note: equal meshes]).
     """
     forget_meshes()
-    world = world_size if world_size is not None else dist.get_world_size()
-    if min(cp, tp, pp) < 1 or world % (pp * cp * tp):
+    world = dist.get_world_size()
+    dims = dims if dims is not None else ParallelDims(replicate=1, shard=world)
+    if dims.world != world:
         raise MeshError(
-            f"mesh pp={pp} x cp={cp} x tp={tp} must be >= 1 and divide the world size {world} "
-            "(parallel.pp, parallel.cp, parallel.tp)."
+            f"the parallel dimensions {dims.describe()} make {dims.world} ranks, but the "
+            f"process group has {world}. Choose degrees whose product is {world} "
+            "(parallel.pp x tp x cp, with parallel.shard_degree for hybrid strategies)."
         )
-    if pp * cp * tp * ep > 1:
-        degrees = {"cp": cp, "tp": tp, "pp": pp, "ep": ep}
-        return _model_parallel_mesh(
-            shard=shard, replicate=replicate, degrees=degrees, world=world, dev=device_type
-        )
-    if replicate < 1 or (shard is not None and shard < 1):
-        raise MeshError(f"mesh degrees must be >= 1, got replicate={replicate}, shard={shard}")
-    if shard is None:
-        if world % replicate:
-            raise MeshError(
-                f"replicate degree {replicate} does not divide the world size {world}; "
-                f"choose a divisor of {world}."
-            )
-        shard = world // replicate
-    if replicate * shard != world:
-        raise MeshError(
-            f"mesh replicate={replicate} x shard={shard} = {replicate * shard} ranks, but the "
-            f"world size is {world}. Choose degrees whose product is {world} "
-            "(parallel.shard_degree for hybrid strategies)."
-        )
-    dev = device_type or local_device_type()
-    if replicate == 1:
-        return init_device_mesh(dev, (shard,), mesh_dim_names=("shard",))
-    return init_device_mesh(dev, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+    axes = _axes(dims)
+    mesh = init_device_mesh(
+        device_type or local_device_type(),
+        tuple(axes.values()),
+        mesh_dim_names=tuple(a.value for a in axes),  # plain strings in torch's objects
+    )
+    _flatten_data_axes(mesh, dims)
+    return mesh
+
+
+def _axes(dims: ParallelDims) -> dict[MeshAxis, int]:
+    """The mesh's axes and sizes, slowest first: the shard (or efsdp) axis always, every
+    other one where it is > 1."""
+    data = (
+        [(MeshAxis.SHARD, dims.shard)]
+        if dims.ep == 1
+        else [(MeshAxis.EFSDP, dims.shard // dims.ep)]
+    )
+    named = [
+        (MeshAxis.PP, dims.pp),
+        (MeshAxis.REPLICATE, dims.replicate),
+        *data,
+        (MeshAxis.CP, dims.cp),
+        (MeshAxis.EP, dims.ep),
+        (MeshAxis.TP, dims.tp),
+    ]
+    return {n: d for n, d in named if d > 1 or n in (MeshAxis.SHARD, MeshAxis.EFSDP)}
+
+
+def _flatten_data_axes(mesh: DeviceMesh, dims: ParallelDims) -> None:
+    """The flattened axes FSDP2 shards over ([Note: parallel dimensions])."""
+    if dims.ep > 1:  # the data axes as without ep, and the experts' FSDP axis
+        mesh[MeshAxis.EFSDP, MeshAxis.EP]._flatten(MeshAxis.SHARD.value)
+    if dims.cp > 1:  # FSDP shards over shard x cp
+        mesh[
+            (MeshAxis.EFSDP, MeshAxis.CP, MeshAxis.EP)
+            if dims.ep > 1
+            else (MeshAxis.SHARD, MeshAxis.CP)
+        ]._flatten(MeshAxis.SHARD_CP.value)
+        if dims.ep > 1:
+            mesh[MeshAxis.EFSDP, MeshAxis.CP]._flatten(MeshAxis.EFSDP_CP.value)
 
 
 def forget_meshes() -> None:
@@ -102,79 +112,56 @@ def forget_meshes() -> None:
     clear_redistribute_planner_cache()
 
 
-def _model_parallel_mesh(
-    *, shard: int | None, replicate: int, degrees: dict[str, int], world: int, dev: str | None
-) -> DeviceMesh:
-    """The N-D mesh of [Note: parallel dimensions] ("pp" first where > 1; ``degrees``:
-    cp, tp, pp, ep)."""
-    cp, tp, pp, ep = degrees["cp"], degrees["tp"], degrees["pp"], degrees["ep"]
-    dp = world // (pp * cp * tp)
-    shard = shard if shard is not None else dp // max(replicate, 1)
-    if replicate < 1 or shard < 1 or replicate * shard != dp or shard % ep:
-        raise MeshError(
-            f"mesh replicate={replicate} x shard={shard} must multiply to the {dp} "
-            f"data-parallel ranks (world {world} / (pp {pp} x cp {cp} x tp {tp})), and "
-            f"ep={ep} divide shard."
-        )
-    data = [("shard", shard)] if ep == 1 else [("efsdp", shard // ep)]
-    named = [("pp", pp), ("replicate", replicate), *data, ("cp", cp), ("ep", ep), ("tp", tp)]
-    kept = [(n, d) for n, d in named if d > 1 or n in ("shard", "efsdp")]
-    dev = dev or local_device_type()
-    mesh = init_device_mesh(
-        dev, tuple(d for _, d in kept), mesh_dim_names=tuple(n for n, _ in kept)
-    )
-    if ep > 1:  # the data axes as without ep, and the experts' FSDP axis
-        mesh["efsdp", "ep"]._flatten("shard")
-    if cp > 1:  # FSDP shards over shard x cp ([Note: parallel dimensions])
-        mesh[("efsdp", "cp", "ep") if ep > 1 else ("shard", "cp")]._flatten("shard_cp")
-        if ep > 1:
-            mesh["efsdp", "cp"]._flatten("efsdp_cp")
-    return mesh
-
-
 def _names(mesh: DeviceMesh) -> tuple[str, ...]:
     return tuple(mesh.mesh_dim_names or ())
+
+
+def _axis(mesh: DeviceMesh, axis: MeshAxis) -> DeviceMesh | None:
+    """The 1-D mesh of ``axis``, or None where the mesh has no such axis."""
+    return mesh[axis] if axis in _names(mesh) else None
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh FSDP2 shards over: the whole mesh without tp/cp/pp/ep axes, else its
     data axes with cp folded into the shard axis (one stage's, under pp)."""
     names = _names(mesh)
-    if not {"tp", "cp", "pp", "ep"} & set(names):
+    if not {MeshAxis.TP, MeshAxis.CP, MeshAxis.PP, MeshAxis.EP} & set(names):
         return mesh
-    return _data_mesh(mesh, "shard_cp" if "cp" in names else "shard")
+    return _data_mesh(mesh, MeshAxis.SHARD_CP if MeshAxis.CP in names else MeshAxis.SHARD)
 
 
-def _data_mesh(mesh: DeviceMesh, shard: str) -> DeviceMesh:
+def _data_mesh(mesh: DeviceMesh, shard: MeshAxis) -> DeviceMesh:
     """The replicate axis (where there is one) and the (flattened) axis ``shard``."""
     with warnings.catch_warnings():
         # torch 2.13 slices a flattened axis from the root mesh as asked, and announces
         # a future deprecation of doing so on every call
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")
-        return mesh["replicate", shard] if "replicate" in _names(mesh) else mesh[shard]
+        return (
+            mesh[MeshAxis.REPLICATE, shard] if MeshAxis.REPLICATE in _names(mesh) else mesh[shard]
+        )
 
 
 def ep_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     """The expert-parallel axis, or None."""
-    return mesh["ep"] if "ep" in _names(mesh) else None
+    return _axis(mesh, MeshAxis.EP)
 
 
 def expert_fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh FSDP2 shards the routed experts over under expert parallelism: the data
     axes without ep (cp folded in), [Note: parallel dimensions]."""
-    return _data_mesh(mesh, "efsdp_cp" if "cp" in _names(mesh) else "efsdp")
+    return _data_mesh(mesh, MeshAxis.EFSDP_CP if MeshAxis.CP in _names(mesh) else MeshAxis.EFSDP)
 
 
 def tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     """The tensor-parallel axis, or None."""
-    return mesh["tp"] if "tp" in _names(mesh) else None
+    return _axis(mesh, MeshAxis.TP)
 
 
 def cp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     """The context-parallel axis, or None."""
-    return mesh["cp"] if "cp" in _names(mesh) else None
+    return _axis(mesh, MeshAxis.CP)
 
 
 def pp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     """The pipeline axis (this rank's pipeline group), or None."""
-    return mesh["pp"] if "pp" in _names(mesh) else None
+    return _axis(mesh, MeshAxis.PP)

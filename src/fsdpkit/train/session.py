@@ -182,15 +182,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
         cfg, vocab_size=data.tokenizer.vocab_size, device_type=env.device_type
     )
     device = init_process_group(cfg, env)
-    mesh = build_mesh(
-        replicate=dims.replicate,
-        shard=dims.shard,
-        cp=dims.cp,
-        tp=dims.tp,
-        pp=dims.pp,
-        ep=dims.ep,
-        device_type=env.device_type,
-    )
+    mesh = build_mesh(dims, device_type=env.device_type)
     run = shard_trainable(unsharded, cfg, mesh=mesh, device=device)
     if cfg.train.objective == "dpo":
         ref = shard_reference(reference, cfg, mesh=mesh, device=device) if reference else None

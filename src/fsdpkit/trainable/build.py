@@ -39,10 +39,10 @@ from fsdpkit.loss.router import RouterLoss, describe, with_router_loss
 from fsdpkit.models.buffers import require_buffer_source
 from fsdpkit.models.factory import BuiltModel, build_model
 from fsdpkit.models.hf.construct import HFWeights, construct
-from fsdpkit.models.hf.initialize import is_hf_model
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.models.presets import builtin_model
 from fsdpkit.precision import Precision
+from fsdpkit.pretrained import is_hf_model
 from fsdpkit.sharding import ShardPlan, detect_blocks, resolve_precision, shard
 from fsdpkit.sharding.context.batch import context_parallel_loss
 from fsdpkit.sharding.experts.parallel import check_model as check_experts

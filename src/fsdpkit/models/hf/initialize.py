@@ -34,9 +34,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from fsdpkit.checkpoint.hf_convert import is_hf_model
 from fsdpkit.init import Initializer, copy_full_value, param_seed, run_init
 from fsdpkit.models.buffers import meta_buffers, stamp, unchanged
+from fsdpkit.pretrained import is_hf_model
 
 
 def _chain(root: nn.Module, path: str) -> list[tuple[str, nn.Module, nn.Module | None]]:

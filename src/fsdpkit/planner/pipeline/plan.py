@@ -132,7 +132,7 @@ def pipeline_split(cfg: RunConfig, layout: ModelLayout) -> StageSplit:
 def stage_units(cfg: RunConfig, sc: Scenario, split: StageSplit, stage: int) -> Units:
     """The units ``shard()`` builds for ``stage`` of ``sc``'s model (its tp-local
     shapes, over the stage's shard group)."""
-    local = tp_layout(sc.layout, tp=sc.tp, vocab=sc.vocab_size if sc.vocab_parallel else None)
+    local = tp_layout(sc.layout, tp=sc.dims.tp, vocab=sc.vocab_size if sc.vocab_parallel else None)
     first, last = stage == 0, stage == split.stages - 1
     roles = ({"embedding"} if first else set()) | ({"norm", "head"} if last else set())
     edges = tuple(e for e in local.edges if e.role in roles)
@@ -147,7 +147,7 @@ def stage_units(cfg: RunConfig, sc: Scenario, split: StageSplit, stage: int) -> 
         edges=edges,
         root=local.root if last else (),
     )
-    return units(part, shard=sc.shard, parallel=cfg.parallel, activations=cfg.activations)
+    return units(part, shard=sc.dims.fsdp_shard, parallel=cfg.parallel, activations=cfg.activations)
 
 
 def stage_scenario(cfg: RunConfig, sc: Scenario, split: StageSplit, stage: int) -> Scenario:
@@ -355,9 +355,9 @@ def pipeline_cost(sc: Scenario) -> tuple[float, float, int]:
     than its compute, as FSDP's all-gathers over a slow network between nodes do): then
     the larger tp layouts, with pp across the nodes and FSDP inside them, are planned
     too and the estimated step time chooses."""
-    if sc.pp == 1:
+    if sc.dims.pp == 1:
         return 1.0, 1.0, 0
     n = sc.grad_accum
-    bubble = (sc.pp - 1) / (n + sc.pp - 1)
+    bubble = (sc.dims.pp - 1) / (n + sc.dims.pp - 1)
     hidden = sizes(sc).nde if sc.model is not None else 0
-    return 1.0 / (sc.pp * (1.0 - bubble)), 1.0 / sc.pp, 2 * n * hidden
+    return 1.0 / (sc.dims.pp * (1.0 - bubble)), 1.0 / sc.dims.pp, 2 * n * hidden

@@ -94,7 +94,7 @@ def late_free_spread(sc: Scenario) -> int:
     of its 0.346 MiB block all-gathers. The planner models the typical step and
     reports, as the spread, the largest all-gather output of any unit (twice that on
     gloo): peak + spread bounds the worst step (bench/plan_accuracy.py checks it)."""
-    if sc.shard <= 1:
+    if sc.dims.fsdp_shard <= 1:
         return 0
     copies = 2 if sc.device.kind != "gpu" else 1  # gloo: output and temporary
     return copies * max(u.gathered for u in sc.all_units) * sc.param_bytes

@@ -45,7 +45,7 @@ def _gathers(sc: Scenario, u: Unit, raf: bool | int, *, first: bool, group: int)
 def _group(sc: Scenario, u: Unit) -> int:
     """The ranks a unit is sharded over: shard / ep for an experts unit ([Note: expert
     units] in fsdpkit.planner.experts.parallel), else the shard group."""
-    return sc.shard // sc.ep if u in sc.expert_units else sc.shard
+    return sc.dims.efsdp if u in sc.expert_units else sc.dims.fsdp_shard
 
 
 def comm_volume(sc: Scenario) -> CommVolume:
@@ -63,19 +63,19 @@ def comm_volume(sc: Scenario) -> CommVolume:
     scatter = scatters * sum(
         _ring(u.grads_sharded * _group(sc, u) * rb, _group(sc, u)) for u in every
     )
-    reduce = sum(2 * _ring(u.grads_sharded * rb, sc.replicate) for u in every)
+    reduce = sum(2 * _ring(u.grads_sharded * rb, sc.dims.replicate) for u in every)
     reducing = sum(1 for u in every if u.grads_numel)
-    calls += reducing * (scatters * (sc.shard > 1) + (sc.replicate > 1))
+    calls += reducing * (scatters * (sc.dims.fsdp_shard > 1) + (sc.dims.replicate > 1))
     host = 0
     if sc.offload and sc.device.kind == "gpu":  # shards up per all-gather, grads down once
         up = sum(u.sharded_param_bytes for u in every) * 2 * sc.grad_accum
         host = up + sum(u.grads_sharded * 4 for u in every)
     tp_bytes = cp_bytes = 0
-    if (sc.tp > 1 or sc.cp > 1) and sc.model is not None:
+    if (sc.dims.tp > 1 or sc.dims.cp > 1) and sc.model is not None:
         passes = sum(2 + ckpt for u in sc.units for ckpt in u.checkpointed)
         blocks = sum(len(u.checkpointed) for u in sc.units)
         tp_bytes, cp_bytes, mp_calls = exchange_traffic(
-            sc.model, tp=sc.tp, cp=sc.cp, sp=sc.sequence_parallel, tokens=sc.tokens,
+            sc.model, tp=sc.dims.tp, cp=sc.dims.cp, sp=sc.sequence_parallel, tokens=sc.tokens,
             e=sc.param_bytes, passes=passes, vocab=sc.vocab_parallel,
             ring_backwards=blocks if sc.cp_attention == "ring" else None,
         )  # fmt: skip
@@ -90,12 +90,12 @@ def comm_volume(sc: Scenario) -> CommVolume:
 
 def _dispatch(sc: Scenario) -> tuple[int, int]:
     """Expert parallelism's all-to-alls of one step (fsdpkit.planner.experts.parallel)."""
-    if sc.ep == 1 or sc.experts is None:
+    if sc.dims.ep == 1 or sc.experts is None:
         return 0, 0
     ckpt = sum(c for u in sc.expert_units for c in u.checkpointed)
     volume, calls = dispatch_bytes(
-        layers=len(sc.expert_units), tokens=sc.tokens // sc.cp, top_k=sc.experts.top_k,
-        dim=hidden_size(sc.layout) if sc.model is None else sc.model.dim, ep=sc.ep,
+        layers=len(sc.expert_units), tokens=sc.tokens // sc.dims.cp, top_k=sc.experts.top_k,
+        dim=hidden_size(sc.layout) if sc.model is None else sc.model.dim, ep=sc.dims.ep,
         e=sc.param_bytes, checkpointed=ckpt,
     )  # fmt: skip
     return volume * sc.grad_accum, calls * sc.grad_accum

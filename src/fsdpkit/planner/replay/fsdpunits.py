@@ -45,10 +45,10 @@ class UnitMechanics:
         # counted where it sets the peak: inside ring attention's steps.
         gpu = sc.device.kind == "gpu"
         ws = self.s.nqe * 4 // self.s.e + self.s.nh4
-        self.sdpa_workspace = ws if gpu or (self.s.ring and sc.cp > 1) else 0
+        self.sdpa_workspace = ws if gpu or (self.s.ring and sc.dims.cp > 1) else 0
         # gloo (CPU ranks) all-gathers into a temporary of the output's size and
         # reduce-scatters a clone of the input; NCCL needs neither.
-        self.gloo = not gpu and sc.shard > 1
+        self.gloo = not gpu and sc.dims.fsdp_shard > 1
         self.dead = leading_frozen_units(sc)
         self.selective = sc.ac_mode == "selective"
         self.rope, self.kept_embedding = rope_held(sc), kept_embedding(sc)
@@ -59,13 +59,13 @@ class UnitMechanics:
 
     def reshard_of(self, u: Unit) -> bool | int:
         """What FSDP2 does with the unit's ``reshard_after_forward`` after forward."""
-        return effective_reshard(u.reshard_after_forward, shard=self.sc.shard)
+        return effective_reshard(u.reshard_after_forward, shard=self.sc.dims.fsdp_shard)
 
     def unshard(self, u: Unit, *, forward: bool) -> None:
         """All-gather (or finish a prefetched one) and copy out into the parameters."""
         full = u.gathered * self.s.e
         flat = self.prefetched.pop(u.name, 0)
-        if not flat and self.sc.shard > 1:
+        if not flat and self.sc.dims.fsdp_shard > 1:
             flat = full
             self.all_gather(flat)
         if forward:  # the previous forward all-gather output dies at this copy-out
@@ -80,7 +80,7 @@ class UnitMechanics:
         """Backward prefetch: issue the all-gather of the unit backward needs next."""
         full = u.gathered * self.s.e
         needed = self.held.get(u.name, 0) < full and u.name not in self.prefetched
-        if needed and self.sc.shard > 1:
+        if needed and self.sc.dims.fsdp_shard > 1:
             self.prefetched[u.name] = full
             self.all_gather(full)
 
@@ -118,7 +118,7 @@ class UnitMechanics:
             if not self.sc.keep_unsharded:
                 self.led.add(UNSH, -self.held.pop(u.name, 0))
             return
-        gathered = u.grads_sharded * self.sc.shard  # the reduce-scatter input
+        gathered = u.grads_sharded * self.sc.dims.fsdp_shard  # the reduce-scatter input
         self.led.add(COLL, -self.rs_state)  # the previous unit's input is released
         if self.last_micro or not self.sc.keep_unsharded:  # else kept for the next forward
             self.led.add(UNSH, -self.held.pop(u.name, 0))
@@ -127,7 +127,7 @@ class UnitMechanics:
         self.led.add(GRAD, -new_grads - self.accumulated.pop(u.name, 0) + last)
         self.rs_state = gathered * rb
         gloo = gathered * rb if self.gloo else 0  # gloo reduces a clone of the input
-        if self.sc.replicate > 1 and not self.last_micro:
+        if self.sc.dims.replicate > 1 and not self.last_micro:
             self._partial_sum(u, gloo)
         else:
             self._reduced(u, gloo)

@@ -52,7 +52,7 @@ from fsdpkit.planner.shapes.scenario import Scenario
 def last_grad_bytes(*, sc: Scenario, s: Sizes, unit: Unit, accumulated: bool) -> int:
     """Bytes of ``unit``'s last gradient, alive through its reduce-scatter ([Note: the
     last gradient]); ``accumulated``: no-sync micro-batches left grads on the unit."""
-    if sc.shard <= 1 or not unit.last_grad_numel:
+    if sc.dims.fsdp_shard <= 1 or not unit.last_grad_numel:
         return 0
     separate = accumulated and s.e != sc.reduce_bytes
     return unit.last_grad_numel * (sc.reduce_bytes if separate else s.e)

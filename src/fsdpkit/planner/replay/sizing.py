@@ -16,20 +16,20 @@ def sizes(sc: Scenario) -> Sizes:
     residual stream's tokens / tp too under sequence parallelism."""
     m = sc.model
     assert m is not None, "require_decoder_blocks first"
-    inner = sc.tokens // sc.cp
+    inner = sc.tokens // sc.dims.cp
     return Sizes(
-        n=inner // sc.tp if sc.sequence_parallel else inner,
+        n=inner // sc.dims.tp if sc.sequence_parallel else inner,
         d=m.dim,
-        f=-(-m.ffn_dim // sc.tp),
-        heads=m.n_heads // sc.tp,
-        kv_heads=m.n_kv_heads // sc.tp,
+        f=-(-m.ffn_dim // sc.dims.tp),
+        heads=m.n_heads // sc.dims.tp,
+        kv_heads=m.n_kv_heads // sc.dims.tp,
         head_dim=m.head_dim,
         vocab=m.vocab_size,
         e=sc.param_bytes,
         norm_grads=not sc.layout.norms_frozen,
         inner_n=inner,
-        tp=sc.tp,
-        cp=sc.cp,
+        tp=sc.dims.tp,
+        cp=sc.dims.cp,
         ring=sc.cp_attention == "ring",
         gloo=sc.device.kind != "gpu",
         norm_casts_first=sc.layout.transformers_body,
@@ -45,7 +45,7 @@ def sdpa_gqa(sc: Scenario) -> bool:
     transformers' Llama in the plan] in fsdpkit.planner.model.user_models)."""
     m = sc.model
     assert m is not None
-    return sc.layout.transformers_body and sc.cp == 1 and m.head_dim <= 256
+    return sc.layout.transformers_body and sc.dims.cp == 1 and m.head_dim <= 256
 
 
 def head_sizes(sc: Scenario) -> Sizes:
@@ -56,7 +56,7 @@ def head_sizes(sc: Scenario) -> Sizes:
     weight grads, tp times smaller there, are over-counted). The final norm runs before
     the gather, on ``sizes(sc)``'s shard (fsdpkit.planner.replay.walk)."""
     s = sizes(sc)
-    vocab = s.vocab // sc.tp if sc.vocab_parallel and sc.loss_chunk is not None else s.vocab
+    vocab = s.vocab // sc.dims.tp if sc.vocab_parallel and sc.loss_chunk is not None else s.vocab
     return replace(s, n=s.m, inner_n=0, tp=1, cp=1, ring=False, vocab=vocab)
 
 
@@ -66,7 +66,7 @@ def rope_held(sc: Scenario) -> int:
     s = sizes(sc)
     tables = not sc.layout.transformers_body
     return rope_bytes(
-        seq_len=sc.seq_len, head_dim=s.head_dim, tokens=s.m, e=s.e, cp=sc.cp, tables=tables
+        seq_len=sc.seq_len, head_dim=s.head_dim, tokens=s.m, e=s.e, cp=sc.dims.cp, tables=tables
     )
 
 

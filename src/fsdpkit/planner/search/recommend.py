@@ -178,7 +178,9 @@ def _option(cfg: RunConfig, changes: dict[str, object], search: _Search) -> _Opt
         )
     except UserError:
         return None  # e.g. offload with grad_op: not a valid configuration
-    if changes.get("parallel.accum_sync") == "every" and (sc.grad_accum == 1 or sc.shard == 1):
+    if changes.get("parallel.accum_sync") == "every" and (
+        sc.grad_accum == 1 or sc.dims.fsdp_shard == 1
+    ):
         return None  # nothing is accumulated across micro-batches, or nothing sharded
     return _Option(_diff(cfg, changes), new, sc, step_cost(sc), grid=changes)
 
@@ -206,7 +208,7 @@ def _per_token(c: Candidate | _Option) -> float:
     """Seconds per token of the global batch: a tp x cp layout has fewer data-parallel
     ranks, so its step reads fewer tokens (unless train.global_batch_size fixes them)."""
     sc = c.plan.scenario if isinstance(c, Candidate) else c.scenario
-    return c.cost.total_s / max(sc.dp * sc.tokens * sc.grad_accum, 1)
+    return c.cost.total_s / max(sc.dims.dp * sc.tokens * sc.grad_accum, 1)
 
 
 def _rank_key(c: Candidate | _Option) -> tuple[float, int]:
@@ -319,7 +321,7 @@ def _fastest_group(found: dict[tuple[int, int], list[Candidate]]) -> int | None:
     best = _fastest(found)
     if best is None:
         return None
-    return best.plan.scenario.tp * best.plan.scenario.cp
+    return best.plan.scenario.dims.tp * best.plan.scenario.dims.cp
 
 
 def _shape(cfg: RunConfig, given: _Option | None, search: _Search) -> LlamaConfig | None:

@@ -52,7 +52,7 @@ def step_cost(sc: Scenario) -> StepCost:
     """Estimated step time of a scenario (see the module docstring); needs no memory
     plan, so a traced search can rank before it traces."""
     dev = sc.device
-    compute = sc.tokens * sc.grad_accum * sc.flops_per_token / (sc.tp * sc.cp)
+    compute = sc.tokens * sc.grad_accum * sc.flops_per_token / (sc.dims.tp * sc.dims.cp)
     compute *= (1 + SMALL_BATCH_TOKENS / sc.tokens) / (dev.tflops * 1e12 * MFU)
     matmul = sc.model.matmul_params() if sc.model is not None else sc.num_params
     blocks = sum(r * c for b in sc.layout.blocks for r, c in b) / max(matmul, 1)
@@ -61,12 +61,14 @@ def step_cost(sc: Scenario) -> StepCost:
     m = sc.model
     if sc.loss_chunk is not None and m is not None:  # the head's matmul again in backward
         recompute += compute * m.vocab_size * m.dim / max(m.matmul_params(), 1) / 3
-    if m is not None and sc.tp > 1:  # the head is not split over tp: every tp rank runs it
-        recompute += compute * m.vocab_size * m.dim / max(m.matmul_params(), 1) * (sc.tp - 1)
+    if m is not None and sc.dims.tp > 1:  # the head is not split over tp: every tp rank runs it
+        recompute += compute * m.vocab_size * m.dim / max(m.matmul_params(), 1) * (sc.dims.tp - 1)
     compute_share, traffic_share, p2p = pipeline_cost(sc)  # [Note: pipeline in the recommender]
     compute, recompute = compute * compute_share, recompute * compute_share
-    shard_link = dev.intra_gbps if sc.shard * sc.tp <= sc.ranks_per_node else dev.inter_gbps
-    stage = sc.world_size // sc.pp
+    shard_link = (
+        dev.intra_gbps if sc.dims.fsdp_shard * sc.dims.tp <= sc.ranks_per_node else dev.inter_gbps
+    )
+    stage = sc.dims.world // sc.dims.pp
     replica_link = dev.intra_gbps if stage <= sc.ranks_per_node else dev.inter_gbps
     c = comm_volume(sc)
     comm = (c.all_gather + c.reduce_scatter) / (shard_link * 1e9) * traffic_share
@@ -75,9 +77,9 @@ def step_cost(sc: Scenario) -> StepCost:
     if sc.offload and dev.kind == "gpu":
         local = sum(model_states(sc).values())
         offload = c.host_transfer / (dev.host_gbps * 1e9) + local / (HOST_MEMORY_GBPS * 1e9)
-    cp_link = dev.intra_gbps if sc.tp * sc.cp <= sc.ranks_per_node else dev.inter_gbps
+    cp_link = dev.intra_gbps if sc.dims.tp * sc.dims.cp <= sc.ranks_per_node else dev.inter_gbps
     exchange = c.tp_exchange / (dev.intra_gbps * 1e9) + c.cp_exchange / (cp_link * 1e9)
-    ep_link = dev.intra_gbps if sc.ep * sc.tp <= sc.ranks_per_node else dev.inter_gbps
+    ep_link = dev.intra_gbps if sc.dims.ep * sc.dims.tp <= sc.ranks_per_node else dev.inter_gbps
     exchange += c.ep_exchange / (ep_link * 1e9)  # ep: the fastest data axis, contiguous
     exchange = exchange * traffic_share + p2p / (dev.inter_gbps * 1e9)
     return StepCost(compute, recompute, comm, offload, exchange)

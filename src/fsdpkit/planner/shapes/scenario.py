@@ -12,7 +12,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fsdpkit import precision as presets
-from fsdpkit.config import RunConfig, batch_split, parallel_dims, validate, validate_for_world
+from fsdpkit.config import (
+    ParallelDims,
+    RunConfig,
+    batch_split,
+    parallel_dims,
+    validate,
+    validate_for_world,
+)
 from fsdpkit.data import is_dataset
 from fsdpkit.devices import Device
 from fsdpkit.models.experts import Experts
@@ -50,12 +57,13 @@ class Scenario:
     model: LlamaConfig | None
     """The Llama shape the analytic model plans (None: a model it cannot replay, which
     is planned by tracing; see ``analytic_why_not``)."""
-    world_size: int
-    replicate: int
-    """Replicas (HSDP outer axis); 1 for full / grad_op."""
-    shard: int
-    """Ranks one parameter is sharded over: the shard axis with cp folded in ([Note:
-    parallel dimensions] in fsdpkit.config.dims)."""
+    dims: ParallelDims
+    """The run's degrees ([Note: parallel dimensions] in fsdpkit.config.dims): its
+    ``world``, ``replicate`` (1 for full / grad_op), ``shard`` (the mesh axis),
+    ``fsdp_shard`` (the ranks one parameter is sharded over: shard x cp), ``dp``, ``tp``,
+    ``cp``, ``pp`` and ``ep`` (borrowed from ``shard``). ``fsdpkit plan --json`` shows
+    them as the scenario's keys world_size, replicate, shard (= fsdp_shard), tp, cp, pp
+    and ep (fsdpkit.planner.shapes.scenario_json)."""
     strategy: str
     precision: str
     """Resolved preset: fp32, bf16, bf16-pure or fp16."""
@@ -98,10 +106,6 @@ class Scenario:
     """Resolved train.optimizer_impl: for-loop, foreach or fused ([Note: AdamW kernels])."""
     forward_prefetch: int = 0
     backward_prefetch: int = 1
-    tp: int = 1
-    """Tensor-parallel ranks (parallel.tp): the block units hold tp-local shards."""
-    cp: int = 1
-    """Context-parallel ranks (parallel.cp): each holds seq_len / cp tokens."""
     cp_attention: str = "ulysses"
     """parallel.cp_attention: "ulysses" (heads for sequence) or "ring" (k / v rotate;
     [Note: ring attention memory] in fsdpkit.planner.replay.ringmem)."""
@@ -121,11 +125,6 @@ class Scenario:
     """What the reference's no-grad forward holds at its peak besides them."""
     experts: Experts | None = None
     """A mixture-of-experts model's routing and parameter census (None: dense)."""
-    pp: int = 1
-    """Pipeline ranks (parallel.pp): ``units`` are the whole model's; fsdpkit.planner.
-    pipeline plans each rank's stages ([Note: pipeline plans])."""
-    ep: int = 1
-    """Expert-parallel ranks (parallel.ep), borrowed from ``shard``."""
     expert_units: tuple[Unit, ...] = ()
     """Under ep, each block's routed experts as a unit of their own over shard / ep
     ranks ([Note: expert units] in fsdpkit.planner.experts.parallel)."""
@@ -178,11 +177,6 @@ class Scenario:
         """Tokens per micro-batch of one data-parallel rank (the whole sequences, before
         cp splits them)."""
         return self.micro_batch * self.seq_len
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel ranks: world / (pp x tp x cp)."""
-        return self.world_size // (self.pp * self.tp * self.cp)
 
     def with_(self, **changes: object) -> Scenario:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -254,7 +248,6 @@ def scenario(
     PlanError / ConfigError naming the field on bad input."""
     local = _checked_sizes(cfg, world_size=world_size, ranks_per_node=ranks_per_node)
     dims = parallel_dims(cfg, world_size=world_size, local_world_size=local)
-    shard = dims.fsdp_shard
     vocab = vocab_size if vocab_size is not None else run_vocab_size(cfg)
     precision, note = planned_precision(cfg.precision.mode, device)
     model = planned_builtin(cfg, vocab=vocab, precision=precision)
@@ -267,7 +260,11 @@ def scenario(
         model.layout, tp=dims.tp, vocab=model.vocab_size if split_vocab else None
     )
     planned, experts = ep_units(
-        local_layout, shard=shard, ep=dims.ep, parallel=cfg.parallel, activations=cfg.activations
+        local_layout,
+        shard=dims.fsdp_shard,
+        ep=dims.ep,
+        parallel=cfg.parallel,
+        activations=cfg.activations,
     )
     chunk, loss_note = loss_chunk(cfg, model.layout, why_not=model.chunked_why_not)
     notes = [n for n in (note, loss_note, _vocab_note(cfg, vocab=vocab)) if n]
@@ -306,9 +303,7 @@ def scenario(
     )
     return Scenario(
         model=model.shape,
-        world_size=world_size,
-        replicate=dims.replicate,
-        shard=shard,
+        dims=dims,
         strategy=cfg.parallel.strategy,
         precision=precision,
         reshard_after_forward=reshard_after_forward(cfg.parallel),
@@ -337,16 +332,12 @@ def scenario(
         optimizer_impl=planned_optimizer(cfg, dev, precision=precision),
         forward_prefetch=cfg.parallel.forward_prefetch,
         backward_prefetch=cfg.parallel.backward_prefetch,
-        tp=dims.tp,
-        cp=dims.cp,
         cp_attention=cfg.parallel.cp_attention,
         sequence_parallel=dims.tp > 1 and (builtin or model.layout.sequence_parallel),
         vocab_parallel=split_vocab,
         reference_bytes=dpo.resident,
         reference_forward=dpo.forward,
         experts=model.experts,
-        pp=dims.pp,
-        ep=dims.ep,
         expert_units=experts,
         routing=routing,
     )

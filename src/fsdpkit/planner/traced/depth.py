@@ -41,7 +41,7 @@ def _shallow(cfg: RunConfig, sc: Scenario, depth: int) -> tuple[RunConfig, Scena
     shallow = with_changes(cfg, {"model.n_layers": depth}, source="the planner")
     planned = scenario(
         shallow,
-        world_size=sc.world_size,
+        world_size=sc.dims.world,
         device=sc.device,
         ranks_per_node=sc.ranks_per_node,
         vocab_size=sc.vocab_size,

@@ -59,15 +59,7 @@ def _step_peaks(
     base = live_bytes()
     # the trainer's own mesh: (replicate, shard, cp, tp, ep) of [Note: parallel dimensions]
     dims = parallel_dims(cfg, world_size=world_size, local_world_size=world_size)
-    mesh = build_mesh(
-        replicate=dims.replicate,
-        shard=dims.shard,
-        cp=dims.cp,
-        tp=dims.tp,
-        pp=dims.pp,
-        ep=dims.ep,
-        device_type="cpu",
-    )
+    mesh = build_mesh(dims, device_type="cpu")
     vocab = shape.vocab_size if shape is not None else 1  # model.hf / factory: its own
     unsharded = build_unsharded(cfg, vocab_size=vocab, device_type="cpu", shape=shape)
     run = shard_trainable(unsharded, cfg, mesh=mesh, device=torch.device("cpu"))

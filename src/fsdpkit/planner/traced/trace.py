@@ -142,15 +142,7 @@ def _run_config(cfg: RunConfig, sc: Scenario) -> RunConfig:
 def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
     """One steady-state step of the run's own build ([Note: one builder]) under fake
     tensors, with the trainer's step function, recorded phase by phase."""
-    mesh = build_mesh(
-        replicate=sc.replicate,
-        shard=sc.shard // sc.cp,  # sc.shard has cp folded in; the mesh axis has not
-        cp=sc.cp,
-        tp=sc.tp,
-        ep=sc.ep,
-        device_type="cpu",
-        world_size=sc.world_size,
-    )
+    mesh = build_mesh(sc.dims, device_type="cpu")
     run_cfg = _run_config(cfg, sc)
     shape = None if cfg.model.hf or cfg.model.factory else sc.model
     unsharded = build_unsharded(run_cfg, vocab_size=sc.vocab_size, device_type="cpu", shape=shape)
@@ -158,18 +150,20 @@ def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
         with real_meshes():
             run = shard_trainable(unsharded, run_cfg, mesh=mesh, device=CPU, fake=fake)
         gloo = sc.device.kind == "cpu"
-        if gloo and sc.shard > 1:
+        if gloo and sc.dims.fsdp_shard > 1:
             model_gloo_buffers(run.model)
         loss_fn = _grads_in_place(run.loss_fn)
         _steady_state(run.model, run.optimizer)
         # two micro-batches hold what any later one holds (the second shows what a
         # no-sync accumulation keeps); more would only make the trace slower
-        batches = synthetic_batches(run_cfg, dp_world=sc.dp, vocab_size=sc.vocab_size, at_most=2)
+        batches = synthetic_batches(
+            run_cfg, dp_world=sc.dims.dp, vocab_size=sc.vocab_size, at_most=2
+        )
         tracker = UnitTracker(run.model, run.optimizer)
         tracker.track_inputs(tuple(batches))
         recorder = _PhaseRecorder(tracker)
         ring = gloo and sc.cp_attention == "ring"
-        experts = sc.experts.layers if sc.experts is not None and sc.ep > 1 else 0
+        experts = sc.experts.layers if sc.experts is not None and sc.dims.ep > 1 else 0
         loads = () if sc.routing == BALANCED else layer_loads(sc.routing, layers=experts)
         with tracker, faithful_step(loads=tuple(loads)), ring_gloo_buffers(active=ring):
             train_step(
@@ -219,7 +213,7 @@ def traced_memory(cfg: RunConfig, sc: Scenario) -> MemoryPlan:
             "initialized in this process; run the plan outside the training job."
         )
     forget_meshes()  # meshes of process groups this process had before
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=sc.world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=sc.dims.world)
     try:
         recorder = _trace(cfg, sc)
     except UserError:

@@ -47,8 +47,8 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpkit.errors import ConfigError
-from fsdpkit.models.hf.initialize import is_hf_model
 from fsdpkit.models.llama import Attention, Llama, causal_attention, document_mask
+from fsdpkit.pretrained import is_hf_model
 from fsdpkit.sharding.context.ring import RingAttention, enable_ring
 from fsdpkit.sharding.heads import check_cp_heads, kv_repeat
 

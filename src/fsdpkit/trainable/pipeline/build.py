@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpkit.checkpoint.statefuls import tied_aliases
 from fsdpkit.config import RunConfig, batch_split
+from fsdpkit.config.dims import MeshAxis
 from fsdpkit.errors import ConfigError
 from fsdpkit.loss.contract import LossFn
 from fsdpkit.loss.router import RouterLoss, with_router_loss
@@ -37,7 +38,7 @@ def data_ranks(mesh: DeviceMesh) -> int:
     """The data-parallel ranks of one stage: the product of the mesh's data axes."""
     names = mesh.mesh_dim_names or ()
     size = 1
-    for axis in ("replicate", "shard"):
+    for axis in (MeshAxis.REPLICATE, MeshAxis.SHARD):
         if axis in names:
             size *= mesh[axis].size()
     return size

@@ -1,5 +1,5 @@
 """A real SLURM cluster on one Linux machine: munge, slurmctld and one slurmd per
-network namespace (fsdpkit.testing.netns), for tests that submit with real ``sbatch``.
+network namespace (tests/netns.py), for tests that submit with real ``sbatch``.
 
     with slurmcluster.cluster(nodes=2) as c:
         job = c.submit(script, cwd=tmp_path)
@@ -10,7 +10,7 @@ network namespace (fsdpkit.testing.netns), for tests that submit with real ``sba
 bridge's namespace (the "switch") gets one more address, ``.254``, for the
 controller and login node: munged, slurmctld and every client command (sbatch,
 scontrol, ...) run there, ``slurmd -N fsdpk-nodeI`` runs inside node I, each daemon
-in the foreground. Everything lives in one work directory (fsdpkit.testing.slurmconf:
+in the foreground. Everything lives in one work directory (tests/slurmconf.py:
 the config, munge's own key and Unix socket, which every namespace reaches by path,
 state, spools, logs): nothing is read from /etc/slurm or /etc/munge, nothing listens
 outside the namespaces. Job steps started by slurmd run inside its node's namespace
@@ -48,8 +48,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsdpkit.testing import netns
-from fsdpkit.testing.slurmconf import Layout, SlurmNode, cgroup_conf, slurm_conf
+import netns
+from slurmconf import Layout, SlurmNode, cgroup_conf, slurm_conf
 
 COMMANDS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel",
             "sinfo")  # fmt: skip
@@ -285,9 +285,10 @@ def _stop_daemons(c: SlurmCluster) -> None:
 
 
 def _start_reaper(workdir: Path) -> subprocess.Popen[bytes]:
-    """The guard of [Note: SLURM test cluster]: cleans up after a creator that died."""
-    code = "from fsdpkit.testing.slurmcluster import reap; import sys; reap(sys.argv[1])"
-    return subprocess.Popen([sys.executable, "-c", code, str(workdir)], stdin=subprocess.PIPE,
+    """The guard of [Note: SLURM test cluster]: cleans up after a creator that died.
+    This file run as a script (``reap`` below), so the reaper finds it and its
+    neighbours (netns, slurmconf) by its own directory, whatever the creator's path."""
+    return subprocess.Popen([sys.executable, __file__, str(workdir)], stdin=subprocess.PIPE,
                             start_new_session=True)  # fmt: skip
 
 
@@ -353,3 +354,7 @@ def cluster(*, nodes: int = 2, keep_logs: Path | None = None) -> Iterator[SlurmC
         assert reaper.stdin is not None
         reaper.stdin.close()
         reaper.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    reap(sys.argv[1])

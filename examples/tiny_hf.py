@@ -1,4 +1,7 @@
-"""Small Hugging Face model directories written locally (tests, examples, benchmarks).
+"""Small Hugging Face model directories written locally: make_tiny_hf_model.py's own
+module (beside it, so the README's quick start runs from an installed wheel), which
+fsdpkit's tests and benchmarks import too (they put examples/ on sys.path). Not part
+of the fsdpkit package: the wheel carries only what users call.
 
 Nothing is downloaded: the config comes from a few numbers, the weights from the
 model's own random init (seeded), and the tokenizer is a byte-level BPE trained in a

@@ -1,4 +1,4 @@
-"""The files of the one-machine SLURM test cluster (fsdpkit.testing.slurmcluster):
+"""The files of the one-machine SLURM test cluster (tests/slurmcluster.py):
 ``slurm.conf`` and where each daemon keeps its state, all under one work directory.
 
 Pure: paths and text from a layout, so the cluster module only starts processes.
