@@ -125,7 +125,7 @@ def test_compile_is_refused_under_grpo_by_name() -> None:
 
 
 def test_the_context_holds_a_prompt_and_its_completion() -> None:
-    from fsdpkit.config.rl import with_rl_context
+    from fsdpkit.config.rl_rules import with_rl_context
 
     short = c.load(None, [*GRPO, "data.seq_len=128", "rl.max_prompt_length=100"])
     assert with_rl_context(short).data.seq_len == 100 + 256

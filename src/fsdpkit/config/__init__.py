@@ -4,7 +4,8 @@ no planner calls: ``parallel.auto`` is decided above, in fsdpkit.run.resolve).
 Modules, each owning one job:
     schema    the frozen section dataclasses, one docstring per field
     finetune  the [lora] and [dpo] sections (schema assembles them)
-    rl        the [rl] section (online RL, train.objective = grpo) and its checks
+    rl        the [rl] section (online RL, train.objective = grpo) and its own checks
+    rl_rules  [rl] against the other sections; the run's length under grpo
     coerce    type-checking values against the annotations (did-you-mean errors)
     validate  ranges, impossible combinations, what the world size allows
     io        TOML files, dotted overrides, ``with_changes``, ``to_toml``

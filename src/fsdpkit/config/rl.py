@@ -1,8 +1,8 @@
 """The ``[rl]`` section of a run's configuration: online reinforcement learning with
 verifiable rewards (``train.objective = grpo``). Data only, like the rest of
-``fsdpkit.config.schema``, which assembles it into ``RunConfig``; ``validate_rl`` holds
-the section's rules and its rules against the other sections (fsdpkit.config.validate
-calls it, before any worker starts).
+``fsdpkit.config.schema``, which assembles it into ``RunConfig``; ``check_section`` holds
+the section's own rules, and fsdpkit.config.rl_rules its rules against the other
+sections (``validate_rl``, which fsdpkit.config.validate calls before any worker starts).
 
 Field names are TRL 1.16 ``GRPOConfig``'s where it has one (num_generations,
 max_completion_length, temperature, top_p, top_k, loss_type, epsilon, epsilon_high, beta,
@@ -12,17 +12,13 @@ reward_weights), so a TRL user's values carry over as they are.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from fsdpkit.config.coerce import suggest
 from fsdpkit.errors import ConfigError
-
-if TYPE_CHECKING:  # typing only: schema imports this module to assemble RunConfig
-    from fsdpkit.config.schema import RunConfig
 
 LOSS_TYPES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo")
 """The ``rl.loss_type`` values a run takes: the one list (fsdpkit.loss.grpo implements
@@ -120,21 +116,11 @@ class RlConfig:
     trains (KV cache, no second copy). vllm is reserved for a later release."""
 
 
-def validate_rl(cfg: RunConfig) -> None:
-    """The ``[rl]`` section's ranges (always) and, under ``train.objective = grpo``, its
-    needs from the rest of the config; a ConfigError names the key and the fix."""
-    rl = cfg.rl
+def check_section(rl: RlConfig) -> None:
+    """The section's own rules (ranges, loss type, reward specs, engine)."""
     _ranges(rl)
     _losses(rl)
     _reward_specs(rl)
-    if rl.engine == "vllm":
-        raise ConfigError(
-            "rl.engine = 'vllm' is reserved for a later release: fsdpkit does not drive "
-            "vLLM yet. Use rl.engine = 'embedded' (the default: the policy samples its own "
-            "rollouts)."
-        )
-    if cfg.train.objective == "grpo":
-        _grpo_run(cfg)
 
 
 def _ranges(rl: RlConfig) -> None:
@@ -227,56 +213,11 @@ def _reward_specs(rl: RlConfig) -> None:
         ) from None
 
 
-def _grpo_run(cfg: RunConfig) -> None:
-    """What ``train.objective = grpo`` needs from the other sections."""
-    for axis in AXES:
-        degree = getattr(cfg.parallel, axis)
-        if degree > 1:
-            raise ConfigError(
-                f"parallel.{axis} = {degree} is not supported with train.objective = "
-                "'grpo' yet: rollouts and their log-probs run under data parallelism only. "
-                f"Set parallel.{axis} = 1 (FSDP shards the model over every rank), or train "
-                "another objective."
-            )
-    if cfg.train.compile:
-        raise ConfigError(
-            "train.compile = true is not supported with train.objective = 'grpo' yet: "
-            "rollouts decode one token per forward at a new length each time, which a "
-            "compiled model would recompile for. Set train.compile = false."
-        )
-    if cfg.train.global_batch_size is not None:
-        check_grpo_batch(cfg.rl, global_batch=cfg.train.global_batch_size)
-    if not cfg.rl.rewards:
-        raise ConfigError(
-            "train.objective = 'grpo' needs at least one reward: set rl.rewards, e.g. "
-            'rl.rewards=["math"] (built-ins: math, exact, format, length) or '
-            '["mypkg.rewards:my_reward"].'
-        )
-    if not cfg.data.path or cfg.data.mix:
-        raise ConfigError(
-            "train.objective = 'grpo' samples completions for prompts, so data.path must "
-            "name a file or directory of rows with a 'prompt' (a string or chat messages) "
-            "and the columns the rewards read (data.mix is not supported for prompts); "
-            "see docs/rl.md."
-        )
-
-
 def gap_limit(rl: RlConfig, *, low_precision: bool) -> float:
     """rl.logprob_gap_max, or its default for the run's compute dtype."""
     if rl.logprob_gap_max is not None:
         return rl.logprob_gap_max
     return 0.1 if low_precision else 1e-3
-
-
-def with_rl_context(cfg: RunConfig) -> RunConfig:
-    """Under ``train.objective = grpo`` a prompt and its completion are one sequence of
-    the model: ``data.seq_len`` (the built-in models' context, what the planner plans)
-    raised to rl.max_prompt_length + rl.max_completion_length when shorter. The
-    trainer and the planner both resolve the run's length through this."""
-    need = cfg.rl.max_prompt_length + cfg.rl.max_completion_length
-    if cfg.train.objective != "grpo" or cfg.data.seq_len >= need:
-        return cfg
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=need))
 
 
 def check_grpo_batch(rl: RlConfig, *, global_batch: int) -> None:

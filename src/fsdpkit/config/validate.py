@@ -10,7 +10,7 @@ from typing import Any
 
 from fsdpkit.config.batch_split import batch_split
 from fsdpkit.config.dims import parallel_dims
-from fsdpkit.config.rl import validate_rl
+from fsdpkit.config.rl_rules import validate_rl
 from fsdpkit.config.schedules import check_micro_batches, validate_pipeline
 from fsdpkit.config.schema import DataConfig, ModelConfig, RunConfig
 from fsdpkit.errors import ConfigError

@@ -92,7 +92,7 @@ def stop_ids(cfg: RunConfig, tokenizer: Tokenizer) -> frozenset[int]:
 def check_lengths(cfg: RunConfig) -> None:
     """A model.hf model must hold a prompt and its completion in its positions: the
     refusal names the [rl] lengths (the run's data.seq_len is derived from them:
-    fsdpkit.config.rl.with_rl_context)."""
+    fsdpkit.config.rl_rules.with_rl_context)."""
     if not cfg.model.hf:
         return
     config = read_hf_dir(cfg.model.hf).config

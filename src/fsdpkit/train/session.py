@@ -20,7 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdpkit.checkpoint import Checkpointer, ModelOptimizerState, RankLocal, RNGState
 from fsdpkit.checkpoint.frozen import FrozenBase
 from fsdpkit.config import BatchSplit, ParallelDims, RunConfig, batch_split, parallel_dims, to_toml
-from fsdpkit.config.rl import check_grpo_batch, with_rl_context
+from fsdpkit.config.rl import check_grpo_batch
+from fsdpkit.config.rl_rules import with_rl_context
 from fsdpkit.data import Tokenizer, TrainingData, open_training_data
 from fsdpkit.data.preference import open_preference_data
 from fsdpkit.data.prompt_order import open_prompt_data
