@@ -117,7 +117,7 @@ def _one_arch(
         "describe": ft.describe(),
         "logits": _logits(model),
     }
-    meta = {"config": cfg.to_dict(), "finetune": ft.record(model)}
+    meta = {"config": cfg.to_dict(), "finetune": ft.record()}
     ckpt = Checkpointer(run_dir=Path(run_dir), cfg=CheckpointConfig(every=1), run_meta=meta)
     only = cfg.checkpoint.adapters_only
     ckpt.save(STEPS, {"app": ModelOptimizerState(model, None, trainable_only=only)})

@@ -77,13 +77,26 @@ LAYOUTS: dict[str, list[str]] = {
     "tied-pp2xcp2": ["parallel.pp=2", "parallel.cp=2"],
     "tied-hf-llama-pp2xdp2": ["parallel.pp=2"],
     "tied-hf-gemma-pp2xdp2": ["parallel.pp=2"],
+    "lora-pp2xdp2": ["parallel.pp=2", "checkpoint.adapters_only=true"],
+    "freeze-pp2xdp2": ["parallel.pp=2"],
+    "offload-pp2xdp2": ["parallel.pp=2", "offload.params=true"],
+    "initfrom-pp2xdp2": ["parallel.pp=2"],
 }
 """Layout name -> its overrides; "hf-" layouts train a transformers Llama directory,
 "factory-" ones a ``model.factory`` model without HF's accessors (residual-MLP blocks,
 its embedding and head found as the one nn.Embedding and nn.Linear outside them), "sft-"
 ones packed chat rows (examples/sft_tiny.jsonl) on a transformers Llama with a chat
 template, "tied-" ones a model whose head is its embedding ([Note: tied embeddings
-across stages]: each end's copy is checked against the one process's weight)."""
+across stages]: each end's copy is checked against the one process's weight); the
+fine-tuning ones train LoRA adapters ("lora-"), a frozen half of the blocks
+("freeze-"), with parameters offloaded to the CPU ("offload-": the one process
+trains without, the math is the same) and from ``model.init_from`` weights of another
+built-in model ("initfrom-")."""
+FINETUNE = {
+    "lora-": ["lora.rank=4", "lora.alpha=8"],
+    "freeze-": ["model.freeze=['model.layers.0.*', 'model.layers.1.*']"],
+}
+"""The settings both sides of a fine-tuning layout train with."""
 FAST = ("tied-pp2xdp2-1f1b",)
 """In make test: pp2 x dp2 with 1F1B of the tied model (the untied one's path and the
 tie's)."""
@@ -121,6 +134,9 @@ def _overrides(name: str, tmp: Path) -> list[str]:
         rows = Path(__file__).parents[2] / "examples" / "sft_tiny.jsonl"
         sft = [f"model.hf={chat}", f"data.path={rows}", "data.seq_len=128"]
         return [*[o for o in common if not o.startswith("data.seq_len")], *sft]
+    finetune = _finetune(name, tmp, common)
+    if finetune is not None:
+        return finetune
     if name.startswith("tied-") and not name.startswith("tied-hf-"):
         return [
             *[o for o in BASE if not o.startswith("model.tie")],
@@ -138,6 +154,40 @@ def _overrides(name: str, tmp: Path) -> list[str]:
     elif not model.exists():  # transformers' Gemma is tied
         write_tiny_model(model, arch=arch, layers=4)
     return [*common, f"model.hf={model}"]
+
+
+def _finetune(name: str, tmp: Path, common: list[str]) -> list[str] | None:
+    """The overrides of a fine-tuning layout (None: not one)."""
+    for prefix, settings in FINETUNE.items():
+        if name.startswith(prefix):
+            return [*BASE, *BATCH, *settings]
+    if not name.startswith("initfrom-"):
+        return None
+    weights = tmp / "initfrom-weights"
+    if not weights.exists():
+        _write_builtin_weights(weights, seed=7)
+    return [*BASE, *BATCH, f"model.init_from={weights}"]
+
+
+def _write_builtin_weights(out: Path, *, seed: int) -> None:
+    """The built-in model of BASE with other weights, as HF safetensors (its names are
+    transformers' Llama's) and config.json: what model.init_from reads."""
+    import torch
+    from safetensors.torch import save_file
+
+    from fsdpkit import init_weights
+    from fsdpkit.export.hf_files import hf_config
+    from fsdpkit.models.llama import Llama, LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128,
+        max_seq_len=32, tie_embeddings=False,
+    )  # fmt: skip
+    model = Llama(cfg)
+    init_weights(model, seed=seed)
+    out.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(hf_config(cfg, dtype=torch.float32)))
 
 
 def _write_tied_llama(out: Path) -> None:
@@ -164,6 +214,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _reference(refs: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     prefixes = ("tied-hf-llama", "tied-hf-gemma", "hf-", "factory-", "sft-", "tied-")
+    prefixes += ("lora-", "freeze-", "initfrom-")
     kind = next((p for p in prefixes if name.startswith(p)), "llama")
     if kind not in refs:
         tmp: Path = refs["tmp"]

@@ -58,7 +58,10 @@ def test_pipelined_run_states_its_split_and_trains(tmp_path: Path) -> None:
         ((UNTIED, "parallel.pp=3"), "parallel.pp x parallel.tp x parallel.cp = 3 x 1 x 1"),
         ((UNTIED, "parallel.pp=4", "model.n_layers=3"), "3 blocks, fewer than its 4 pipeline"),
         ((UNTIED, "parallel.pp=4", "train.global_batch_size=2"), "1F1B needs at least pp = 4"),
-        ((UNTIED, "parallel.pp=2", "lora.rank=4"), "parallel.pp = 2 cannot be combined with"),
+        (
+            (UNTIED, "parallel.pp=2", "parallel.accum_sync=every"),
+            "parallel.pp = 2 cannot be combined with",
+        ),
     ],
 )
 def test_bad_pipeline_layout_is_one_paragraph_before_any_worker(

@@ -112,7 +112,6 @@ def test_refusals_name_the_field() -> None:
     )
     few = _refusal("parallel.pp=4", untied, "train.global_batch_size=6")
     assert "1F1B needs at least pp = 4 micro-batches" in few and "gives 2 micro-batch" in few
-    assert "offload.params = true" in _refusal("parallel.pp=2", "offload.params=true")
     assert "parallel.accum_sync = every" in _refusal("parallel.pp=2", "parallel.accum_sync=every")
     assert "pp_stages_per_rank = 3" in _refusal("parallel.pp=2", "parallel.pp_stages_per_rank=3")
     zbv = ("parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble", untied)

@@ -114,13 +114,15 @@ def _unsupported(cfg: RunConfig) -> list[tuple[str, str]]:
     p, t = cfg.parallel, cfg.train
     found = []
     if t.objective == "dpo":
-        found.append(("train.objective = dpo", "its loss runs the model twice per pair"))
-    if cfg.lora.rank or cfg.model.freeze:
-        found.append(("lora.rank / model.freeze", "frozen bases are not split into stages yet"))
-    if cfg.offload.params:
-        found.append(("offload.params = true", "not run with pipeline stages yet"))
-    if cfg.model.init_from:
-        found.append(("model.init_from", "its weights are not read into pipeline stages yet"))
+        found.append(
+            (
+                "train.objective = dpo",
+                "its loss needs the reference's log-probs of every pair, which would take a "
+                "second pass through the stages (not built yet)",
+            )
+        )
+    if t.objective == "grpo":
+        found.append(("train.objective = grpo", "rollouts run under data parallelism only"))
     if p.accum_sync == "every":
         found.append(
             ("parallel.accum_sync = every", "each stage reduces its gradients once a step")

@@ -43,23 +43,24 @@ class Finetune:
     """The ``peft.LoraConfig`` (None without LoRA)."""
     moe_note: str | None = None
     """Under LoRA, what of a mixture-of-experts model is and is not adapted."""
+    conv1d: list[str] = field(default_factory=list)
+    """The targets that are transformers ``Conv1D`` layers (stored transposed), read off
+    the whole model before sharding (a pipeline rank's view holds only its stages)."""
 
     @property
     def active(self) -> bool:
         """Whether anything is frozen (else the run is a plain full training run)."""
         return self.counts.trainable < self.counts.total
 
-    def record(self, model: nn.Module) -> dict[str, object] | None:
+    def record(self) -> dict[str, object] | None:
         """What checkpoints record for exports (fsdpkit.export.adapters): the LoRA
         layers (and which are transformers Conv1D, stored transposed), the fully trained
         modules; None without LoRA."""
         if not self.targets:
             return None
-        with adapters.base_view(model):
-            conv1d = [t for t in self.targets if type(model.get_submodule(t)).__name__ == "Conv1D"]
         return {
             "lora_targets": list(self.targets),
-            "conv1d": conv1d,
+            "conv1d": list(self.conv1d),
             "modules_to_save": list(self.trainable_modules),
         }
 
@@ -131,6 +132,7 @@ def prepare(
     ``init`` is the model's own initializer (None: fsdpkit's default)."""
     targets: list[str] = []
     modules: list[str] = []
+    conv1d: list[str] = []
     config = None
     if cfg.lora.rank:
         blocks = list(choose_blocks(model, class_names=cfg.parallel.block_classes or None).blocks)
@@ -140,6 +142,7 @@ def prepare(
         )
         _no_overlap(targets, modules)
         config = adapters.peft_config(cfg.lora, targets=targets)
+        conv1d = [t for t in targets if type(model.get_submodule(t)).__name__ == "Conv1D"]
         adapters.inject(model, config, seed=cfg.train.seed)
         for name in modules:
             model.get_submodule(name).requires_grad_(True)
@@ -164,6 +167,7 @@ def prepare(
         init=init,
         peft_config=config,
         moe_note=_moe_note(model) if cfg.lora.rank else None,
+        conv1d=conv1d,
     )
 
 

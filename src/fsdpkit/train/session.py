@@ -230,7 +230,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
             run_dir=run_dir,
             dims=dims,
             llama=run.llama,
-            finetune=run.finetune.record(run.model),
+            finetune=run.finetune.record(),
         ),
         metrics=MetricsWriter(run_dir / "metrics.jsonl", enabled=env.rank == 0),
         data_note=data.note,

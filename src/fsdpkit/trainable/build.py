@@ -182,6 +182,8 @@ def _pipelined(
     from fsdpkit.trainable.pipeline.build import build_pipeline
 
     built = build_pipeline(unsharded, cfg, mesh=mesh, device=device)
+    if cfg.model.init_from:  # each rank reads its stages' weights, by the model's names
+        init_from(built.view, Path(cfg.model.init_from))
     return Trainable(
         model=built.view,
         loss_fn=built.loss_fn,
