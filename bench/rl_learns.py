@@ -116,8 +116,11 @@ def _grpo(work: Path, *, seed: int, steps: int) -> dict[str, Any]:
     evals = [(0, before["val_pass_rate"])]
     evals += [(r["step"], r["val_pass_rate"]) for r in records if "val_pass_rate" in r]
     train = [r for r in records if "rl/reward" in r]
+    data = next(r["data"] for r in records if "data" in r)
     return {
         "seed": seed,
+        "prompts": data["prompts"],
+        "held_out_prompts": data["held_out_prompts"],
         "held_out_pass_rate": [{"step": s, "pass_rate": p} for s, p in evals],
         "train_reward": [round(r["rl/reward"], 4) for r in train],
         "logprob_gap_max": max(r["rl/logprob_gap_max"] for r in train),
@@ -141,7 +144,13 @@ def learns(*, work: Path, seeds: list[int], steps: int) -> dict[str, Any]:
         runs.append(_grpo(work, seed=seed, steps=steps))
         curve = [f"{e['step']}: {e['pass_rate']:.3f}" for e in runs[-1]["held_out_pass_rate"]]
         print(f"seed {seed}: held-out pass rate {', '.join(curve)}", flush=True)
-    return {"sft_steps": SFT_STEPS, "sft_minutes": round(sft / 60, 2), "runs": runs}
+    return {
+        "model": "model.preset=tiny, byte-level tokenizer, fp32, 2 gloo ranks",
+        "configs": ["examples/rl_copy_sft.toml", "examples/rl_copy_grpo.toml"],
+        "sft_steps": SFT_STEPS,
+        "sft_minutes": round(sft / 60, 2),
+        "runs": runs,
+    }
 
 
 def _prompts(tokenizer: Any) -> list[Any]:
@@ -239,9 +248,11 @@ def render(results: dict[str, Any]) -> str:
         "",
         f"Uptime before / after: `{results['uptime'][0]}` / `{results['uptime'][1]}`.",
         "",
-        f"**Learns.** SFT {learned['sft_steps']} steps ({learned['sft_minutes']:.1f} min), "
-        "then GRPO; held-out pass rate on the 80 held-out words (one completion each, "
-        'temperature 1), "before" = the SFT weights:',
+        f"**Learns** ({learned['model']}; `{learned['configs'][0]}` for "
+        f"{learned['sft_steps']} steps, {learned['sft_minutes']:.1f} min, then "
+        f"`{learned['configs'][1]}`): the pass rate on the "
+        f"{learned['runs'][0]['held_out_prompts']} held-out words, one completion each at "
+        'temperature 1; "before" is the SFT weights:',
         "",
         "| GRPO seed | before | after | held-out pass rate by step | train reward, "
         "first / last 10 steps | largest log-prob gap | GRPO minutes |",
@@ -270,8 +281,8 @@ def render(results: dict[str, Any]) -> str:
     what = {
         "embedded": "fsdpkit's loop over the model's DynamicCache; a seeded Gumbel-max draw "
         "per completion",
-        "transformers": "transformers' own sampling loop, logits processors, multinomial "
-        "draw, cache and attention mask",
+        "transformers": "transformers' own sampling loop (no logits processor at these "
+        "settings), softmax and multinomial draw, its DynamicCache and an attention mask",
         "embedded-B": "the first row again",
     }
     for r in roll["rows"]:
