@@ -28,6 +28,7 @@ RENDERED = {
     "moe_routing_replay",
     "hang_overhead",
     "checkpoint_staging",
+    "rl_learns",
 }  # fmt: skip
 """Benches whose tables the docs quote: each must have a block and a results file."""
 

@@ -98,6 +98,39 @@ def test_run_log_series_summary_and_torn_lines(tmp_path: Path) -> None:
         load_run(tmp_path / "nope")
 
 
+def _grpo_run(path: Path) -> Path:
+    """A GRPO run directory: rl/* per step, held-out reward and pass rate at step 2."""
+    steps = [
+        {"step": n, "loss": 0.01 * n, "rl/reward": r, "rl/pass_rate": r,
+         "rl/logprob_gap_max": 2e-6, "rl/logprob_gap_mean": 3e-7, "rl/entropy": 0.9}
+        for n, r in ((1, 0.25), (2, 0.5), (3, 0.75))
+    ]  # fmt: skip
+    evals = [{"step": 2, "val_reward": 0.4, "val_pass_rate": 0.4}]
+    lines = [*steps[:2], *evals, steps[2], {"step": 3, "val_reward": 0.7, "val_pass_rate": 0.7}]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (path / "config.toml").write_text("[rl]\nlogprob_gap_max = 0.01\n")
+    return path
+
+
+def test_a_grpo_run_reads_its_reward_pass_rate_and_gap_series(tmp_path: Path) -> None:
+    run = load_run(_grpo_run(tmp_path))
+    assert run.series["rl/reward"].values == [0.25, 0.5, 0.75]
+    assert run.series["rl/logprob_gap_max"].steps == [1, 2, 3]
+    assert run.series["val_pass_rate"].steps == [2, 3]
+    assert run.summary["final_val_pass_rate"] == 0.7
+    assert run.summary["final_loss"] == pytest.approx(0.03)
+
+
+def test_a_grpo_report_plots_reward_pass_rate_and_gap(tmp_path: Path) -> None:
+    page = report_module.write_report([_grpo_run(tmp_path)])
+    plots = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert {"rl_reward.png", "rl_pass_rate.png", "logprob_gap.png", "loss.png"} <= set(plots)
+    assert "rewards.png" not in plots  # DPO's, drawn only with its series
+    text = page.read_text()
+    assert "GRPO pass rate" in text and "final held-out pass rate (GRPO)" in text
+    assert "70.0%" in text
+
+
 def test_scalar_tags() -> None:
     values = scalars({"step": 3, "loss": 2.0, "mfu": None, "peak_mem_mib": [1.0, 2.0]})
     assert values == {
@@ -105,6 +138,8 @@ def test_scalar_tags() -> None:
         "memory/peak_mib_rank0": 1.0,
         "memory/peak_mib_rank1": 2.0,
     }
+    grpo = scalars({"step": 4, "rl/reward": 0.5, "rl/rewards/exact": 1, "val_pass_rate": 0.25})
+    assert grpo == {"rl/reward": 0.5, "rl/rewards/exact": 1.0, "val/pass_rate": 0.25}
 
 
 def test_grpo_metrics_reach_the_sinks_under_their_own_tags() -> None:

@@ -31,6 +31,7 @@ _SUMMARY_ROWS = [
     ("final train loss", "final_loss", "{:.4f}"),
     ("final validation loss", "final_val_loss", "{:.4f}"),
     ("best validation loss", "best_val_loss", "{:.4f}"),
+    ("final held-out pass rate (GRPO)", "final_val_pass_rate", "{:.1%}"),
     ("tokens/s (median, all ranks)", "tokens_per_s_median", "{:,.0f}"),
     ("step time (median)", "step_time_s_median", "{:.3f} s"),
     ("checkpoints saved", "checkpoints", "{}"),

@@ -51,13 +51,38 @@ def _series_plot(runs: list[RunLog], key: str, ylabel: str) -> Callable[[Any], b
     return draw
 
 
-def _loss(runs: list[RunLog]) -> Callable[[Any], bool]:
+def _with_held_out(runs: list[RunLog], key: str, held_out: str) -> Callable[[Any], bool]:
+    """A series per training step, and its held-out value at each evaluation as dots."""
+
     def draw(ax: Any) -> bool:
         drawn = False
         for r in runs:
             label = f"{r.name} " if len(runs) > 1 else ""
-            drawn |= _line(ax, r.series["loss"], f"{label}train", linewidth=1.2)
-            drawn |= _line(ax, r.series["val_loss"], f"{label}validation", marker="o")
+            drawn |= _line(ax, r.series[key], f"{label}train", linewidth=1.2)
+            drawn |= _line(ax, r.series[held_out], f"{label}held out", marker="o")
+        return drawn
+
+    return draw
+
+
+def _gap(runs: list[RunLog]) -> Callable[[Any], bool]:
+    """A GRPO run's rollout log-prob gap per step and the limit that stops the run
+    ([Note: the log-prob gap] in fsdpkit.rollout.gap), on a log scale: float noise sits
+    near 1e-6, a broken weight update at whole nats."""
+
+    def draw(ax: Any) -> bool:
+        drawn = False
+        for r in runs:
+            label = f"{r.name} " if len(runs) > 1 else ""
+            if not _line(ax, r.series["rl/logprob_gap_max"], f"{label}max", linewidth=1.2):
+                continue
+            drawn = True
+            _line(ax, r.series["rl/logprob_gap_mean"], f"{label}mean", linestyle="--")
+            limit = (r.config.get("rl") or {}).get("logprob_gap_max")
+            if isinstance(limit, int | float):
+                ax.axhline(limit, color="red", linestyle=":", label=f"{label}rl.logprob_gap_max")
+        if drawn:
+            ax.set_yscale("log")
         return drawn
 
     return draw
@@ -134,7 +159,15 @@ def render(runs: list[RunLog], out_dir: Path) -> list[Plot]:
     mem_kind = runs[0].memory_kind or "memory"
     specs: list[tuple[str, str, str, str, Callable[[Any], bool]]] = [
         ("loss", "Loss", "loss", "train loss every logged step; validation loss as dots",
-         _loss(runs)),
+         _with_held_out(runs, "loss", "val_loss")),
+        ("rl_reward", "GRPO reward", "reward", "mean total reward of the step's completions; "
+         "held out: one completion per held-out prompt at each evaluation, as dots",
+         _with_held_out(runs, "rl/reward", "val_reward")),
+        ("rl_pass_rate", "GRPO pass rate", "share", "share of completions the exact / math "
+         "reward grades correct; held-out prompts as dots",
+         _with_held_out(runs, "rl/pass_rate", "val_pass_rate")),
+        ("logprob_gap", "Rollout log-prob gap", "nats", "|engine - trainer| log-prob of the "
+         "sampled tokens each step; the run stops above rl.logprob_gap_max", _gap(runs)),
         ("rewards", "DPO rewards", "reward", "beta x policy/reference log-ratio of each "
          "side, mean over the step's pairs", _rewards(runs)),
         ("reward_accuracy", "DPO reward accuracy", "share of pairs",

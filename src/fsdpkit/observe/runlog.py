@@ -4,8 +4,9 @@ HTML modules only format what this returns (design rule: reports never compute).
 
 metrics.jsonl holds four kinds of records (see ``fsdpkit.train.telemetry``): a step
 record (``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``peak_mem_mib`` per rank,
-...), ``{"step", "val_loss"}``, ``{"step", "checkpoint_blocking_s"}`` and, at each
-start, ``{"step", "data"}`` (what the run trains on: fsdpkit.data.TrainingData.record). A torn last
+a GRPO run's ``rl/*``, ...), ``{"step", "val_loss"}`` (a GRPO run: ``val_reward``,
+``val_pass_rate``), ``{"step", "checkpoint_blocking_s"}`` and, at each start,
+``{"step", "data"}`` (what the run trains on: fsdpkit.data.TrainingData.record). A torn last
 line (a killed writer) is skipped, as the metrics writer itself does.
 """
 
@@ -61,6 +62,12 @@ class RunLog:
 SERIES = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu")
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy")
 """A DPO run's per-step rewards (fsdpkit.trainable.reference)."""
+RL = (
+    "rl/reward", "rl/pass_rate", "rl/logprob_gap_max", "rl/logprob_gap_mean",
+    "val_reward", "val_pass_rate",
+)  # fmt: skip
+"""A GRPO run's per-step reward, pass rate and log-prob gap (fsdpkit.train.rl_step), and
+its held-out reward and pass rate at each evaluation."""
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -77,7 +84,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 def _collect(records: list[dict[str, Any]]) -> tuple[dict[str, Series], dict[int, Series]]:
-    series = {name: Series() for name in (*SERIES, *REWARDS, "checkpoint_blocking_s")}
+    series = {name: Series() for name in (*SERIES, *REWARDS, *RL, "checkpoint_blocking_s")}
     memory: dict[int, Series] = {}
     for r in records:
         for name, s in series.items():
@@ -85,6 +92,10 @@ def _collect(records: list[dict[str, Any]]) -> tuple[dict[str, Series], dict[int
         for rank, mib in enumerate(r.get("peak_mem_mib") or []):
             memory.setdefault(rank, Series()).add(r["step"], mib)
     return series, memory
+
+
+def _last(series: Series) -> float | None:
+    return series.values[-1] if series.values else None
 
 
 def summarize(series: dict[str, Series], memory: dict[int, Series]) -> dict[str, Any]:
@@ -98,6 +109,7 @@ def summarize(series: dict[str, Series], memory: dict[int, Series]) -> dict[str,
         "final_loss": loss.values[-1] if loss.values else None,
         "final_val_loss": val.values[-1] if val.values else None,
         "best_val_loss": min(val.values) if val.values else None,
+        "final_val_pass_rate": _last(series["val_pass_rate"]),
         "tokens_per_s_median": statistics.median(steady) if steady else None,
         "step_time_s_median": (
             statistics.median(series["step_time_s"].values[1:] or series["step_time_s"].values)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 from fsdpkit.errors import UserError
 
-# metrics.jsonl key -> scalar tag. peak_mem_mib (a list, one per rank) is spread out.
+# metrics.jsonl key -> scalar tag. peak_mem_mib (a list, one per rank) is spread out; a
+# GRPO run's rl/* keys (fsdpkit.train.rl_step) keep their names as tags.
 TAGS = {
     "loss": "train/loss",
     "lr": "train/lr",
@@ -56,11 +57,15 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     out = {}
     for key, value in record.items():
         tag = _tag(key)
-        if tag and isinstance(value, int | float) and not isinstance(value, bool):
+        if tag and _number(value):
             out[tag] = float(value)
     for rank, mib in enumerate(record.get("peak_mem_mib") or []):
         out[f"memory/peak_mib_rank{rank}"] = float(mib)
     return out
+
+
+def _number(value: Any) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class Sink(Protocol):
