@@ -339,6 +339,7 @@ def _train(s: Session, *, obs: Observer, stop: StopFlag, probe: HangProbe) -> Ru
         progress.message("train.sample_tokens: no sample under parallel.pp (not supported)")
     elif (
         s.trainable.llama is not None
+        and s.rl is None  # a GRPO run samples its own completions every step
         and cfg.train.sample_tokens
         and s.state.step == cfg.train.steps
     ):
