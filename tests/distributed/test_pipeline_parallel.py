@@ -81,6 +81,8 @@ LAYOUTS: dict[str, list[str]] = {
     "freeze-pp2xdp2": ["parallel.pp=2"],
     "offload-pp2xdp2": ["parallel.pp=2", "offload.params=true"],
     "initfrom-pp2xdp2": ["parallel.pp=2"],
+    "dpo-lora-pp2xdp2": ["parallel.pp=2"],
+    "dpo-simpo-pp2xdp2": ["parallel.pp=2"],
 }
 """Layout name -> its overrides; "hf-" layouts train a transformers Llama directory,
 "factory-" ones a ``model.factory`` model without HF's accessors (residual-MLP blocks,
@@ -90,10 +92,14 @@ template, "tied-" ones a model whose head is its embedding ([Note: tied embeddin
 across stages]: each end's copy is checked against the one process's weight); the
 fine-tuning ones train LoRA adapters ("lora-"), a frozen half of the blocks
 ("freeze-"), with parameters offloaded to the CPU ("offload-": the one process
-trains without, the math is the same) and from ``model.init_from`` weights of another
+trains without, the math is the same), DPO with LoRA (the reference: the base with the
+adapters off, in a pass of its own through the stages) and reference-free SimPO
+("dpo-") and from ``model.init_from`` weights of another
 built-in model ("initfrom-")."""
 FINETUNE = {
     "lora-": ["lora.rank=4", "lora.alpha=8"],
+    "dpo-lora-": ["train.objective=dpo", "dpo.beta=0.5", "lora.rank=4", "lora.alpha=8"],
+    "dpo-simpo-": ["train.objective=dpo", "dpo.loss=simpo", "train.lr=2e-3"],
     "freeze-": ["model.freeze=['model.layers.0.*', 'model.layers.1.*']"],
 }
 """The settings both sides of a fine-tuning layout train with."""
@@ -117,7 +123,8 @@ def _train(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
 
 def _metrics(run_dir: Path) -> dict[str, list[float]]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {key: [r[key] for r in records if key in r] for key in ("loss", "grad_norm", "val_loss")}
+    keys = ("loss", "grad_norm", "val_loss", "rewards/chosen", "rewards/margin")
+    return {key: [r[key] for r in records if key in r] for key in keys}
 
 
 def _overrides(name: str, tmp: Path) -> list[str]:
@@ -160,13 +167,27 @@ def _finetune(name: str, tmp: Path, common: list[str]) -> list[str] | None:
     """The overrides of a fine-tuning layout (None: not one)."""
     for prefix, settings in FINETUNE.items():
         if name.startswith(prefix):
-            return [*BASE, *BATCH, *settings]
+            data = [f"data.path={_pairs(tmp)}"] if prefix.startswith("dpo-") else []
+            return [*BASE, *BATCH, *settings, *data]
     if not name.startswith("initfrom-"):
         return None
     weights = tmp / "initfrom-weights"
     if not weights.exists():
         _write_builtin_weights(weights, seed=7)
     return [*BASE, *BATCH, f"model.init_from={weights}"]
+
+
+def _pairs(tmp: Path) -> Path:
+    """Preference rows (prompt / chosen / rejected strings) for the DPO layouts."""
+    out = tmp / "pairs.jsonl"
+    if not out.exists():
+        words = ["red", "blue", "green", "cyan", "gold", "pink", "gray", "teal"]
+        rows = [
+            {"prompt": f"q{i}: ", "chosen": f"{words[i % 8]} " * 2, "rejected": words[i % 5]}
+            for i in range(96)
+        ]
+        out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
 
 
 def _write_builtin_weights(out: Path, *, seed: int) -> None:
@@ -214,7 +235,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _reference(refs: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     prefixes = ("tied-hf-llama", "tied-hf-gemma", "hf-", "factory-", "sft-", "tied-")
-    prefixes += ("lora-", "freeze-", "initfrom-")
+    prefixes += ("lora-", "freeze-", "initfrom-", "dpo-lora-", "dpo-simpo-")
     kind = next((p for p in prefixes if name.startswith(p)), "llama")
     if kind not in refs:
         tmp: Path = refs["tmp"]
@@ -234,7 +255,9 @@ def _check(name: str, refs: dict[str, Any]) -> None:
     assert all(r["pipeline"] for r in ranks)
     got = _metrics(run_dir)
     assert len(got["loss"]) == STEPS
-    for key in ("loss", "grad_norm") + (("val_loss",) if name in SINGLE_DP else ()):
+    keys = ("loss", "grad_norm") + (("val_loss",) if name in SINGLE_DP else ())
+    keys += ("rewards/chosen", "rewards/margin") if name.startswith("dpo-") else ()
+    for key in keys:
         worst = max(abs(a - b) for a, b in zip(got[key], ref_metrics[key], strict=True))
         print(f"{name}: {key} worst difference {worst:.2e}")
         assert worst < TOL, f"{name}: {key} {got[key]} vs {ref_metrics[key]}"

@@ -39,6 +39,7 @@ from fsdpkit.train.state import TrainerState
 from fsdpkit.train.telemetry import MetricsWriter
 from fsdpkit.trainable.build import Trainable, build_unsharded, shard_trainable
 from fsdpkit.trainable.optim import build_scheduler
+from fsdpkit.trainable.pipeline.preference import pipelined_dpo
 from fsdpkit.trainable.reference import DpoLoss, build_reference_unsharded, shard_reference
 from fsdpkit.version import written_by
 
@@ -195,6 +196,8 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
             ring=cfg.parallel.cp_attention == "ring",
         )
         run.loss_note = run.loss_fn.describe()  # its own loss: the chunked-loss note is moot
+        if run.pipeline is not None:  # [Note: preference pairs through pipeline stages]
+            pipelined_dpo(run.pipeline, run.loss_fn)
     rl = None
     if rewards is not None:
         ref = shard_reference(reference, cfg, mesh=mesh, device=device) if reference else None

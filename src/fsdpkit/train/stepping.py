@@ -39,7 +39,9 @@ from fsdpkit.train.rl_step import (
     summed_metrics,
 )
 from fsdpkit.train.session import Session
+from fsdpkit.trainable.pipeline.preference import reference_pass
 from fsdpkit.trainable.pipeline.step import pipeline_eval, pipeline_step
+from fsdpkit.trainable.reference import DpoLoss
 from fsdpkit.trainable.step import StepResult, train_step
 
 
@@ -87,6 +89,14 @@ def _train(
     )
 
 
+def _reference_pass(s: Session, batches: Sequence[Any]) -> None:
+    """DPO under pp: the reference's log-probs first ([Note: preference pairs through
+    pipeline stages])."""
+    loss = s.trainable.loss_fn
+    if isinstance(loss, DpoLoss) and s.trainable.pipeline is not None:
+        reference_pass(s.trainable.pipeline, loss, batches)
+
+
 def run_step(s: Session, probe: HangProbe) -> StepOutcome:
     """One step on the next batches. The scheduler steps too, so read the step's LR
     before calling this."""
@@ -95,6 +105,7 @@ def run_step(s: Session, probe: HangProbe) -> StepOutcome:
     with record_function(DATA_NAME):  # the profiler's "data" category
         batches = [b.to(s.device, non_blocking=True) for b in s.loader.next_step()]
     if s.trainable.pipeline is not None:  # [Note: the pipelined step]
+        _reference_pass(s, batches)
         result = pipeline_step(
             s.trainable.pipeline,
             s.trainable.model,
@@ -103,7 +114,9 @@ def run_step(s: Session, probe: HangProbe) -> StepOutcome:
             max_norm=s.cfg.train.grad_clip,
         )
         s.scheduler.step()
-        return StepOutcome(_global_mean(result.loss), float(result.grad_norm))
+        metrics = getattr(s.trainable.loss_fn, "step_metrics", None)  # DPO's (collective)
+        extra = metrics() if metrics is not None else {}
+        return StepOutcome(_global_mean(result.loss), float(result.grad_norm), extra)
     result = _train(s, batches, probe=probe)
     s.scheduler.step()
     # DPO's rewards (collective), MoE's router
@@ -175,7 +188,9 @@ def evaluate(s: Session) -> dict[str, float] | None:
     if s.rl is not None:
         return held_out(s.rl, s.cfg, s.val[0])
     if s.trainable.pipeline is not None:
-        val = pipeline_eval(s.trainable.pipeline, [t.to(s.device) for t in s.val])
+        batches = [t.to(s.device) for t in s.val]
+        _reference_pass(s, batches)
+        val = pipeline_eval(s.trainable.pipeline, batches)
         return {"val_loss": _global_mean(val)}
     s.trainable.model.eval()
     total = torch.zeros((), device=s.device)

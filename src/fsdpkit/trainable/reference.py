@@ -185,7 +185,17 @@ class DpoLoss:
         ``ring``: split in ring attention's head-tail chunks (fsdpkit.sharding.context.ring)."""
         self.cfg, self.reference, self.lora, self.ring = cfg, reference, lora, ring
         self.cp = None if mesh is None else cp_mesh(mesh)
-        self._stats: list[torch.Tensor] = []
+        self._stats: dict[int, torch.Tensor] = {}
+        """Each training micro-batch's reward sums, by the batch's id: a batch seen twice
+        in a step counts once (torch's pipeline schedules run micro-batch 0 once more to
+        infer shapes, on placeholder activations, before the first step)."""
+        self.precomputed: dict[int, torch.Tensor] | None = None
+        """Under pp: the reference's log-probs of each micro-batch (by the batch's id),
+        from a pass of their own through the stages ([Note: preference pairs through
+        pipeline stages] in fsdpkit.trainable.pipeline.preference)."""
+        self.collective: torch.device | None = None
+        """Set (to the ranks' device): every rank joins ``step_metrics``' all-reduce,
+        pairs or not (pp's stages before the last)."""
 
     def describe(self) -> str:
         """The run's first lines: the loss and what the reference is."""
@@ -236,7 +246,11 @@ class DpoLoss:
                 "prompt/chosen/rejected rows (fsdpkit.data.preference)."
             )
         part = self.local(batch)
-        reference = self.reference_logps(model, part)
+        reference: torch.Tensor | None = (
+            self.precomputed[id(batch)]
+            if self.precomputed is not None and self.cfg.loss not in REFERENCE_FREE
+            else self.reference_logps(model, part)
+        )
         policy, counts = answer_logps(_logits(model, part), part.targets)
         group = None if self.cp is None else self.cp.get_group()
         policy, reference, counts = whole_answers(policy, reference, counts, group=group)
@@ -251,15 +265,19 @@ class DpoLoss:
         if torch.is_grad_enabled():  # a training step (evaluation runs under no_grad)
             c, r = out.chosen_rewards, out.rejected_rewards
             sums = [c.sum(), r.sum(), (c > r).float().sum(), (c - r).sum(), c.new_tensor(len(c))]
-            self._stats.append(torch.stack(sums))
+            self._stats[id(batch)] = torch.stack(sums)
         return out.losses.mean()
 
     def step_metrics(self) -> dict[str, float]:
         """Means over every data-parallel rank's pairs since the last call (collective:
         every rank calls it after each step)."""
-        if not self._stats:
+        if not self._stats and self.collective is None:
             return {}
-        total = torch.stack(self._stats).sum(0)
+        total = (
+            torch.stack(list(self._stats.values())).sum(0)
+            if self._stats
+            else torch.zeros(5, device=self.collective)
+        )
         self._stats.clear()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(total, op=dist.ReduceOp.SUM)

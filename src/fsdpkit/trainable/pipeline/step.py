@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdpkit.loss.contract import LossFn
 from fsdpkit.sharding.grads import clip_grad_norm_
 from fsdpkit.sharding.pipeline.stages import Pipeline
 from fsdpkit.sharding.pipeline.tied import refresh_twin, sum_tied_grads
@@ -93,27 +94,35 @@ def pipeline_step(
 
 
 @torch.no_grad()
-def pipeline_eval(pipe: Pipeline, micro_batches: Sequence[Any]) -> torch.Tensor:
-    """The mean loss of ``micro_batches``, the same number on every rank of the pipeline
-    group: the loop's evaluation under pp ([Note: pipelined evaluation])."""
+def forward_only(
+    pipe: Pipeline, micro_batches: Sequence[Any], *, last: LossFn | None = None
+) -> list[torch.Tensor | None]:
+    """Each micro-batch through the stages in order, forwards only ([Note: pipelined
+    evaluation]); the last stage's output per micro-batch on the rank that holds it
+    (None elsewhere). ``last``: what the last stage computes instead of the run's loss
+    (then not divided by the micro-batch count)."""
     n, split = len(micro_batches), pipe.split
     me = dist.get_rank(pipe.group)
     local = {stage.stage: stage for stage in pipe.stages}
-    total = torch.zeros((), device=micro_batches[0].device)
+    outs: list[torch.Tensor | None] = [None] * n
     refresh_twin(pipe.tied)
+    swapped = {stage: stage.loss_fn for stage in pipe.stages if stage.last and last is not None}
     for stage in pipe.stages:
         stage.eval()
-        stage.batches, stage.mean_over = micro_batches, n
+        stage.batches, stage.mean_over = micro_batches, 1 if last is not None else n
+        if stage in swapped:
+            stage.loss_fn = last  # type: ignore[assignment]
     try:
         for i in range(n):
             handoff: Any = torch.tensor([i])  # the first stage's (unread) input
             for s in split.local(me):
                 if s > 0 and split.ranks[s - 1] != me:
-                    handoff = _receive(src=split.ranks[s - 1], group=pipe.group, like=total)
+                    like = torch.zeros((), device=micro_batches[0].device)
+                    handoff = _receive(src=split.ranks[s - 1], group=pipe.group, like=like)
                 local[s].micro_batch = i
                 out = local[s](handoff)
                 if s == split.stages - 1:
-                    total += out.float()
+                    outs[i] = out
                 elif split.ranks[s + 1] == me:
                     handoff = out
                 else:
@@ -122,6 +131,19 @@ def pipeline_eval(pipe: Pipeline, micro_batches: Sequence[Any]) -> torch.Tensor:
         for stage in pipe.stages:
             stage.train()
             stage.batches = ()
+            if stage in swapped:
+                stage.loss_fn = swapped[stage]
+    return outs
+
+
+@torch.no_grad()
+def pipeline_eval(pipe: Pipeline, micro_batches: Sequence[Any]) -> torch.Tensor:
+    """The mean loss of ``micro_batches``, the same number on every rank of the pipeline
+    group: the loop's evaluation under pp ([Note: pipelined evaluation])."""
+    total = torch.zeros((), device=micro_batches[0].device)
+    for out in forward_only(pipe, micro_batches):
+        if out is not None:
+            total += out.float()
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pipe.group)
     return total
 
