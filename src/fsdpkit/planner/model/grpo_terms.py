@@ -72,13 +72,16 @@ class GrpoTerms:
         logits and the draw's buffers (``DRAW_BYTES``), and top-k / top-p's kept copy."""
         return 4 + DRAW_BYTES + (FILTER_BYTES if self.top_k or self.top_p < 1 else 0)
 
-    def batch_bytes(self, micro_batch: int) -> int:
+    def batch_bytes(self, micro_batch: int, *, copied: bool) -> int:
         """One rank's rollout micro-batches (fsdpkit.rollout.completion_rows), alive
         through the training phase: int64 inputs (rows x seq), positions and ids
-        (rows x T), fp32 sampled / mask / engine log-probs / recomputed log-probs (and
-        the reference's), the advantages."""
+        (rows x T), fp32 sampled / mask / engine log-probs, built in numpy and moved to
+        the device (``copied``: on CPU ranks they stay numpy's memory, outside torch's
+        allocator), and torch's own: the recomputed log-probs (and the reference's),
+        the fp32 advantages. Measured on CPU: the plan was over by exactly numpy's."""
         t = self.completion_len
-        per_row = 8 * self.seq_len + t * (8 + 8 + 4 * (4 + self.ref_logps)) + 4
+        numpy = 8 * self.seq_len + t * (8 + 8 + 3 * 4) if copied else 0
+        per_row = numpy + 4 * t * (1 + self.ref_logps) + 4
         return self.micro_batches * micro_batch * per_row
 
 

@@ -94,8 +94,9 @@ def before_updates(step: Step) -> None:
     """GRPO's no-grad forwards before its updates, once per micro-batch: the trainer's
     recompute of the sampled tokens' log-probs (the largest unit and the next one
     gathered, GRPO's logits: the DPO reference's rule, [Note: reference in the plan]),
-    then the reference's. The policy's root and norm / head units are never resharded
-    after a forward ([Note: edge units]), so they stay gathered into the first update."""
+    then the reference's. What a forward does not reshard (the root, the norm and head
+    units: [Note: edge units], the last block unit; checked on 2 gloo ranks) stays
+    gathered into the first update's forward."""
     sc, led, e = step.sc, step.led, step.s.e
     assert sc.grpo is not None and sc.model is not None
     units = sorted((u.gathered for u in sc.all_units), reverse=True)[:2]
@@ -105,10 +106,12 @@ def before_updates(step: Step) -> None:
     if sc.reference_forward:
         led.at("forward", "GRPO reference log-probs (no grad)")
         led.apply([("reference", sc.reference_forward), ("reference", -sc.reference_forward)])
-    for u in (sc.root, sc.edge("norm"), sc.edge("head")):
-        if u is not None:
-            step.held[u.name] = u.gathered * e
-            led.add(UNSH, u.gathered * e)
+    for u in (sc.root, *sc.forward_units):  # what a forward leaves gathered
+        raf, full = step.reshard_of(u), u.gathered * e
+        keep = full if raf is False else 0 if raf is True else full // int(raf)
+        if keep:
+            step.held[u.name] = keep
+            led.add(UNSH, keep)
 
 
 def late_free_spread(sc: Scenario) -> int:

@@ -47,7 +47,9 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, replace
+from typing import Any
 
+from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.planner.replay.blockmem import Sizes, block_forward
 from fsdpkit.planner.replay.ledger import summarize
 from fsdpkit.planner.replay.sizing import sizes
@@ -106,6 +108,27 @@ class RolloutShape:
             gqa=self.gqa,
             norm_casts_first=self.norm_casts_first,
         )
+
+
+def model_rollout(
+    m: LlamaConfig, *, rows: int, prompt_len: int, completion_len: int, e: int, **more: Any
+) -> RolloutShape:
+    """The shape of a rollout of a Llama-shaped model ``m`` (``more``: RolloutShape's
+    optional fields)."""
+    return RolloutShape(
+        rows=rows,
+        prompt_len=prompt_len,
+        completion_len=completion_len,
+        layers=m.n_layers,
+        dim=m.dim,
+        ffn=m.ffn_dim,
+        heads=m.n_heads,
+        kv_heads=m.n_kv_heads,
+        head_dim=m.head_dim,
+        vocab=m.vocab_size,
+        e=e,
+        **more,
+    )
 
 
 @dataclass(frozen=True)
@@ -220,18 +243,12 @@ def scenario_rollout(sc: Scenario) -> RolloutMemory | None:
     Llama shape whose cache this rule reads)."""
     if sc.grpo is None or sc.model is None:
         return None
-    m, g, s = sc.model, sc.grpo, sizes(sc)
-    shape = RolloutShape(
+    g, s = sc.grpo, sizes(sc)
+    shape = model_rollout(
+        sc.model,
         rows=g.rows,
         prompt_len=g.prompt_len,
         completion_len=g.completion_len,
-        layers=m.n_layers,
-        dim=m.dim,
-        ffn=m.ffn_dim,
-        heads=m.n_heads,
-        kv_heads=m.n_kv_heads,
-        head_dim=m.head_dim,
-        vocab=m.vocab_size,
         e=sc.param_bytes,
         draw_bytes=g.draw_bytes,
         gqa=s.gqa,

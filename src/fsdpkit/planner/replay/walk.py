@@ -96,12 +96,10 @@ class Step(UnitMechanics):
                 if category != "gradients":
                     led.add(category, value)
         led.add("buffers_inputs", self.sc.layout.buffer_bytes)  # RoPE tables or frequencies
-        grpo, rows = self.sc.grpo, self.sc.micro_batch
-        # the tokens, or GRPO's rollout micro-batches ([Note: the GRPO step in the plan])
-        led.add(
-            "buffers_inputs",
-            rows * (self.sc.seq_len + 1) * 8 if grpo is None else grpo.batch_bytes(rows),
-        )
+        grpo, rows, gpu = self.sc.grpo, self.sc.micro_batch, self.sc.device.kind == "gpu"
+        tokens = rows * (self.sc.seq_len + 1) * 8
+        # or GRPO's rollout micro-batches ([Note: the GRPO step in the plan])
+        led.add("buffers_inputs", tokens if grpo is None else grpo.batch_bytes(rows, copied=gpu))
 
     def gathered(self, u: Unit | None, *, forward: bool) -> None:
         """A unit's pre-forward / pre-backward: all-gather unless it is still unsharded."""
