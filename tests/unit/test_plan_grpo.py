@@ -8,6 +8,7 @@ decode batch of G rows, the prefill's logits, the token draws) and the training 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from fsdpkit.config import load
 from fsdpkit.planner import Plan, parse_device, plan
 from fsdpkit.planner.formatting import format_plan, plan_dict
 from fsdpkit.planner.replay.rolloutmem import model_rollout, rollout_memory, scenario_rollout
+from fsdpkit.testing.hf import write_tiny_model
 
 SHAPE = ["model.n_layers=4", "model.dim=256", "model.ffn_dim=512", "model.n_heads=8"]
 GRPO = [
@@ -45,7 +47,8 @@ def test_the_cache_the_gathered_model_and_the_logits_are_counted_exactly() -> No
     gathered model: every unit's all-gathered copy; the prefill logits: G x P x V x e."""
     p = _plan()
     r = p.grpo.rollout  # type: ignore[union-attr]
-    assert r is not None and r.rows == 4 and r.positions == 128
+    terms = p.scenario.grpo
+    assert r is not None and terms is not None and (terms.rows, terms.seq_len) == (4, 128)
     head_dim = 256 // 8
     assert r.kv_cache == 4 * 128 * 4 * 2 * 2 * head_dim * 4
     assert r.logits == 4 * 64 * 512 * 4
@@ -125,6 +128,21 @@ def test_a_model_whose_gathered_copy_does_not_fit_is_refused_in_the_rollout_phas
     r = p.grpo.rollout
     assert r is not None and data["grpo"]["rollout"]["gathered"] == r.gathered
     assert data["memory"]["peak"]["breakdown"]["unsharded_params"] == r.gathered
+
+
+def test_a_model_without_a_llama_shape_counts_the_gathered_model_and_says_so(
+    tmp_path: Path,
+) -> None:
+    """GPT-2 is planned by tracing; its rollout's cache is not read, but the gathered
+    model (every unit, exact for any model) is, as a lower bound, with a note."""
+    write_tiny_model(tmp_path, arch="gpt2", weights=False, dim=64, layers=2, heads=4)
+    cfg = load(None, [f"model.hf={tmp_path}", *GRPO])
+    p = plan(cfg, world_size=2)
+    assert p.grpo is not None and p.grpo.why_not is not None
+    r = p.grpo.rollout
+    assert r.kv_cache == 0 and r.where == "all-gather of every unit"
+    assert r.gathered == 4 * sum(u.gathered for u in p.scenario.all_units)
+    assert "only the gathered model is counted" in format_plan(p)
 
 
 def test_other_objectives_have_no_grpo_section() -> None:

@@ -12,6 +12,7 @@ from fsdpkit.data import host_bytes
 from fsdpkit.devices import DEFAULT_MARGIN, Device, usable_bytes
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.experts.routing import BALANCED, Routing
+from fsdpkit.planner.model.grpo_terms import TRACED_GRPO
 from fsdpkit.planner.replay.analytic import analytic_memory
 from fsdpkit.planner.replay.comm import comm_volume
 from fsdpkit.planner.replay.grpohead import grpo_loss_peak
@@ -83,8 +84,12 @@ def plan_scenario(
         from fsdpkit.planner.traced.depth import extrapolated_memory, extrapolates
         from fsdpkit.planner.traced.trace import traced_memory  # imports torch's fake machinery
 
+        if sc.grpo is not None:  # the language-model step at GRPO's rows (prompt + completion)
+            cfg = replace(cfg, data=replace(cfg.data, seq_len=sc.seq_len))
         deep = shallow and extrapolates(cfg, sc)
         memory = extrapolated_memory(cfg, sc) if deep else traced_memory(cfg, sc)
+        if sc.grpo is not None:
+            memory = replace(memory, notes=(*memory.notes, TRACED_GRPO))
         other = analytic_memory(sc) if analytic else None
     else:
         memory = analytic_memory(sc)

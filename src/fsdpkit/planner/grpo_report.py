@@ -25,15 +25,15 @@ def grpo_lines(p: Plan, *, size: Callable[[int], str]) -> list[str]:
         f"{sc.micro_batch} completions x {sc.seq_len} tokens, GRPO's loss on full logits)"
     ]
     r = g.rollout
-    if r is None:
-        return [*lines, f"GRPO rollout: not planned ({g.why_not})"]
+    made = f"KV cache {size(r.kv_cache)} at full length, prefill logits {size(r.logits)}"
+    if g.why_not:
+        made = "only the gathered model counted (see the note)"
     return [
         *lines,
         f"GRPO rollout phase {size(r.peak)} at {r.where}: one decode batch = one prompt's "
-        f"{r.rows} completions x {r.positions} positions ({terms.prompt_len} prompt + "
+        f"{terms.rows} completions x {terms.seq_len} positions ({terms.prompt_len} prompt + "
         f"{terms.completion_len} completion), {terms.decode_batches} per rank per step; "
-        f"gathered parameters {size(r.gathered)}, KV cache {size(r.kv_cache)} at full "
-        f"length, prefill logits {size(r.logits)}",
+        f"gathered parameters {size(r.gathered)}, {made}",
     ]
 
 
@@ -61,7 +61,7 @@ def grpo_dict(p: Plan) -> dict[str, Any] | None:
     return {
         "terms": dataclasses.asdict(terms),
         "peak_phase": g.peak_phase,
-        "rollout": None if g.rollout is None else dataclasses.asdict(g.rollout),
+        "rollout": dataclasses.asdict(g.rollout),
         "training": dataclasses.asdict(g.training),
         "why_not": g.why_not,
     }

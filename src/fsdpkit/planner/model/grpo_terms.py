@@ -31,6 +31,10 @@ from fsdpkit.config import RunConfig
 from fsdpkit.config.batch_split import BatchSplit
 from fsdpkit.loss.logprobs import CHUNK_ELEMENTS
 
+TRACED_GRPO = (
+    "GRPO traced: the training phase is the language-model step (cross-entropy head) at "
+    "GRPO's rows; its own loss head and the no-grad recomputes are in the analytic plan"
+)
 DRAW_BYTES = 32
 """Bytes per (row, vocabulary) element of one token draw (fsdpkit.rollout.sampling.draw),
 beside the fp32 scaled logits: the fp64 uniforms, the Gumbel noise, the fp64 copy of

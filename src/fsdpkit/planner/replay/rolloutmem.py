@@ -145,8 +145,6 @@ class RolloutMemory:
     """The KV cache of one decode batch at its full length (P + C positions)."""
     logits: int
     """The prefill's logits (G x P x V)."""
-    rows: int
-    positions: int
     spread: int = 0
     """How much higher the gather may go on gloo (see the note)."""
     moments: dict[str, int] = field(default_factory=dict)
@@ -154,7 +152,7 @@ class RolloutMemory:
 
 
 def rollout_memory(
-    shape: RolloutShape,
+    shape: RolloutShape | None,
     *,
     resident: dict[str, int],
     gathered: int,
@@ -163,9 +161,12 @@ def rollout_memory(
 ) -> RolloutMemory:
     """The rollout's peak ([Note: rollout memory]). ``resident``: what the rank holds
     all step, by breakdown key; ``gathered``: bytes of the whole model gathered;
-    ``largest_unit``: bytes of the largest unit's all-gathered copy."""
+    ``largest_unit``: bytes of the largest unit's all-gathered copy. ``shape`` None:
+    a model whose attention shape is unknown: the gather alone (a lower bound)."""
     base = {**resident, "unsharded_params": gathered}
-    moments = {name: extra for name, extra in _moments(shape, largest_unit=largest_unit)}
+    gather = [("all-gather of every unit", {"collective_buffers": largest_unit})]
+    found = _moments(shape) if shape is not None else []
+    moments = {name: extra for name, extra in gather + found}
     totals = {name: sum(base.values()) + sum(extra.values()) for name, extra in moments.items()}
     where = max(totals, key=lambda name: totals[name])
     breakdown = dict(base)
@@ -176,24 +177,21 @@ def rollout_memory(
         where=where,
         breakdown=breakdown,
         gathered=gathered,
-        kv_cache=shape.kv_cache(shape.prompt_len + shape.completion_len),
-        logits=shape.rows * shape.prompt_len * shape.vocab * shape.e,
-        rows=shape.rows,
-        positions=shape.prompt_len + shape.completion_len,
+        kv_cache=0 if shape is None else shape.kv_cache(shape.prompt_len + shape.completion_len),
+        logits=0 if shape is None else shape.rows * shape.prompt_len * shape.vocab * shape.e,
         spread=2 * largest_unit if gloo else 0,
         moments=totals,
     )
 
 
-def _moments(shape: RolloutShape, *, largest_unit: int) -> list[tuple[str, dict[str, int]]]:
-    """Each candidate moment's bytes beyond the resident state and the gathered model."""
+def _moments(shape: RolloutShape) -> list[tuple[str, dict[str, int]]]:
+    """Each decoding moment's bytes beyond the resident state and the gathered model."""
     s, p, c = shape, shape.prompt_len, shape.completion_len
     n = s.rows * p
     prefill_logits = n * s.vocab * s.e
     step_logits = s.rows * s.vocab * s.e
     scaled, draw = 4 * s.rows * s.vocab, s.draw_bytes * s.rows * s.vocab
     return [
-        ("all-gather of every unit", {"collective_buffers": largest_unit}),
         (
             f"prefill block forward ({s.rows} x {p} tokens)",
             {KV: s.kv_cache(p), "activations": n * s.dim * s.e, "temporaries": _block_peak(s)},
@@ -239,21 +237,16 @@ def _attention_step(shape: RolloutShape, positions: int) -> int:
 
 
 def scenario_rollout(sc: Scenario) -> RolloutMemory | None:
-    """The rollout phase of a GRPO scenario (None: not GRPO, or a model without the
-    Llama shape whose cache this rule reads)."""
-    if sc.grpo is None or sc.model is None:
+    """The rollout phase of a GRPO scenario (None: not GRPO). A model without a Llama
+    shape (planned by tracing) gets the gather only: its cache's shape is unknown."""
+    if sc.grpo is None:
         return None
-    g, s = sc.grpo, sizes(sc)
-    shape = model_rollout(
-        sc.model,
-        rows=g.rows,
-        prompt_len=g.prompt_len,
-        completion_len=g.completion_len,
-        e=sc.param_bytes,
-        draw_bytes=g.draw_bytes,
-        gqa=s.gqa,
-        norm_casts_first=s.norm_casts_first,
-    )
+    g, shape = sc.grpo, None
+    if sc.model is not None:
+        s = sizes(sc)
+        extra = {"draw_bytes": g.draw_bytes, "gqa": s.gqa, "norm_casts_first": s.norm_casts_first}
+        lengths = {"prompt_len": g.prompt_len, "completion_len": g.completion_len}
+        shape = model_rollout(sc.model, rows=g.rows, e=sc.param_bytes, **lengths, **extra)
     host = sc.offload and sc.device.kind == "gpu"  # the states live on the host
     states = {} if host else {k: v for k, v in model_states(sc).items() if k != "gradients"}
     resident = {**states, "buffers_inputs": sc.layout.buffer_bytes, "reference": sc.reference_bytes}
@@ -270,24 +263,25 @@ def scenario_rollout(sc: Scenario) -> RolloutMemory | None:
 class GrpoPhases:
     """A GRPO plan's two phases ([Note: the GRPO step in the plan])."""
 
-    rollout: RolloutMemory | None
-    """None: the model has no Llama shape to read the cache's from (``why_not``)."""
+    rollout: RolloutMemory
     training: PeakPoint
     """The training phase's peak (the step replayed or traced)."""
     why_not: str | None = None
+    """Why the rollout's cache, logits and draws are not counted (a model without a
+    Llama shape: the gather only); None when they are."""
 
     @property
     def peak_phase(self) -> str:
         """ "rollout" or "training": the phase with the higher peak."""
-        if self.rollout is not None and self.rollout.peak > self.training.bytes:
+        if self.rollout.peak > self.training.bytes:
             return ROLLOUT
         return "training"
 
 
 NO_SHAPE = (
-    "the rollout phase is not planned: its KV cache is read off a Llama shape "
-    "(layers, kv heads, head dim), which this model does not have; the peak is the "
-    "training phase's only"
+    "GRPO rollout: only the gathered model is counted: the KV cache, prefill logits and "
+    "token draws are read off a Llama shape (layers, kv heads, head dim), which this "
+    "model does not have, so the rollout phase is a lower bound"
 )
 
 
@@ -295,9 +289,10 @@ def with_rollout(sc: Scenario, memory: MemoryPlan) -> tuple[MemoryPlan, GrpoPhas
     """A GRPO scenario's memory with its rollout phase: the peak is the larger phase's,
     ``phase_peaks`` gains "rollout" (first)."""
     rollout = scenario_rollout(sc)
-    phases = GrpoPhases(rollout, memory.peak, None if rollout is not None else NO_SHAPE)
-    if rollout is None:
-        return replace(memory, notes=(*memory.notes, NO_SHAPE)), phases
+    assert rollout is not None, "a GRPO scenario"
+    phases = GrpoPhases(rollout, memory.peak, None if sc.model is not None else NO_SHAPE)
+    if phases.why_not:
+        memory = replace(memory, notes=(*memory.notes, phases.why_not))
     peaks = {ROLLOUT: rollout.peak, **memory.phase_peaks}
     if phases.peak_phase != ROLLOUT:
         return replace(memory, phase_peaks=peaks), phases
