@@ -36,7 +36,9 @@ prefill's logits, the first draw, the first decode step, the last draw (the cach
 position short of full), the last decode step.
 Completions that stop early keep their rows in the batch (the engine feeds every
 row), so the plan is the all-rows-to-the-limit case. Measured against c10's
-process-wide count on 2 gloo ranks (tests/distributed/test_plan_grpo_accuracy.py).
+process-wide count on 2 gloo ranks (tests/distributed/test_plan_grpo_accuracy.py):
+within 0.06% with the peak at the last decode step, a prefill block and the first
+draw, fp32 and bf16, built-in and transformers models.
 On gloo each all-gather also allocates a temporary of its output's size on the
 backend's thread, freed when the main thread drops the work: how many are alive at
 the gather's peak depends on thread timing, so ``spread`` reports up to two of the
