@@ -7,13 +7,17 @@ from dataclasses import replace
 from pathlib import Path
 
 from fsdpkit.config import RunConfig
+from fsdpkit.config.rl_rules import with_rl_context
 from fsdpkit.data import host_bytes
 from fsdpkit.devices import DEFAULT_MARGIN, Device, usable_bytes
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.experts.routing import BALANCED, Routing
+from fsdpkit.planner.model.grpo_terms import TRACED_GRPO
 from fsdpkit.planner.replay.analytic import analytic_memory
 from fsdpkit.planner.replay.comm import comm_volume
+from fsdpkit.planner.replay.grpohead import grpo_loss_peak
 from fsdpkit.planner.replay.headmem import loss_buffer_peak
+from fsdpkit.planner.replay.rolloutmem import with_rollout
 from fsdpkit.planner.replay.sizing import head_sizes
 from fsdpkit.planner.shapes.result import LossBuffers, MemoryPlan, Plan
 from fsdpkit.planner.shapes.scenario import Scenario, scenario
@@ -80,8 +84,12 @@ def plan_scenario(
         from fsdpkit.planner.traced.depth import extrapolated_memory, extrapolates
         from fsdpkit.planner.traced.trace import traced_memory  # imports torch's fake machinery
 
+        if sc.grpo is not None:  # the language-model step at GRPO's rows (prompt + completion)
+            cfg = replace(cfg, data=replace(cfg.data, seq_len=sc.seq_len))
         deep = shallow and extrapolates(cfg, sc)
         memory = extrapolated_memory(cfg, sc) if deep else traced_memory(cfg, sc)
+        if sc.grpo is not None:
+            memory = replace(memory, notes=(*memory.notes, TRACED_GRPO))
         other = analytic_memory(sc) if analytic else None
     else:
         memory = analytic_memory(sc)
@@ -89,6 +97,9 @@ def plan_scenario(
         from fsdpkit.checkpoint.staging import async_staging_bytes
 
         memory = replace(memory, staging_bytes=async_staging_bytes(memory.model_states))
+    grpo = None
+    if sc.grpo is not None:  # the rollout phase beside the training step's
+        memory, grpo = with_rollout(sc, memory)
     return Plan(
         scenario=sc,
         memory=memory,
@@ -101,6 +112,7 @@ def plan_scenario(
         other=other,
         loss=loss_buffers(sc) if analytic else None,
         data_host_bytes=_data_host_bytes(cfg, sc),
+        grpo=grpo,
     )
 
 
@@ -152,6 +164,9 @@ def loss_buffers(sc: Scenario) -> LossBuffers:
     """Logits and loss buffers of ``sc``'s loss mode, and of full logits (a model the
     analytic planner knows: the vocabulary and hidden size come from its shape)."""
     s = head_sizes(sc)
+    if sc.grpo is not None:  # [Note: GRPO loss head memory]
+        peak = grpo_loss_peak(s, sc.grpo, rows=sc.micro_batch)
+        return LossBuffers(chunk=None, chosen=peak, full=peak)
     chosen = loss_buffer_peak(s, chunk=sc.loss_chunk)
     full = loss_buffer_peak(s, chunk=None) if sc.loss_chunk is not None else chosen
     return LossBuffers(chunk=sc.loss_chunk, chosen=chosen, full=full)
@@ -178,6 +193,7 @@ def plan(
     ``routing``: the routing a MoE model's trace assumes under ep ([Note: routing in
     the plan]; default balanced).
     """
+    cfg = with_rl_context(cfg)  # GRPO's rows: prompt + completion, as the trainer reads them
     sc = scenario(
         cfg,
         world_size=world_size,

@@ -10,9 +10,10 @@ from typing import Any
 
 from fsdpkit.config.toml import dotted_tables, dump_tables, toml_value
 from fsdpkit.models.experts import fmt_count
+from fsdpkit.planner.grpo_report import category_labels, grpo_dict, grpo_lines, unfit_phase
 from fsdpkit.planner.pipeline.report import pipeline_dict, pipeline_lines
 from fsdpkit.planner.search.recommendation import Candidate, Recommendation
-from fsdpkit.planner.shapes.result import CATEGORIES, PHASES, MemoryPlan, Plan
+from fsdpkit.planner.shapes.result import ALL_PHASES, MemoryPlan, Plan
 from fsdpkit.planner.shapes.scenario import Scenario
 from fsdpkit.planner.shapes.scenario_json import scenario_dict
 from fsdpkit.strategies import strategy
@@ -96,13 +97,13 @@ def _verdict(p: Plan) -> str:
         return ""
     if p.fits:
         return f"FITS ({fmt_bytes(p.headroom)} to spare)"
-    return f"DOES NOT FIT ({fmt_bytes(-p.headroom)} over)"
+    return f"DOES NOT FIT ({fmt_bytes(-p.headroom)} over{unfit_phase(p)})"
 
 
-def _breakdown_rows(main: MemoryPlan, other: MemoryPlan | None) -> list[str]:
-    head = f"  {'':<46}{main.mode:>14}" + (f"{other.mode:>14}" if other else "")
-    rows = [head]
-    for key, label in CATEGORIES.items():
+def _breakdown_rows(p: Plan) -> list[str]:
+    main, other = p.memory, p.other
+    rows = [f"  {'':<46}{main.mode:>14}" + (f"{other.mode:>14}" if other else "")]
+    for key, label in category_labels(p).items():
         a = main.peak.breakdown.get(key, 0)
         b = other.peak.breakdown.get(key, 0) if other else 0
         if a or b:
@@ -122,13 +123,14 @@ def format_plan(p: Plan) -> str:
         _device_line(p),
         "",
         f"per-rank memory at the peak ({where}):",
-        *_breakdown_rows(mem, p.other),
+        *_breakdown_rows(p),
         _spread_line(mem),
         f"  {_verdict(p)}" if p.fits is not None else "",
         "peak by phase: "
         + " | ".join(
-            f"{ph} {fmt_bytes(mem.phase_peaks[ph])}" for ph in PHASES if ph in mem.phase_peaks
+            f"{ph} {fmt_bytes(mem.phase_peaks[ph])}" for ph in ALL_PHASES if ph in mem.phase_peaks
         ),
+        *grpo_lines(p, size=fmt_bytes),
         _states_line(mem, sc),
         _loss_line(p),
         _comm_line(p),
@@ -249,6 +251,7 @@ def plan_dict(p: Plan) -> dict[str, Any]:
         "loss": dataclasses.asdict(p.loss) if p.loss is not None else None,
         "data_host_bytes": p.data_host_bytes,
         "pipeline": pipeline_dict(p),
+        **({"grpo": grpo_dict(p)} if p.grpo is not None else {}),  # GRPO plans only
     }
     if p.other is not None:
         out["analytic"] = dataclasses.asdict(p.other)

@@ -18,6 +18,12 @@ reference, [Note: reference model]):
 
 Under LoRA (the base with adapters off) and SimPO only the first applies.
 
+``train.objective = grpo`` with ``rl.beta > 0`` has the same reference
+(fsdpkit.trainable.reference.needs_reference_model decides for both): its shards for
+the whole step, rollout included, and one no-grad forward per micro-batch of
+completions before the updates, whose logits are GRPO's (``no_grad_logits`` in
+fsdpkit.planner.model.grpo_terms); its rows are not doubled.
+
 With ``parallel.tp`` / ``parallel.cp`` the reference is split like the policy: its units
 are the policy's tp-local units (``tp_layout``), FSDP-sharded over the same shard x cp
 ranks, so its shards and all-gathered copies divide by tp as the policy's do; its
@@ -31,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fsdpkit.config import RunConfig
+from fsdpkit.planner.model.grpo_terms import GrpoTerms, no_grad_logits
 from fsdpkit.planner.model.unit_layout import Unit
 
 TRACE_NOTE = (
@@ -55,26 +62,78 @@ class ReferenceTerms:
 
 
 def reference_terms(
-    cfg: RunConfig, *, units: Sequence[Unit], rows: int, seq_len: int, vocab: int, low: bool
+    cfg: RunConfig,
+    *,
+    units: Sequence[Unit],
+    rows: int,
+    seq_len: int,
+    vocab: int,
+    low: bool,
+    grpo: GrpoTerms | None = None,
+    buffers: int = 0,
 ) -> ReferenceTerms:
     """The terms for ``cfg`` with ``rows`` policy micro-batch rows (already doubled),
-    ``units`` the policy's (tp-local) units and ``low``: the run computes in bf16."""
+    ``units`` the policy's (tp-local) units and ``low``: the run computes in bf16;
+    ``grpo``: a GRPO run's terms (its reference forward's logits); ``buffers``: the
+    model's buffers (GRPO's reference holds its own)."""
+    if grpo is not None:
+        return _grpo_reference(cfg, units, grpo, rows=rows, vocab=vocab, low=low, buffers=buffers)
     if cfg.train.objective != "dpo":
         return ReferenceTerms(rows_per_pair=1)
     if cfg.dpo.loss == "simpo" or cfg.lora.rank:
         return ReferenceTerms(rows_per_pair=2, note=f"DPO: no reference model; {TRACE_NOTE}")
-    wanted = cfg.dpo.reference_dtype
-    bf16 = wanted == "bf16" or (wanted == "auto" and low)
-    elem = 2 if bf16 else 4
-    gathered = sorted((u.gathered for u in units), reverse=True)[:2]
+    elem = _reference_bytes(cfg, low=low)
     tokens = rows * seq_len // cfg.parallel.cp  # this cp rank's slice of every row
-    logits = tokens * vocab * (elem + 4 + (4 if bf16 else 0))
+    logits = tokens * vocab * (elem + 4 + (4 if elem == 2 else 0))
     return ReferenceTerms(
         rows_per_pair=2,
         resident=elem * sum(u.sharded for u in units),
-        forward=elem * sum(gathered) + logits,
+        forward=_two_largest(units, elem) + logits,
         note=(
-            f"DPO: a frozen reference model ({'bf16' if bf16 else 'fp32'}, sharded, "
+            f"DPO: a frozen reference model ({'bf16' if elem == 2 else 'fp32'}, sharded, "
             f"forward only) beside the policy; {TRACE_NOTE}"
+        ),
+    )
+
+
+def _reference_bytes(cfg: RunConfig, *, low: bool) -> int:
+    """Bytes per element of the reference: ``dpo.reference_dtype``, auto = the run's."""
+    wanted = cfg.dpo.reference_dtype
+    return 2 if wanted == "bf16" or (wanted == "auto" and low) else 4
+
+
+def _two_largest(units: Sequence[Unit], elem: int) -> int:
+    """The largest unit's all-gathered copy and the one FSDP2 gathers next."""
+    return elem * sum(sorted((u.gathered for u in units), reverse=True)[:2])
+
+
+def _grpo_reference(
+    cfg: RunConfig,
+    units: Sequence[Unit],
+    grpo: GrpoTerms,
+    *,
+    rows: int,
+    vocab: int,
+    low: bool,
+    buffers: int,
+) -> ReferenceTerms:
+    """GRPO's KL reference (``rl.beta > 0``): the DPO rule at GRPO's logits, and the
+    trainer's own test of whether a second model is built. Its buffers (the built-in
+    model's RoPE tables) are its own copies, resident like its shards (measured on 2
+    gloo ranks: the plan was short by exactly them; DPO's plans leave them out)."""
+    # here, not at the top: it imports the sharding machinery, which other plans skip
+    from fsdpkit.trainable.reference import needs_reference_model
+
+    if not needs_reference_model(cfg):
+        kl = "GRPO: KL to the base model with the LoRA adapters off (no second model)"
+        return ReferenceTerms(rows_per_pair=1, note=kl if grpo.ref_logps else None)
+    elem = _reference_bytes(cfg, low=low)
+    return ReferenceTerms(
+        rows_per_pair=1,
+        resident=elem * sum(u.sharded for u in units) + buffers,
+        forward=_two_largest(units, elem) + no_grad_logits(grpo, rows=rows, vocab=vocab, e=elem),
+        note=(
+            f"GRPO: a frozen reference model for the KL term ({'bf16' if elem == 2 else 'fp32'}, "
+            "sharded, forward only) beside the policy, in both phases"
         ),
     )

@@ -10,6 +10,8 @@ blockmem       [Note: block event model]: tensor lifetimes inside one block
 blockexchange  tp / sp / Ulysses exchanges inside a block, as events
 ringmem        [Note: ring attention memory]
 headmem        the loss head's tensor lifetimes
+grpohead       [Note: GRPO loss head memory]: GRPO's loss head instead of cross-entropy
+rolloutmem     [Note: rollout memory]: a GRPO step's rollout phase, pure over numbers
 sizing         one rank's sizes of a block's and the head's tensors
 comm           bytes each rank sends per optimizer step
 """

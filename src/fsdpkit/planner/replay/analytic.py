@@ -30,11 +30,17 @@ that keeps the peak. What is modeled, and why (see docs/planner.md for the proof
 - The optimizer step's temporary: foreach allocates sqrt(v) of the whole 2-D group,
   for-loop two of the largest parameter, fused none ([Note: AdamW kernels]).
 - Activations, logits, loss and temporaries: [Note: block event model] in blockmem.
+- GRPO ([Note: the GRPO step in the plan] in fsdpkit.planner.model.grpo_terms): the
+  no-grad recompute (and reference) forwards before the updates, which leave the root
+  and the norm / head units gathered for the first update's forward, the GRPO loss
+  head ([Note: GRPO loss head memory]); the rollout phase: [Note: rollout memory].
 """
 
 from __future__ import annotations
 
 from fsdpkit.planner.errors import PlanError
+from fsdpkit.planner.model.grpo_terms import no_grad_logits
+from fsdpkit.planner.replay.fsdpunits import UNSH
 from fsdpkit.planner.replay.walk import Step
 from fsdpkit.planner.shapes.result import MemoryPlan
 from fsdpkit.planner.shapes.scenario import Scenario
@@ -60,10 +66,12 @@ def analytic_memory(sc: Scenario) -> MemoryPlan:
     step = Step(sc)
     step.persistent()
     step.led.add("reference", sc.reference_bytes)  # [Note: reference in the plan]
+    if sc.grpo is not None:
+        before_updates(step)
     micro = [0] if sc.grad_accum == 1 else [0, sc.grad_accum - 1]
     for index in micro:
         step.last_micro = index == sc.grad_accum - 1
-        if sc.reference_forward:  # its no-grad forward: transient bytes appear and go
+        if sc.reference_forward and sc.grpo is None:  # its no-grad forward, transient
             step.led.at("forward", "reference model forward (no grad)")
             step.led.add("reference", sc.reference_forward)
             step.led.add("reference", -sc.reference_forward)
@@ -80,6 +88,30 @@ def analytic_memory(sc: Scenario) -> MemoryPlan:
         host_bytes=host,
         spread=late_free_spread(sc),
     )
+
+
+def before_updates(step: Step) -> None:
+    """GRPO's no-grad forwards before its updates, once per micro-batch: the trainer's
+    recompute of the sampled tokens' log-probs (the largest unit and the next one
+    gathered, GRPO's logits: the DPO reference's rule, [Note: reference in the plan]),
+    then the reference's. What a forward does not reshard (the root, the norm and head
+    units: [Note: edge units], the last block unit; checked on 2 gloo ranks) stays
+    gathered into the first update's forward."""
+    sc, led, e = step.sc, step.led, step.s.e
+    assert sc.grpo is not None and sc.model is not None
+    units = sorted((u.gathered for u in sc.all_units), reverse=True)[:2]
+    logits = no_grad_logits(sc.grpo, rows=sc.micro_batch, vocab=sc.model.vocab_size, e=e)
+    led.at("forward", "GRPO recompute of the sampled tokens' log-probs (no grad)")
+    led.apply([("temporaries", e * sum(units) + logits), ("temporaries", -e * sum(units) - logits)])
+    if sc.reference_forward:
+        led.at("forward", "GRPO reference log-probs (no grad)")
+        led.apply([("reference", sc.reference_forward), ("reference", -sc.reference_forward)])
+    for u in (sc.root, *sc.forward_units):  # what a forward leaves gathered
+        raf, full = step.reshard_of(u), u.gathered * e
+        keep = full if raf is False else 0 if raf is True else full // int(raf)
+        if keep:
+            step.held[u.name] = keep
+            led.add(UNSH, keep)
 
 
 def late_free_spread(sc: Scenario) -> int:

@@ -23,6 +23,7 @@ from fsdpkit.planner.replay.blockmem import (
 )
 from fsdpkit.planner.replay.fsdpunits import COLL, UnitMechanics
 from fsdpkit.planner.replay.gradlife import grads_in_place, transient_grads
+from fsdpkit.planner.replay.grpohead import grpo_loss_backward, grpo_loss_forward
 from fsdpkit.planner.replay.headmem import (
     chunked_head_forward,
     chunked_loss_backward,
@@ -74,6 +75,16 @@ def _backward_summary(
     return summarize(events)
 
 
+_LOSS_WHERE = {
+    False: "loss (logits.float(), log-softmax)",
+    True: "loss backward (log-softmax grad)",
+}
+_GRPO_WHERE = {
+    False: "GRPO loss (completion logits, log-probs, entropy)",
+    True: "GRPO loss backward (log-probs, completion logits)",
+}
+
+
 class Step(UnitMechanics):
     """One steady-state step; each method is a region of it."""
 
@@ -85,7 +96,10 @@ class Step(UnitMechanics):
                 if category != "gradients":
                     led.add(category, value)
         led.add("buffers_inputs", self.sc.layout.buffer_bytes)  # RoPE tables or frequencies
-        led.add("buffers_inputs", self.sc.micro_batch * (self.sc.seq_len + 1) * 8)  # tokens
+        grpo, rows, gpu = self.sc.grpo, self.sc.micro_batch, self.sc.device.kind == "gpu"
+        tokens = rows * (self.sc.seq_len + 1) * 8
+        # or GRPO's rollout micro-batches ([Note: the GRPO step in the plan])
+        led.add("buffers_inputs", tokens if grpo is None else grpo.batch_bytes(rows, copied=gpu))
 
     def gathered(self, u: Unit | None, *, forward: bool) -> None:
         """A unit's pre-forward / pre-backward: all-gather unless it is still unsharded."""
@@ -149,8 +163,7 @@ class Step(UnitMechanics):
         self.fwd_flat = 0
         self.reshard_after_forward(self.root, self.reshard_of(self.root))
         if chunk is None:
-            led.at("forward", "loss (logits.float(), log-softmax)")
-            led.apply(loss_forward(s))
+            led.apply(self.loss_events(backward=False))
 
     def backward(self, *, sync: bool) -> None:
         self.loss_and_head_backward(sync=sync)
@@ -164,8 +177,7 @@ class Step(UnitMechanics):
         led, s = self.led, self.hs
         chunk = self.sc.loss_chunk
         if chunk is None:
-            led.at("backward", "loss backward (log-softmax grad)")
-            led.apply(loss_backward(s))
+            led.apply(self.loss_events(backward=True))
         led.at("backward", "output head backward" if chunk is None else "chunked loss backward")
         self.gathered(self.root, forward=False)
         for ahead in self.units[::-1][: self.sc.backward_prefetch]:
@@ -181,6 +193,18 @@ class Step(UnitMechanics):
         norm_unit = self.sc.edge("norm")
         if head is not None and norm_unit is not None:
             self.post_backward(norm_unit, sync=sync)
+
+    def loss_events(self, *, backward: bool) -> list[Event]:
+        """The full-logits loss's forward, or its backward (ending with the logits'
+        gradient live): cross-entropy, or GRPO's ([Note: GRPO loss head memory])."""
+        phase = "backward" if backward else "forward"
+        grpo = self.sc.grpo
+        if grpo is None:
+            self.led.at(phase, _LOSS_WHERE[backward])
+            return loss_backward(self.hs) if backward else loss_forward(self.hs)
+        self.led.at(phase, _GRPO_WHERE[backward])
+        events = grpo_loss_backward if backward else grpo_loss_forward
+        return events(self.hs, grpo, rows=self.sc.micro_batch)
 
     def head_events(self, *, weight_grad: bool) -> list[Event]:
         """The head's backward with the loss's (chunked or not) in ``loss_and_head_backward``."""

@@ -27,7 +27,21 @@ CATEGORIES: dict[str, str] = {
 }
 """Breakdown keys, in report order, with their human labels."""
 
+ROLLOUT_CATEGORIES: dict[str, str] = {
+    "kv_cache": "rollout KV cache (one decode batch)",
+    "rollout_logits": "rollout logits and token draw",
+}
+"""The breakdown keys only a GRPO rollout's peak has ([Note: rollout memory] in
+fsdpkit.planner.replay.rolloutmem), reported after CATEGORIES; there the gathered model
+is "unsharded_params"."""
+
 PHASES = ("forward", "backward", "optimizer step")
+ROLLOUT = "rollout"
+"""A GRPO step's phase before the training step's three ([Note: the GRPO step in the
+plan] in fsdpkit.planner.model.grpo_terms)."""
+ALL_CATEGORIES = CATEGORIES | ROLLOUT_CATEGORIES
+ALL_PHASES = (ROLLOUT, *PHASES)
+"""What a report lists, in order (a key or phase a plan lacks is left out)."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +146,10 @@ class Plan:
     """Under parallel.pp: every pipeline rank's memory and traffic and the schedule's
     bubble (fsdpkit.planner.pipeline.plan.PipelinePlan); ``memory`` and ``comm`` are then
     the rank with the highest peak's. None without pp."""
+    grpo: Any = None
+    """Under train.objective = grpo: the rollout phase and the training phase's own peak
+    (fsdpkit.planner.replay.rolloutmem.GrpoPhases); ``memory.peak`` is the larger.
+    None otherwise."""
 
     @property
     def headroom(self) -> int | None:

@@ -20,6 +20,7 @@ from fsdpkit.config import (
     validate,
     validate_for_world,
 )
+from fsdpkit.config.rl_rules import with_rl_context
 from fsdpkit.data import is_dataset
 from fsdpkit.devices import Device
 from fsdpkit.models.experts import Experts
@@ -32,6 +33,7 @@ from fsdpkit.planner.experts.routed import moe_notes
 from fsdpkit.planner.experts.routing import BALANCED, Routing
 from fsdpkit.planner.model.builtin import model_shape, planned_builtin, selective_why_traced
 from fsdpkit.planner.model.dpo_reference import reference_terms
+from fsdpkit.planner.model.grpo_terms import GrpoTerms, grpo_terms
 from fsdpkit.planner.model.unit_layout import ModelLayout, Unit
 from fsdpkit.planner.shapes.mparallel import check_layout, tp_layout, vocab_parallel
 from fsdpkit.sharding.policy import SyncMode, reshard_after_forward, sync_mode
@@ -131,6 +133,9 @@ class Scenario:
     routing: Routing = BALANCED
     """Under ep, the routing the trace assumes ([Note: routing in the plan] in
     fsdpkit.planner.experts.routing; default: balanced)."""
+    grpo: GrpoTerms | None = None
+    """``train.objective = grpo``: its rollout and the shape of its step ([Note: the
+    GRPO step in the plan] in fsdpkit.planner.model.grpo_terms); None otherwise."""
 
     def edge(self, role: str) -> Unit | None:
         """The edge unit of ``role`` ("embedding", "norm", "head"), None if it is in the
@@ -246,6 +251,7 @@ def scenario(
     semantics); ``vocab_size`` is the tokenizer's (default: read as ``fsdpkit train``
     reads it, see ``run_vocab_size``); ``routing``: a MoE model's under ep. Raises
     PlanError / ConfigError naming the field on bad input."""
+    cfg = with_rl_context(cfg)  # GRPO: the model's context holds prompt + completion
     local = _checked_sizes(cfg, world_size=world_size, ranks_per_node=ranks_per_node)
     dims = parallel_dims(cfg, world_size=world_size, local_world_size=local)
     vocab = vocab_size if vocab_size is not None else run_vocab_size(cfg)
@@ -274,15 +280,18 @@ def scenario(
     split = batch_split(cfg.train, dp_world=dims.dp)
     builtin = not (cfg.model.hf or cfg.model.factory)
     all_units = (planned.root, *planned.edges, *planned.blocks)
+    grpo = grpo_terms(cfg, split=split, dp=dims.dp)  # [Note: the GRPO step in the plan]
     dpo = reference_terms(  # [Note: reference in the plan]
         cfg,
         units=all_units,
-        rows=2 * split.micro_batch,
+        rows=(1 if grpo else 2) * split.micro_batch,
         seq_len=cfg.data.seq_len,
         vocab=model.vocab_size,
         low=presets.PRESETS[precision].param_bytes == 2,
+        grpo=grpo,
+        buffers=model.layout.buffer_bytes,
     )
-    if dpo.rows_per_pair == 2:  # DPO's log-probs take full logits
+    if dpo.rows_per_pair == 2 or grpo is not None:  # their log-probs take full logits
         chunk = None
         notes += [dpo.note] if dpo.note else []
     if routing != BALANCED and (model.experts is None or dims.ep == 1):
@@ -315,7 +324,7 @@ def scenario(
         ac_every=cfg.activations.every,
         offload=cfg.offload.params,
         micro_batch=dpo.rows_per_pair * split.micro_batch,
-        seq_len=cfg.data.seq_len,
+        seq_len=cfg.data.seq_len if grpo is None else grpo.seq_len,
         grad_accum=split.grad_accum,
         keep_unsharded=cfg.parallel.accum_keep_unsharded,
         device=dev,
@@ -340,6 +349,7 @@ def scenario(
         experts=model.experts,
         expert_units=experts,
         routing=routing,
+        grpo=grpo,
     )
 
 

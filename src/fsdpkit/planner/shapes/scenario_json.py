@@ -29,10 +29,11 @@ def _degrees(d: ParallelDims) -> dict[str, int]:
 
 
 def scenario_dict(sc: Scenario) -> dict[str, Any]:
-    """The scenario's plain fields for ``--json``, the degrees of ``sc.dims`` among them."""
+    """The scenario's plain fields for ``--json``, the degrees of ``sc.dims`` among them
+    (GRPO's terms are written under "grpo" by the plan's own writer)."""
     degrees, plain = _degrees(sc.dims), dataclasses.asdict(sc)
     out: dict[str, Any] = {}
-    skip = ("dims", "model", "device", "layout", "root", "units", "edges", "expert_units")
+    skip = ("dims", "model", "device", "layout", "root", "units", "edges", "expert_units", "grpo")
     for name, value in plain.items():
         out |= {k: degrees[k] for k in _DEGREES_BEFORE.get(name, ())}
         if name not in skip:
