@@ -162,7 +162,9 @@ def shard_trainable(
         if cp is None
         else context_parallel_loss(unsharded.loss_fn, mesh=cp, ring=ring)
     )
-    loss_fn = with_router_loss(loss_fn, model=model, coef=cfg.model.router_aux_loss_coef)
+    loss_fn = with_router_loss(
+        loss_fn, model=model, coef=cfg.model.router_aux_loss_coef, tp=cfg.parallel.tp
+    )
     return Trainable(
         model=model,
         loss_fn=loss_fn,
