@@ -171,6 +171,15 @@ def cp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     return _axis(mesh, MeshAxis.CP)
 
 
+def stage_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """Every rank of this rank's pipeline stage (the mesh's axes but pp, flattened):
+    the ranks that hold different tokens of the same layers."""
+    names = tuple(n for n in _names(mesh) if n != MeshAxis.PP)
+    if len(names) == 1:
+        return mesh[names[0]].get_group()
+    return mesh[names]._flatten(MeshAxis.STAGE.value).get_group()
+
+
 def pp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     """The pipeline axis (this rank's pipeline group), or None."""
     return _axis(mesh, MeshAxis.PP)

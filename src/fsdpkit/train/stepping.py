@@ -103,7 +103,9 @@ def run_step(s: Session, probe: HangProbe) -> StepOutcome:
             max_norm=s.cfg.train.grad_clip,
         )
         s.scheduler.step()
-        return StepOutcome(_global_mean(result.loss), float(result.grad_norm))
+        routing = s.trainable.pipeline.routing  # a mixture-of-experts model's router loss
+        extra = routing.step_metrics() if routing is not None else {}
+        return StepOutcome(_global_mean(result.loss), float(result.grad_norm), extra)
     result = _train(s, batches, probe=probe)
     s.scheduler.step()
     # DPO's rewards (collective), MoE's router
