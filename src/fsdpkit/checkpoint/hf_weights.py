@@ -172,8 +172,10 @@ def load_hf_weights(
         )
     ):
         dcp.load(renamed, storage_reader=HuggingFaceStorageReader(str(path)))
-        slices = _Slices(_file_of(path)) if plan.groups else None
-        for group in plan.groups:
+        # a pipeline stage holds some layers only: the groups of the others are not read
+        groups = [g for g in plan.groups if any(t in sd for t in g.targets)]
+        slices = _Slices(_file_of(path)) if groups else None
+        for group in groups:
             read_group(shadow, group, open_slice=slices, params=sd)
     for alias, name in aliases.items():
         sd[alias] = sd[name]
