@@ -111,7 +111,8 @@ class TensorPlan:
         )  # no "; ": the run's first line joins its parts with it
         norms = f", {self.replicated} per-head norms replicated" if self.replicated else ""
         moe = (
-            f", experts and routers of {self.moe_blocks} MoE blocks on each rank's own tokens"
+            f", experts and routers of {self.moe_blocks} MoE block"
+            f"{'s' if self.moe_blocks > 1 else ''} on each rank's own tokens"
             if self.moe_blocks
             else ""
         )
