@@ -14,7 +14,9 @@ dimensions]):
   rows of its E / ep experts; DCP sees the whole [E, ...] tensor under its unchanged
   name, so a checkpoint reshards to and from any ep and world size), and sets the
   module's ``num_experts`` to its local count, as transformers' own expert-parallel
-  kernels read it;
+  kernels read it; under tp also ``Replicate()`` on the tp axis, each tp rank
+  dispatching its own tokens ([Note: experts under tensor parallelism] in
+  fsdpkit.sharding.tensor.moe), also without ep;
 - installs ``ExpertDispatch`` as the module's forward ([Note: token dispatch]).
 
 ``shard_experts`` then makes each experts module an FSDP unit of its own, before its
