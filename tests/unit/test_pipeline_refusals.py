@@ -1,26 +1,28 @@
-"""Every refusal docs/parallelism.md lists for ``parallel.pp`` ("Refused", the ep x pp
-line under expert parallelism, the stage boundaries), one case each, through the
-function that refuses: ``resolve`` (what the launcher runs before any worker) for the
-config's, ``build_pipeline`` and ``model_ends`` for the built model's, a
+"""Every refusal docs/parallelism.md lists for ``parallel.pp`` ("Refused", a
+mixture-of-experts family whose router loss cannot cross the stages, the stage
+boundaries), one case each, through the function that refuses: ``resolve`` (what the
+launcher runs before any worker) for the config's, ``check_stage_router`` (which
+``build_pipeline`` calls) and ``model_ends`` for the built model's, a
 ``StageModule``'s forward for the cuts. Each message must name the setting to change,
 so a user reads which key refused and what to do, not only that pp did."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
-from fsdpkit.config import ConfigError, load
+from fsdpkit.config import ConfigError
+from fsdpkit.loss.router import RouterSpec
 from fsdpkit.models.llama import Llama, LlamaConfig
 from fsdpkit.run.resolve import resolve
 from fsdpkit.sharding.blocks import choose_blocks
 from fsdpkit.sharding.pipeline.parts import model_ends, stage_module
+from fsdpkit.sharding.pipeline.routing import check_stage_router
 from fsdpkit.sharding.pipeline.stages import StageBoundaryError, StageModule
-from fsdpkit.trainable.build import build_unsharded
-from fsdpkit.trainable.pipeline.build import build_pipeline
 
 UNTIED = "model.tie_embeddings=false"
 BATCH = ("train.global_batch_size=8", "train.micro_batch_size=1")
@@ -94,11 +96,6 @@ CONFIG_REFUSALS: dict[str, tuple[tuple[str, ...], int, tuple[str, ...]]] = {
         4,
         ("precision.grad_scaler",),
     ),
-    "ep x pp": (
-        ("parallel.pp=2", "parallel.ep=2", "model.preset=moe-tiny"),
-        8,
-        ("parallel.ep = 2 with parallel.pp = 2",),
-    ),
     **{
         f"train.compile with {s}": (
             ("parallel.pp=2", f"parallel.pp_schedule={s}", "train.compile=true"),
@@ -154,12 +151,21 @@ def test_a_model_with_loose_parameters_is_refused() -> None:
         model_ends(model, blocks=list(choose_blocks(model).blocks))
 
 
-def test_a_mixture_of_experts_model_is_refused_when_built() -> None:
-    """Before the mesh is used: ``build_pipeline`` refuses first."""
-    cfg = load(None, ["model.preset=moe-tiny", "parallel.pp=2", *BATCH])
-    unsharded = build_unsharded(cfg, vocab_size=256, device_type="cpu")
-    with pytest.raises(ConfigError, match=r"^parallel\.pp: mixture-of-experts models"):
-        build_pipeline(unsharded, cfg, mesh=None, device=torch.device("cpu"))  # type: ignore[arg-type]
+def test_a_router_loss_that_cannot_cross_the_stages_is_refused() -> None:
+    """A family whose aux loss is not the Switch form of per-expert sums ([Note: the
+    router loss across stages]); at coefficient 0 it trains (nothing to carry)."""
+
+    def squared(logits: tuple[torch.Tensor, ...], experts: int, top_k: int) -> torch.Tensor:
+        return sum((torch.softmax(x, -1) ** 2).sum() for x in logits)  # type: ignore[return-value]
+
+    spec = RouterSpec(
+        family="zloss_moe", recorder=nn.Linear, index=0, aux_fn=squared, experts=4, top_k=2,
+        coef=0.01,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^parallel\.pp: zloss_moe's router loss .* "
+                       r"model\.router_aux_loss_coef = 0"):  # fmt: skip
+        check_stage_router(spec)
+    check_stage_router(replace(spec, coef=0.0))
 
 
 class _Block(nn.Module):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fsdpkit.config import load
-from fsdpkit.loss.router import rank_imbalance
+from fsdpkit.loss.dispatch_metrics import rank_imbalance
 from fsdpkit.planner import plan
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.experts.routing import (

@@ -15,14 +15,18 @@ from torch import nn
 from fsdpkit.config import load
 from fsdpkit.planner.model.unit_layout import layout_of
 from fsdpkit.sharding import choose_blocks
+from fsdpkit.sharding.tensor.moe import moe_styles
 from fsdpkit.sharding.tensor.rules import (
     EXCLUDED,
     LLAMA_BLOCK,
+    MOE_BLOCK,
     REPLICATED,
     TensorParallelError,
+    block_entries,
     block_plan,
     check_layout,
     check_model,
+    moe_mlp,
     sequence_parallel_applies,
     sequence_parallel_block,
 )
@@ -101,31 +105,74 @@ def test_plans_with_other_entries_are_refused_naming_family_field_and_entry(
 
 
 @pytest.mark.parametrize(
-    ("config_class", "family", "field"),
-    [
-        ("MixtralConfig", "mixtral", "num_local_experts"),
-        ("Qwen2MoeConfig", "qwen2_moe", "num_experts"),
-        ("Qwen3MoeConfig", "qwen3_moe", "num_local_experts"),
-        ("OlmoeConfig", "olmoe", "num_local_experts"),
-    ],
+    ("config_class", "dense_entries"),
+    [("MixtralConfig", False), ("Qwen2MoeConfig", True), ("Qwen3MoeConfig", True)],
 )
-def test_mixture_of_experts_configs_are_refused_by_their_expert_count(
-    config_class: str, family: str, field: str, tmp_path: Path
+def test_mixture_of_experts_families_take_their_attention_plan_and_fsdpkits_moe_rule(
+    config_class: str, dense_entries: bool, tmp_path: Path
 ) -> None:
-    """Since transformers 5.25 Mixtral's and OLMoE's plans name only attention, and
-    Qwen2-MoE's / Qwen3-MoE's a dense ``mlp.gate_proj`` their expert layers lack: the
-    entries alone would pass. The config's expert count refuses them, naming it, in
-    the launcher's check (config.json only, before any process starts) and on the
-    built model alike."""
+    """Since transformers 5.25 Mixtral's plan names only the attention projections,
+    and Qwen2-MoE's / Qwen3-MoE's a dense ``mlp.gate_proj`` their expert layers lack
+    (their dense layers have it): the attention entries apply to every block, the MLP
+    entries to dense blocks only, and the expert layers are fsdpkit's ([Note: experts
+    under tensor parallelism]). Passes the launcher's check (config.json alone) and the
+    built model's."""
     model = _meta(config_class)
+    model.config.save_pretrained(tmp_path)
+    check_layout(load(None, [f"model.hf={tmp_path}", "parallel.tp=2"]))
+    blocks = list(choose_blocks(model).blocks)
+    plan, source = check_model(model, tp=2, blocks=blocks)
+    assert "experts by fsdpkit's MoE rule" in source
+    assert any(n.startswith("mlp.") for n in plan) == dense_entries
+    for block in blocks:
+        assert moe_mlp(block) is not None
+        assert block_entries(block, plan) == [n for n in plan if n.startswith("self_attn.")]
+    assert _sequence_parallel(model)
+
+
+def test_olmoe_is_refused_by_its_attention_plan_naming_its_expert_count(tmp_path: Path) -> None:
+    """OLMoE's q / k norms normalize the whole hidden q / k, so its plan gathers the
+    projections' outputs (as dense OLMo2's): refused by those entries, in the launcher's
+    check and on the built model alike; the message names the expert count too."""
+    model = _meta("OlmoeConfig")
     model.config.save_pretrained(tmp_path)
     cfg = load(None, [f"model.hf={tmp_path}", "parallel.tp=2"])
     for check in (lambda: check_layout(cfg), lambda: block_plan(model, tp=2)):
         with pytest.raises(TensorParallelError) as err:
             check()
         text = str(err.value)
-        assert f"({family})" in text and "mixture-of-experts" in text, text
-        assert "parallel.tp = 2" in text and f"{field} = " in text, text
+        assert "(olmoe)" in text and "colwise_gather_output" in text, text
+        assert "parallel.tp = 2" in text and "num_local_experts = 64" in text, text
+
+
+def test_the_builtin_moe_model_takes_its_attention_plan_under_tp() -> None:
+    """moe-tiny at tp 2: the launcher's check passes; the plan is the attention's (with
+    Qwen3's per-head norms replicated), the MLP fsdpkit's MoE rule."""
+    from fsdpkit.models.moe import MoE, preset
+
+    check_layout(load(None, ["model.preset=moe-tiny", "parallel.tp=2", "parallel.ep=2"]))
+    with torch.device("meta"):
+        model = MoE(preset("moe-tiny", n_shared_experts=1))
+    blocks = list(choose_blocks(model).blocks)
+    plan, source = check_model(model, tp=2, blocks=blocks)
+    assert source == "fsdpkit's MoE plan" and plan == MOE_BLOCK
+    assert plan["self_attn.q_norm"] == REPLICATED
+    styles = moe_styles(blocks[0], sequence_parallel=True)
+    assert set(styles) == {
+        f"mlp.shared_experts{s}" for s in ("", ".gate_proj", ".up_proj", ".down_proj")
+    } | {"mlp.gate"}
+    assert "mlp" not in styles  # its tokens stay split: not gathered
+    assert "mlp" in moe_styles(blocks[0], sequence_parallel=False)  # split, then gathered
+
+
+def test_a_mixture_of_experts_mlp_with_loose_parameters_is_refused() -> None:
+    from fsdpkit.models.moe import MoE, preset
+
+    with torch.device("meta"):
+        model = MoE(preset("moe-tiny"))
+        model.model.layers[0].mlp.scale = nn.Parameter(torch.ones(1))
+    with pytest.raises(TensorParallelError, match=r"MLP of MoEDecoderLayer holds .* \(scale\)"):
+        check_model(model, tp=2, blocks=list(choose_blocks(model).blocks))
 
 
 def test_a_plan_that_leaves_parameters_of_its_blocks_unplanned_is_refused() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -172,9 +172,13 @@ def load_hf_weights(
         )
     ):
         dcp.load(renamed, storage_reader=HuggingFaceStorageReader(str(path)))
-        slices = _Slices(_file_of(path)) if plan.groups else None
-        for group in plan.groups:
-            read_group(shadow, group, open_slice=slices, params=sd)
+        # a pipeline stage holds some layers only: the groups of the others are not read
+        groups = [g for g in plan.groups if any(t in sd for t in g.targets)]
+        slices = _Slices(_file_of(path)) if groups else None
+        tensors = cast(dict[str, torch.Tensor], sd)  # the model's: tensors, plain or DTensor
+        for group in groups:
+            assert shadow is not None  # groups come from plan_keys(shadow, ...)
+            read_group(shadow, group, open_slice=slices, params=tensors)
     for alias, name in aliases.items():
         sd[alias] = sd[name]
     set_model_state_dict(model, sd)

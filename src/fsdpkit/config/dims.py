@@ -28,7 +28,11 @@ after cp, so that the experts' FSDP axes (efsdp, cp) and ep are in the mesh's or
 (DTensor reduces a gradient norm over them as one flattened axis, which a
 non-ascending pair (efsdp x cp, ep) cannot be: a dp2 x cp2 x ep2 norm failed so).
 ep changes neither which batches a rank reads (``dp_rank``) nor the world size
-(fsdpkit.sharding.experts.parallel).
+(fsdpkit.sharding.experts.parallel). With ``tp`` the mesh keeps both axes: the experts
+are split over ep and whole on every tp rank, each tp rank routing its own tokens
+([Note: experts under tensor parallelism] in fsdpkit.sharding.tensor.moe); with ``pp``
+each stage splits its own blocks' experts over its ep axis (fsdpkit.sharding.pipeline
+.routing carries the router loss across the stages).
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ class MeshAxis(StrEnum):
     """Flattened shard x cp (efsdp x cp x ep under ep): what FSDP2 shards over with cp."""
     EFSDP_CP = "efsdp_cp"
     """Flattened efsdp x cp: what the routed experts are sharded over with cp and ep."""
+    STAGE = "stage"
+    """Under pp: every axis but pp flattened, the ranks of one pipeline stage (whose
+    tokens a mixture-of-experts model's router loss sums)."""
 
 
 @dataclass(frozen=True)
@@ -185,22 +192,15 @@ def parallel_dims(cfg: RunConfig, *, world_size: int, local_world_size: int) -> 
     replicate, shard = strategy(p.strategy).mesh_shape(
         world_size=dp, shard_degree=p.shard_degree or local_dp
     )
-    _check_ep(p.ep, shard=shard, strategy=p.strategy, pp=p.pp)
+    _check_ep(p.ep, shard=shard, strategy=p.strategy)
     return ParallelDims(replicate=replicate, shard=shard, cp=p.cp, tp=p.tp, pp=p.pp, ep=p.ep)
 
 
-def _check_ep(ep: int, *, shard: int, strategy: str, pp: int) -> None:
-    """ep splits the shard axis ([Note: parallel dimensions]); pipeline stages take
-    dense models only (fsdpkit.sharding.pipeline.split), so ep and pp never meet."""
+def _check_ep(ep: int, *, shard: int, strategy: str) -> None:
+    """ep splits the shard axis ([Note: parallel dimensions]), of each pipeline stage's
+    ranks under pp."""
     if ep < 1:
         raise ConfigError(f"parallel.ep must be >= 1, got {ep}.")
-    if ep > 1 and pp > 1:
-        raise ConfigError(
-            f"parallel.ep = {ep} with parallel.pp = {pp}: fsdpkit's pipeline stages split "
-            "dense models only, and expert parallelism needs a mixture-of-experts model. "
-            "Use parallel.pp = 1 with parallel.ep (FSDP shards what the experts leave), or "
-            "parallel.ep = 1 with a dense model."
-        )
     if ep > 1 and shard % ep:
         raise ConfigError(
             f"parallel.ep = {ep} does not divide the shard group ({shard} ranks with "

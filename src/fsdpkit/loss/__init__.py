@@ -9,6 +9,9 @@ Modules:
     grpo        the GRPO family's policy losses ([Note: GRPO loss normalization])
     advantages  group-relative advantages ([Note: group-relative advantages])
     logprobs    completion tokens' log-probs ([Note: selective log-softmax])
+    router      a mixture-of-experts model's router loss ([Note: the router loss over
+                the global batch]); balance: that loss from per-expert sums
+    dispatch_metrics  the token dispatch's step metrics (dropped, imbalance)
 """
 
 from fsdpkit.loss.contract import LossFn, ModelOutputError, logits_of, next_token_loss

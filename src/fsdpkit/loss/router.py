@@ -22,9 +22,14 @@ averaging it over ranks is not the one-process loss. ``RouterLoss``:
   global batch. Accumulation divides it by the micro-batch count like the LM loss (one
   aux loss per micro-batch, as transformers' Trainer does with accumulation).
 
-Every data rank must hold its own tokens (no tensor-parallel replicas: ``parallel.tp``
-refuses MoE models), and gradients must be averaged over the whole world, which FSDP,
-HSDP, context and expert parallelism all do. Evaluation reports the LM loss alone.
+The gather spans ``group`` (the whole world, or one pipeline stage's ranks), every
+rank of which holds its own tokens: data, context- and expert-parallel ranks, and
+under ``parallel.tp`` the tp ranks too, which route their own tokens ([Note: experts
+under tensor parallelism] in fsdpkit.sharding.tensor.moe). FSDP averages gradients
+over the data and context ranks only, and every tp rank adds the same aux loss (the
+LM loss too is the same on the tp ranks of a data rank): so the aux loss's gradient
+is scaled by 1 / tp (its value is not), and the parameters get ``d(coef x A)/d(theta)``
+again. Evaluation reports the LM loss alone.
 
 The built-in MoE model (fsdpkit.models.moe) computes the same loss from per-expert
 sums all-reduced over the ranks instead of gathered logits ([Note: the balance loss
@@ -35,7 +40,8 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +51,7 @@ from torch import nn
 
 from fsdpkit.loss.balance import balance_loss
 from fsdpkit.loss.contract import LossFn
+from fsdpkit.loss.dispatch_metrics import DispatchMetrics
 from fsdpkit.models.experts import expert_field
 from fsdpkit.models.moe import MoE, MoEConfig, TopKRouter
 from fsdpkit.pretrained import is_hf_model
@@ -155,29 +162,42 @@ def _capacity(capacity: float | None) -> str:
     )
 
 
-def _gathered(logits: torch.Tensor) -> torch.Tensor:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def _gathered(logits: torch.Tensor, *, group: Any = None) -> torch.Tensor:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return logits
     from torch.distributed.nn import all_gather
 
     with warnings.catch_warnings():  # deprecated in name; its successor has no gloo backward
         warnings.simplefilter("ignore", FutureWarning)
-        return torch.cat(all_gather(logits.contiguous()), dim=0)
+        return torch.cat(all_gather(logits.contiguous(), group=group or dist.group.WORLD), dim=0)
 
 
-class RouterLoss:
-    """A ``LossFn`` that adds the router's aux loss to ``inner`` ([Note: the router loss
-    over the global batch]); ``step_metrics`` reports it with the experts' load."""
+class _GradScale(torch.autograd.Function):
+    """The identity, its gradient times ``scale``."""
 
-    def __init__(self, inner: LossFn, *, model: nn.Module, spec: RouterSpec) -> None:
-        self.inner = inner
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def grad_scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` whose gradient is multiplied by ``scale`` (``x`` itself at 1)."""
+    return x if scale == 1 else _GradScale.apply(x, scale)
+
+
+class RouterRecorder:
+    """Each router's logits (``spec.recorder``'s output ``spec.index``) in ``model``,
+    kept while ``recording`` (a checkpointed block's recompute in backward records
+    nothing)."""
+
+    def __init__(self, model: nn.Module, *, spec: RouterSpec) -> None:
         self.spec = spec
         self._recording: list[torch.Tensor] | None = None
-        self._stats: list[torch.Tensor] = []
-        found = (getattr(m, "expert_dispatch", None) for m in model.modules())
-        dispatches = [d for d in found if d is not None]
-        self._dispatches: list[Any] = [d for d in dispatches if d.capacity_factor]
-        self._ep_dispatches: list[Any] = [d for d in dispatches if d.group is not None]
         for module in model.modules():
             if isinstance(module, spec.recorder):
                 module.register_forward_hook(self._record)
@@ -187,29 +207,52 @@ class RouterLoss:
             value = output[self.spec.index] if isinstance(output, tuple | list) else output
             self._recording.append(value)
 
+    @contextmanager
+    def recording(self) -> Iterator[list[torch.Tensor]]:
+        """The logits of the routers that run inside, in forward order."""
+        self._recording = []
+        try:
+            yield self._recording
+        finally:
+            self._recording = None
+
+
+class RouterLoss:
+    """A ``LossFn`` that adds the router's aux loss to ``inner`` ([Note: the router loss
+    over the global batch]); ``step_metrics`` reports it with the experts' load."""
+
+    def __init__(
+        self, inner: LossFn, *, model: nn.Module, spec: RouterSpec, group: Any = None, tp: int = 1
+    ) -> None:
+        self.inner = inner
+        self.spec = spec
+        self.group = group
+        """The ranks whose tokens make the global micro-batch (None: every rank)."""
+        self.tp = tp
+        """Tensor-parallel ranks, each adding the same aux loss (its gradient / tp)."""
+        self.recorder = RouterRecorder(model, spec=spec)
+        self._stats: list[torch.Tensor] = []
+        self.dispatches = DispatchMetrics(model)
+
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
         if not model.training:
             return self.inner(model, batch)
-        self._recording = []
-        try:
+        with self.recorder.recording() as logits:
             loss = self.inner(model, batch)
-            logits = self._recording
-        finally:
-            self._recording = None
         if not logits or self.spec.aux_fn is None:
             return loss
         aux, load = self._aux(tuple(x.reshape(-1, x.shape[-1]) for x in logits))
         self._stats.append(torch.cat([aux.detach().float().reshape(1), load.reshape(-1)]))
-        return loss + self.spec.coef * aux if self.spec.coef else loss
+        return loss + self.spec.coef * grad_scaled(aux, 1 / self.tp) if self.spec.coef else loss
 
     def _aux(self, logits: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """The aux loss of the global micro-batch and each layer's expert shares."""
         assert self.spec.aux_fn is not None
         experts, k = self.spec.experts, self.spec.top_k
         if not self.spec.gathered:
-            aux, load = self.spec.aux_fn(logits, experts, k)
+            aux, load = self.spec.aux_fn(logits, experts, k, group=self.group)
             return aux, load.detach()
-        gathered = tuple(_gathered(x) for x in logits)
+        gathered = tuple(_gathered(x, group=self.group) for x in logits)
         return self.spec.aux_fn(gathered, experts, k), self._load(gathered)
 
     def _load(self, logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -229,7 +272,7 @@ class RouterLoss:
         Every rank holds the same values (from the gathered logits or the all-reduced
         sums). With a capacity (fsdpkit.sharding.experts.dispatch) also the share of
         assignments dropped over the global batch, ``moe_dropped``: a collective."""
-        dropped = self._dropped() | self._imbalance()
+        dropped = self.dispatches.step_metrics()
         if not self._stats:
             return dropped
         mean = torch.stack(self._stats).mean(0)
@@ -244,46 +287,13 @@ class RouterLoss:
             "expert_load_max_by_layer": [round(float(v), 4) for v in high],
         } | dropped
 
-    def _dropped(self) -> dict[str, Any]:
-        """``moe_dropped`` (share of the step's assignments) and their count, every rank
-        and layer summed; {} without a capacity."""
-        if not self._dispatches:
-            return {}
-        counts = [c for d in self._dispatches if (c := d.drops()) is not None]
-        total = torch.stack(counts).sum(0) if counts else torch.zeros(2)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(total)
-        dropped, routed = (float(v) for v in total)
-        return {"moe_dropped": dropped / max(routed, 1.0), "moe_dropped_assignments": int(dropped)}
 
-    def _imbalance(self) -> dict[str, Any]:
-        """``moe_imbalance`` and ``moe_imbalance_layer_max`` of the step ([Note: routing
-        imbalance] in fsdpkit.sharding.experts.dispatch): the busiest rank's, a collective
-        (a max over the ranks); {} without expert parallelism."""
-        if not self._ep_dispatches:
-            return {}
-        loads = [x for d in self._ep_dispatches if (x := d.loads()) is not None]
-        mean, peak = rank_imbalance(loads)
-        device = next(self._ep_dispatches[0].module.parameters()).device
-        both = torch.tensor([mean, peak], dtype=torch.float64, device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        return {
-            "moe_imbalance": round(float(both[0]), 4),
-            "moe_imbalance_layer_max": round(float(both[1]), 4),
-        }
-
-
-def rank_imbalance(loads: list[tuple[float, float]]) -> tuple[float, float]:
-    """(mean over the MoE layers, largest) received / balanced rows of one rank, from
-    each layer's (mean, largest) over its calls; (0, 0) without calls (a rank that
-    routed nothing: the max over ranks ignores it)."""
-    if not loads:
-        return 0.0, 0.0
-    return sum(m for m, _ in loads) / len(loads), max(p for _, p in loads)
-
-
-def with_router_loss(loss_fn: LossFn, *, model: nn.Module, coef: float | None) -> LossFn:
-    """``loss_fn`` with the model's router loss when it is a MoE model (else itself)."""
+def with_router_loss(
+    loss_fn: LossFn, *, model: nn.Module, coef: float | None, group: Any = None, tp: int = 1
+) -> LossFn:
+    """``loss_fn`` with the model's router loss when it is a MoE model (else itself);
+    ``group`` and ``tp``: as ``RouterLoss`` takes them."""
     spec = router_spec(model, coef=coef)
-    return loss_fn if spec is None else RouterLoss(loss_fn, model=model, spec=spec)
+    if spec is None:
+        return loss_fn
+    return RouterLoss(loss_fn, model=model, spec=spec, group=group, tp=tp)

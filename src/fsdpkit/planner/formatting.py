@@ -183,6 +183,8 @@ def _states_line(mem: MemoryPlan, sc: Scenario) -> str:
     per = f"shard {shard}"
     if tp > 1:  # the blocks are split over tp too; embedding and head are not
         per = f"(tp {tp} x shard {shard}) in the blocks, / shard {shard} elsewhere"
+        if sc.experts is not None:  # [Note: experts under tensor parallelism]
+            per += " and in the routed experts and routers"
     why = (
         f"16 bytes/param / {per}"
         if trainable == total

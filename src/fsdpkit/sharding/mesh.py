@@ -152,6 +152,15 @@ def expert_fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return _data_mesh(mesh, MeshAxis.EFSDP_CP if MeshAxis.CP in _names(mesh) else MeshAxis.EFSDP)
 
 
+def experts_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The axes the routed experts' weights are laid out on before FSDP2: ep (split by
+    expert) and tp (replicated, each tp rank computing its own tokens: [Note: experts
+    under tensor parallelism] in fsdpkit.sharding.tensor.moe), those the mesh has; None
+    without either."""
+    axes = tuple(a.value for a in (MeshAxis.EP, MeshAxis.TP) if a in _names(mesh))
+    return mesh[axes] if axes else None
+
+
 def tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     """The tensor-parallel axis, or None."""
     return _axis(mesh, MeshAxis.TP)
@@ -160,6 +169,15 @@ def tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
 def cp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     """The context-parallel axis, or None."""
     return _axis(mesh, MeshAxis.CP)
+
+
+def stage_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """Every rank of this rank's pipeline stage (the mesh's axes but pp, flattened):
+    the ranks that hold different tokens of the same layers."""
+    names = tuple(n for n in _names(mesh) if n != MeshAxis.PP)
+    if len(names) == 1:
+        return mesh[names[0]].get_group()
+    return mesh[names]._flatten(MeshAxis.STAGE.value).get_group()
 
 
 def pp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:

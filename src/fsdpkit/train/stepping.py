@@ -114,8 +114,13 @@ def run_step(s: Session, probe: HangProbe) -> StepOutcome:
             max_norm=s.cfg.train.grad_clip,
         )
         s.scheduler.step()
-        metrics = getattr(s.trainable.loss_fn, "step_metrics", None)  # DPO's (collective)
-        extra = metrics() if metrics is not None else {}
+        extra = {}
+        dpo = getattr(s.trainable.loss_fn, "step_metrics", None)  # DPO's rewards (collective)
+        if dpo is not None:
+            extra |= dpo()
+        routing = s.trainable.pipeline.routing  # a mixture-of-experts model's router loss
+        if routing is not None:
+            extra |= routing.step_metrics()
         return StepOutcome(_global_mean(result.loss), float(result.grad_norm), extra)
     result = _train(s, batches, probe=probe)
     s.scheduler.step()

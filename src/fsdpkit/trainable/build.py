@@ -35,7 +35,7 @@ from fsdpkit.config import RunConfig
 from fsdpkit.finetune import Finetune, base_view, prepare
 from fsdpkit.loss.contract import LossFn
 from fsdpkit.loss.head import choose_loss, default_loss
-from fsdpkit.loss.router import RouterLoss, describe, with_router_loss
+from fsdpkit.loss.router import RouterLoss, RouterSpec, describe, with_router_loss
 from fsdpkit.models.buffers import require_buffer_source
 from fsdpkit.models.factory import BuiltModel, build_model
 from fsdpkit.models.hf.construct import HFWeights, construct
@@ -162,7 +162,9 @@ def shard_trainable(
         if cp is None
         else context_parallel_loss(unsharded.loss_fn, mesh=cp, ring=ring)
     )
-    loss_fn = with_router_loss(loss_fn, model=model, coef=cfg.model.router_aux_loss_coef)
+    loss_fn = with_router_loss(
+        loss_fn, model=model, coef=cfg.model.router_aux_loss_coef, tp=cfg.parallel.tp
+    )
     return Trainable(
         model=model,
         loss_fn=loss_fn,
@@ -192,17 +194,28 @@ def _pipelined(
         precision=unsharded.precision,
         finetune=unsharded.finetune,
         llama=unsharded.built.llama,
-        loss_note=_notes(unsharded, built.loss_fn, capacity=cfg.model.capacity_factor),
+        loss_note=_notes(
+            unsharded, built.loss_fn, capacity=cfg.model.capacity_factor, stages=built.router
+        ),
         pipeline=built.pipeline,
     )
 
 
-def _notes(unsharded: Unsharded, loss_fn: LossFn, *, capacity: float | None) -> str | None:
+def _notes(
+    unsharded: Unsharded,
+    loss_fn: LossFn,
+    *,
+    capacity: float | None,
+    stages: RouterSpec | None = None,
+) -> str | None:
     """For the run's first lines: where a model.hf model's weights came from, the
-    chunked-loss choice, the router loss."""
+    chunked-loss choice, the router loss (``stages``: carried across pipeline stages)."""
     init = unsharded.built.init
     weights = init.describe() if isinstance(init, HFWeights) else None
-    router = describe(loss_fn.spec, capacity=capacity) if isinstance(loss_fn, RouterLoss) else None
+    spec = loss_fn.spec if isinstance(loss_fn, RouterLoss) else stages
+    router = describe(spec, capacity=capacity) if spec is not None else None
+    if stages is not None:
+        router = f"{router}; carried across the pipeline stages with the hidden states"
     return "\n".join(n for n in (weights, unsharded.loss_note, router) if n) or None
 
 

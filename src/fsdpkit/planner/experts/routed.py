@@ -49,12 +49,17 @@ def moe_notes(
     tokens: int,
     cp: int = 1,
     ep: int = 1,
+    tp: int = 1,
     routing: Routing = BALANCED,
 ) -> tuple[str, ...]:
     """The plan's notes for a MoE model (empty for a dense one); ``tokens`` per
-    micro-batch of one data-parallel rank (a rank holds its 1 / cp of them)."""
+    micro-batch of one data-parallel rank (a rank holds its 1 / cp of them, and routes
+    its 1 / tp of those: [Note: experts under tensor parallelism] in
+    fsdpkit.sharding.tensor.moe)."""
     if experts is None:
         return ()
+    tokens //= tp
+    dp *= tp  # the router loss's ranks: each holds its own tokens
     rows = tokens // cp * experts.top_k
     gathers = "every expert" if ep == 1 else f"its ep rank's {experts.count // ep} experts"
     notes = [
@@ -65,6 +70,12 @@ def moe_notes(
         if ep == 1
         else _ep_rows(experts, rows, ep, routing),
     ]
+    if tp > 1:
+        notes.append(
+            f"tensor parallel {tp} with experts: each tp rank routes its own 1 / {tp} of the "
+            "tokens; the routed experts and the router are whole on every tp rank (sharded "
+            "by FSDP over the data ranks only), their gradients summed over tp"
+        )
     if router is not None and router.aux_fn is not None:
         if router.gathered:
             notes.append(_router_buffers(experts, router, dp=dp, tokens=tokens))

@@ -94,7 +94,9 @@ def _dispatch(sc: Scenario) -> tuple[int, int]:
         return 0, 0
     ckpt = sum(c for u in sc.expert_units for c in u.checkpointed)
     volume, calls = dispatch_bytes(
-        layers=len(sc.expert_units), tokens=sc.tokens // sc.dims.cp, top_k=sc.experts.top_k,
+        layers=len(sc.expert_units),
+        tokens=sc.tokens // (sc.dims.cp * sc.dims.tp),  # under tp a rank routes its own
+        top_k=sc.experts.top_k,
         dim=hidden_size(sc.layout) if sc.model is None else sc.model.dim, ep=sc.dims.ep,
         e=sc.param_bytes, checkpointed=ckpt,
     )  # fmt: skip

@@ -348,7 +348,7 @@ def _layout_options(cfg: RunConfig, *, layout: Layout, search: _Search) -> list[
     if search.experts is not None:  # a mixture-of-experts model is traced: [Note: traced search]
         grid = [g for g in grid if moe_grid(g, per_node=per_node)]
     per_world = min(search.per_node, search.world)
-    dense = search.experts is None  # pipeline stages take dense models only (ep x pp refused)
+    dense = search.experts is None  # pipelines are planned analytically: MoE stages are not
     for pp in pipeline_degrees(world=search.world, per_node=per_world) if dense else []:
         micros = _micro_changes(cfg, world=dp // pp, smallest=True)
         staged = {"parallel.pp": pp, "parallel.pp_split": "params"}

@@ -64,6 +64,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fsdpkit.errors import ConfigError
+from fsdpkit.models.experts import ROUTED_COMPONENT
 from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.model.unit_layout import ModelLayout, Shape
@@ -93,12 +94,22 @@ def _split(name: str, shape: Shape, tp: int) -> Shape:
         if (kind, adapter) == ("rowwise", "A"):
             return shape[0], -(-shape[1] // tp)
         return shape
-    kind = LLAMA_BLOCK.get(module.removesuffix(".base_layer"))
+    kind = LLAMA_BLOCK.get(module.removesuffix(".base_layer")) or _shared_expert(module)
     if kind == "colwise":
         return -(-shape[0] // tp), shape[1]
     if kind == "rowwise" and leaf == "weight":
         return shape[0], -(-shape[1] // tp)
     return shape
+
+
+def _shared_expert(module: str) -> str | None:
+    """A shared expert's linear inside a mixture-of-experts MLP (``mlp.shared_experts.
+    gate_proj``), split as a dense MLP's ([Note: experts under tensor parallelism] in
+    fsdpkit.sharding.tensor.moe); the routed experts and the router stay whole."""
+    parts = module.split(".")
+    if len(parts) != 3 or parts[0] != "mlp" or parts[1] == ROUTED_COMPONENT:
+        return None
+    return LLAMA_BLOCK.get(f"mlp.{parts[2]}")
 
 
 def vocab_parallel(layout: ModelLayout, *, vocab: int, tp: int) -> bool:

@@ -308,6 +308,7 @@ def scenario(
         tokens=split.micro_batch * cfg.data.seq_len,
         cp=dims.cp,
         ep=dims.ep,
+        tp=dims.tp,
         routing=routing,
     )
     return Scenario(

@@ -20,7 +20,9 @@ k])``, fsdpkit.models.moe) gets ``ExpertDispatch`` as its forward when a run set
    holding their experts and the outputs returned with ``all_to_all_single`` with
    autograd (variable sizes: no token dropped, no padding); each rank runs the
    module's own forward over its ``E / ep`` experts' weights (the local shard of the
-   DTensor, fsdpkit.sharding.experts.parallel), every received row with weight 1; back on
+   DTensor, fsdpkit.sharding.experts.parallel; under tp a rank's own tokens, [Note:
+   replicated weights, split tokens] in fsdpkit.sharding.replicated), every received
+   row with weight 1; back on
    the source rank the rows are weighted and summed over the token's k experts, as
    transformers' kernels do.
 
@@ -47,13 +49,13 @@ equal one process's on the global batch.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
-from torch.distributed.tensor import DTensor
+
+from fsdpkit.sharding.replicated import LocalParams
 
 
 def over_capacity(index: torch.Tensor, *, experts: int, factor: float) -> torch.Tensor:
@@ -71,25 +73,6 @@ def over_capacity(index: torch.Tensor, *, experts: int, factor: float) -> torch.
         .index_copy_(0, order, place >= capacity)
         .view(tokens, k)
     )
-
-
-class _LocalWeights:
-    """Inside: the module's DTensor parameters replaced by their local shards (with
-    autograd through ``to_local``), so its own forward computes this rank's experts."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self.saved: dict[str, Any] = {}
-
-    def __enter__(self) -> None:
-        params = self.module._parameters
-        self.saved = dict(params)
-        for name, p in self.saved.items():
-            if isinstance(p, DTensor):
-                params[name] = p.to_local()  # type: ignore[assignment]
-
-    def __exit__(self, *exc: object) -> None:
-        self.module._parameters.update(self.saved)
 
 
 def _in_the_graph(out: torch.Tensor, *, rows: torch.Tensor, module: nn.Module) -> torch.Tensor:
@@ -137,8 +120,9 @@ class ExpertDispatch:
     ) -> torch.Tensor:
         if self.capacity_factor:
             top_k_index, top_k_weights = self._capacity(top_k_index, top_k_weights)
-        if self.group is None:
-            return self.own_forward(self.module, hidden, top_k_index, top_k_weights)
+        if self.group is None:  # under tp: the weights' local tensors
+            with LocalParams(self.module):
+                return self.own_forward(self.module, hidden, top_k_index, top_k_weights)
         return self._exchange(hidden, top_k_index, top_k_weights)
 
     def _capacity(
@@ -169,7 +153,7 @@ class ExpertDispatch:
         kept = order[: sum(send)]  # dropped assignments (index E) sort last: not sent
         rows = funcol.all_to_all_single_autograd(hidden[kept // k], recv, send, group)
         unit = torch.ones(local_index.shape, dtype=hidden.dtype, device=hidden.device)
-        with _LocalWeights(self.module):
+        with LocalParams(self.module):
             out = self.own_forward(self.module, rows, local_index, unit)
             if not rows.shape[0]:  # [Note: a rank that receives no rows]
                 out = _in_the_graph(out, rows=rows, module=self.module)

@@ -14,7 +14,9 @@ dimensions]):
   rows of its E / ep experts; DCP sees the whole [E, ...] tensor under its unchanged
   name, so a checkpoint reshards to and from any ep and world size), and sets the
   module's ``num_experts`` to its local count, as transformers' own expert-parallel
-  kernels read it;
+  kernels read it; under tp also ``Replicate()`` on the tp axis, each tp rank
+  dispatching its own tokens ([Note: experts under tensor parallelism] in
+  fsdpkit.sharding.tensor.moe), also without ep;
 - installs ``ExpertDispatch`` as the module's forward ([Note: token dispatch]).
 
 ``shard_experts`` then makes each experts module an FSDP unit of its own, before its
@@ -38,15 +40,16 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdpkit.config import RunConfig
+from fsdpkit.config.dims import MeshAxis
 from fsdpkit.models.errors import ModelError
 from fsdpkit.models.experts import ROUTED_COMPONENT, expert_field, experts_of
 from fsdpkit.models.hf.directory import read_hf_dir
 from fsdpkit.models.presets import MOE_OVERRIDES, preset
 from fsdpkit.sharding.experts.dispatch import ExpertDispatch
-from fsdpkit.sharding.mesh import ep_mesh, expert_fsdp_mesh, fsdp_mesh
+from fsdpkit.sharding.mesh import ep_mesh, expert_fsdp_mesh, experts_mesh, fsdp_mesh, tp_mesh
 
 
 class ExpertParallelError(ModelError):
@@ -134,17 +137,19 @@ def check_model(model: nn.Module, *, ep: int, capacity: float | None) -> None:
 
 
 def expert_parallel(model: nn.Module, *, mesh: DeviceMesh, capacity: float | None) -> str | None:
-    """Split every routed experts module over ``mesh``'s ep axis and install the token
-    dispatch (also without ep where a capacity is set), [Note: expert parallelism];
-    what was applied, for the run's first lines (None: nothing)."""
-    ep = ep_mesh(mesh)
+    """Split every routed experts module over ``mesh``'s ep axis (replicated over its tp
+    axis) and install the token dispatch (also without ep where a capacity is set or
+    under tp), [Note: expert parallelism]; what was applied, for the run's first lines
+    (None: nothing)."""
+    ep, tp = ep_mesh(mesh), tp_mesh(mesh)
     modules = routed_modules(model)
     found = experts_of(model)
-    if (ep is None and not capacity) or not modules or found is None:
+    if (ep is None and tp is None and not capacity) or not modules or found is None:
         return None
+    layout = experts_mesh(mesh)
     for _, module in modules:
-        if ep is not None:
-            _split(module, mesh=ep, experts=found.count)
+        if layout is not None:
+            _split(module, mesh=layout, experts=found.count)
         module.expert_dispatch = ExpertDispatch(  # type: ignore[assignment]
             module,
             experts=found.count,
@@ -154,11 +159,25 @@ def expert_parallel(model: nn.Module, *, mesh: DeviceMesh, capacity: float | Non
         module.forward = types.MethodType(_dispatched, module)  # type: ignore[method-assign]
         if capacity and hasattr(module, "_is_expert_parallel"):
             module._is_expert_parallel = True  # type: ignore[assignment]  # masks dropped rows
+    return _describe(found.count, ep=ep, tp=tp, capacity=capacity, layers=len(modules))
+
+
+def _describe(
+    experts: int,
+    *,
+    ep: DeviceMesh | None,
+    tp: DeviceMesh | None,
+    capacity: float | None,
+    layers: int,
+) -> str | None:
     cap = f", capacity factor {capacity:g}" if capacity else ""
+    over_tp = f", whole on each of {tp.size()} tp ranks, which route their own tokens" if tp else ""
     if ep is None:
-        return f"experts dispatched with capacity ({capacity:g}) in {len(modules)} layers"
-    per = found.count // ep.size()
-    return f"expert parallel {ep.size()} ({per} of {found.count} experts per rank{cap})"
+        if not capacity:
+            return None  # the tp plan says it ([Note: experts under tensor parallelism])
+        return f"experts dispatched with capacity ({capacity:g}) in {layers} layers"
+    per = experts // ep.size()
+    return f"expert parallel {ep.size()} ({per} of {experts} experts per rank{over_tp}{cap})"
 
 
 def _dispatched(self: nn.Module, *args: Any) -> torch.Tensor:
@@ -166,14 +185,19 @@ def _dispatched(self: nn.Module, *args: Any) -> torch.Tensor:
 
 
 def _split(module: nn.Module, *, mesh: DeviceMesh, experts: int) -> None:
-    """Each parameter a DTensor Shard(0) over ``mesh`` from this rank's rows (every
+    """Each parameter a DTensor over ``mesh`` (fsdpkit.sharding.mesh.experts_mesh):
+    Shard(0) on its ep axis from this rank's rows, Replicate() on its tp axis (every
     rank built the same full tensor, or a meta one: no communication)."""
-    rank, size = mesh.get_local_rank(), mesh.size()
+    names = tuple(mesh.mesh_dim_names or ())
+    ep = MeshAxis.EP in names
+    rank = mesh.get_local_rank(MeshAxis.EP.value) if ep else 0
+    size = mesh.size(names.index(MeshAxis.EP)) if ep else 1
+    placements = [Shard(0) if n == MeshAxis.EP else Replicate() for n in names]
     for name, p in list(module.named_parameters(recurse=False)):
         local = p.detach().chunk(size, dim=0)[rank]
-        dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+        dt = DTensor.from_local(local, mesh, placements, run_check=False)
         module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
-    if hasattr(module, "num_experts"):
+    if ep and hasattr(module, "num_experts"):
         module.num_experts = experts // size  # type: ignore[assignment]
 
 

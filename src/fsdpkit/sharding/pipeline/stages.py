@@ -51,6 +51,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -60,17 +61,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from fsdpkit.config import RunConfig, with_changes
-from fsdpkit.config.schedules import SCHEDULES
 from fsdpkit.errors import ConfigError, UserError
 from fsdpkit.init import Initializer
 from fsdpkit.loss.answers import sft_loss
 from fsdpkit.loss.contract import LossFn
 from fsdpkit.loss.head import ChunkedLoss
+from fsdpkit.loss.router import RouterSpec
 from fsdpkit.sharding.apply import ShardPlan, shard
 from fsdpkit.sharding.blocks import choose_blocks
 from fsdpkit.sharding.context.batch import ContextParallelLoss
 from fsdpkit.sharding.mesh import fsdp_mesh, pp_mesh
 from fsdpkit.sharding.pipeline.parts import ModelEnds, model_ends, stage_module
+from fsdpkit.sharding.pipeline.routing import PipelineRouting, StageRouting, stage_routing
+from fsdpkit.sharding.pipeline.schedule import torch_schedule
 from fsdpkit.sharding.pipeline.split import StageSplit, stage_split
 from fsdpkit.sharding.pipeline.tied import TiedCopy, tied_copy
 from fsdpkit.sharding.policy import resolve_precision
@@ -150,30 +153,45 @@ class StageModule(nn.Module):
             (m for m in part.modules() if isinstance(m, StageOutput)), None
         )
         self._last: Any = None
+        self.routing: StageRouting | None = None
+        """The stage's part of a mixture-of-experts model's router loss."""
         self._check_boundaries(blocks)
         if not last:
             part.register_forward_hook(self._done)
             _quiet_views(type(part).__name__)
 
-    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+    def forward(self, *args: torch.Tensor) -> Any:
         index = self.micro_batch if self.micro_batch is not None else 0
         self.micro_batch = None
         batch = self.batches[index]
         if self.entry is not None:
             self.entry.pending = args[0]
+        routing = self.routing if self.training else None  # [Note: the router loss across
+        recording: AbstractContextManager[list[torch.Tensor]] = (  # stages]: a second tensor
+            routing.recorder.recording() if routing else nullcontext([])
+        )
         try:
-            if self.last:
-                return self.loss_fn(self.part, batch) / self.mean_over
-            try:
-                self.loss_fn(self.part, batch)
-            except _StageDone as done:
-                return done.hidden
-            raise StageBoundaryError(
-                f"pipeline stage {self.stage}: the loss did not call the model's forward."
-            )
+            with recording as logits:
+                out = self._run(batch)
         finally:
             if self.entry is not None:
                 self.entry.pending = None
+        if routing is None:
+            return out
+        sums = routing.sums(logits, received=args[1] if len(args) > 1 else None)
+        return out + routing.loss(sums) / self.mean_over if self.last else (out, sums)
+
+    def _run(self, batch: Any) -> torch.Tensor:
+        """The last stage's loss (its share of the step's), another stage's hidden state."""
+        if self.last:
+            return self.loss_fn(self.part, batch) / self.mean_over
+        try:
+            self.loss_fn(self.part, batch)
+        except _StageDone as done:
+            return done.hidden
+        raise StageBoundaryError(
+            f"pipeline stage {self.stage}: the loss did not call the model's forward."
+        )
 
     def _done(self, _module: nn.Module, _args: Any, _output: Any) -> None:
         """After the stage module's forward (and FSDP2's hook): end the loss call."""
@@ -229,11 +247,6 @@ def _model_call_loss(loss_fn: LossFn) -> LossFn:
     return loss_fn
 
 
-def _loss_is_output(output: torch.Tensor, _target: Any) -> torch.Tensor:
-    """The schedule's loss function: the last stage's output is its loss already."""
-    return output
-
-
 @dataclass
 class Pipeline:
     """This rank's stages and the schedule that runs them."""
@@ -256,6 +269,8 @@ class Pipeline:
     stages] in fsdpkit.sharding.pipeline.tied); None when untied or on a middle stage."""
     tied_names: dict[str, str] = field(default_factory=dict)
     """The whole model's tied aliases (``{alias: name}``), for the checkpoint's record."""
+    routing: PipelineRouting | None = None
+    """A mixture-of-experts model's router loss across the stages (None: no router loss)."""
 
     @property
     def holds_last(self) -> bool:
@@ -275,18 +290,6 @@ class Pipeline:
             else ""
         )
         return head + "\n" + p.describe() + tied
-
-
-def _stage_class() -> type:
-    """torch's PipelineStage telling its stage module which micro-batch it runs."""
-    from torch.distributed.pipelining import PipelineStage
-
-    class _Stage(PipelineStage):  # type: ignore[misc]
-        def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            self.submod.micro_batch = fwd_chunk_id  # type: ignore[assignment]
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-
-    return _Stage
 
 
 def _numel(module: nn.Module | None) -> int:
@@ -312,11 +315,13 @@ def shard_pipeline(
     micro_batches: int,
     device: torch.device,
     init: Initializer | None = None,
+    router: RouterSpec | None = None,
 ) -> tuple[Pipeline, nn.Module]:
     """Cut the meta-built ``model`` into stages, shard and materialize this rank's
     (``fsdpkit.shard`` on each, over ``mesh`` without its pp axis), and build the
     schedule; returns it with the rank's view of its parameters ([Note: stage
-    modules]). ``loss_fn``: the run's loss (context-parallel already)."""
+    modules]). ``loss_fn``: the run's loss (context-parallel already); ``router``: a
+    mixture-of-experts model's router loss ([Note: the router loss across stages])."""
     group = pp_mesh(mesh)
     if group is None:
         raise ConfigError("shard_pipeline needs a mesh with a pp axis (parallel.pp > 1).")
@@ -343,10 +348,14 @@ def shard_pipeline(
         stage = StageModule(part, stage=s, last=s == last, loss_fn=loss_fn, blocks=own)
         fully_shard(stage, mesh=fsdp_mesh(mesh), mp_policy=precision.policy())
         stages.append(stage)
-    schedule = _schedule(
+    schedule = torch_schedule(
         cfg.parallel.pp_schedule, stages, split=split, group=group, device=device, n=micro_batches
     )
     pipe = Pipeline(schedule, stages, split, group.get_group(), micro_batches, plans)
+    if router is not None:
+        pipe.routing = stage_routing(
+            stages, spec=router, mesh=mesh, view=view, device=device, micro_batches=micro_batches
+        )
     if ends.tied:
         pipe.tied = tied_copy(stages, ends, split=split, mesh=mesh, view=view)
     return pipe, view
@@ -361,22 +370,3 @@ def _view(
     return stage_module(  # across stages] in fsdpkit.sharding.pipeline.tied
         model, ends, keep=keep, first=first, last=last, entry=entry, head=head
     )
-
-
-def _schedule(
-    name: str,
-    stages: list[StageModule],
-    *,
-    split: StageSplit,
-    group: DeviceMesh,
-    device: torch.device,
-    n: int,
-) -> Any:
-    """torch's schedule ``name`` over this rank's stages."""
-    from torch.distributed.pipelining.schedules import get_schedule_class
-
-    stage_cls = _stage_class()
-    made = [stage_cls(m, m.stage, split.stages, device, group=group.get_group()) for m in stages]
-    schedule_cls = get_schedule_class(name)
-    first = made if SCHEDULES[name].looped else made[0]
-    return schedule_cls(first, n_microbatches=n, loss_fn=_loss_is_output, scale_grads=False)

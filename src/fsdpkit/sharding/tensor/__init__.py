@@ -5,6 +5,7 @@
     plans     [Note: tensor-parallel plans], applied with ``parallelize_module``
     edges     the embedding and head split by vocabulary, where the sequence is split
     sequence  norms and gathered inputs of sequence-parallel blocks
+    moe       [Note: experts under tensor parallelism]: mixture-of-experts blocks
 
 ``fsdpkit.sharding.apply`` calls ``plans.tensor_parallel`` first in its fixed order.
 """

@@ -73,7 +73,15 @@ from torch.distributed.tensor.parallel import (
 
 from fsdpkit.models.llama import Llama
 from fsdpkit.sharding.tensor.edges import edges
-from fsdpkit.sharding.tensor.rules import REPLICATED, check_model, sequence_parallel_applies
+from fsdpkit.sharding.tensor.moe import moe_styles, shared_linears
+from fsdpkit.sharding.tensor.rules import (
+    MLP,
+    REPLICATED,
+    block_entries,
+    check_model,
+    moe_mlp,
+    sequence_parallel_applies,
+)
 from fsdpkit.sharding.tensor.sequence import sequence_parallel_styles
 
 
@@ -90,6 +98,9 @@ class TensorPlan:
     """Modules replicated over tp with their gradients reduced (per-head q / k norms)."""
     whole_vocab: str | None = None
     """Why the embedding and head were not split by vocabulary (None: they were)."""
+    moe_blocks: int = 0
+    """Mixture-of-experts blocks, whose MLP runs on each rank's own tokens ([Note:
+    experts under tensor parallelism] in fsdpkit.sharding.tensor.moe)."""
 
     def describe(self, tp: int) -> str:
         sp = ", sequence parallel" if self.sequence_parallel else ""
@@ -99,9 +110,15 @@ class TensorPlan:
             else f"embedding and head whole: {self.whole_vocab}"
         )  # no "; ": the run's first line joins its parts with it
         norms = f", {self.replicated} per-head norms replicated" if self.replicated else ""
+        moe = (
+            f", experts and routers of {self.moe_blocks} MoE block"
+            f"{'s' if self.moe_blocks > 1 else ''} on each rank's own tokens"
+            if self.moe_blocks
+            else ""
+        )
         return (
-            f"tensor parallel {tp} ({self.source}{sp}: {self.linears} linears split{norms}, "
-            f"{vocab})"
+            f"tensor parallel {tp} ({self.source}{sp}: {self.linears} linears split{norms}"
+            f"{moe}, {vocab})"
         )
 
 
@@ -151,14 +168,12 @@ def tensor_parallel(
     plan, source = check_model(model, tp=tp, cp=cp, blocks=blocks)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     sp = sequence_parallel_applies(model, blocks=blocks)
-    linears = [n for n, kind in plan.items() if kind != REPLICATED]
+    linears = replicated = 0
     for block in blocks:
-        styles: dict[str, Any] = sequence_parallel_styles(block) if sp else {}
-        for name in linears:
-            styles.update(_linear_plan(block, name, plan[name], sequence_parallel=sp))
-        for name in plan.keys() - set(linears):
-            block.get_submodule(name)  # a planned module the block lacks is an error
-            styles[name] = replicated_grad_reduced()
+        styles = _block_styles(block, plan, sequence_parallel=sp)
+        linears += sum(plan[n] != REPLICATED for n in block_entries(block, plan))
+        linears += shared_linears(block)
+        replicated += sum(plan[n] == REPLICATED for n in block_entries(block, plan))
         parallelize_module(block, mesh, styles)
     first = blocks[0] if sp and not isinstance(model, Llama) else None
     whole_vocab = edges(model, mesh=mesh, sequence_parallel=sp, first_block=first)
@@ -167,7 +182,29 @@ def tensor_parallel(
     return TensorPlan(
         source=source,
         sequence_parallel=sp,
-        linears=len(linears) * len(blocks),
-        replicated=(len(plan) - len(linears)) * len(blocks),
+        linears=linears,
+        replicated=replicated,
         whole_vocab=whole_vocab,
+        moe_blocks=sum(moe_mlp(b) is not None for b in blocks),
     )
+
+
+def _block_styles(
+    block: nn.Module, plan: dict[str, str], *, sequence_parallel: bool
+) -> dict[str, Any]:
+    """The styles of one block: sequence parallelism's, its plan's linears and
+    replicated modules, and a mixture-of-experts MLP's ([Note: experts under tensor
+    parallelism] in fsdpkit.sharding.tensor.moe: its input is not gathered)."""
+    styles: dict[str, Any] = sequence_parallel_styles(block) if sequence_parallel else {}
+    if moe_mlp(block) is not None:
+        styles.pop(MLP, None)
+        styles.update(moe_styles(block, sequence_parallel=sequence_parallel))
+    for name in block_entries(block, plan):
+        if plan[name] == REPLICATED:
+            block.get_submodule(name)  # a planned module the block lacks is an error
+            styles[name] = replicated_grad_reduced()
+        else:
+            styles.update(
+                _linear_plan(block, name, plan[name], sequence_parallel=sequence_parallel)
+            )
+    return styles

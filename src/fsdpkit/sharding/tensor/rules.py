@@ -19,7 +19,7 @@ from fsdpkit.config import RunConfig
 from fsdpkit.loss.head import output_head
 from fsdpkit.models.accessors import input_embeddings, is_norm_class, output_embeddings
 from fsdpkit.models.errors import ModelError
-from fsdpkit.models.experts import expert_field
+from fsdpkit.models.experts import ROUTED_COMPONENT, expert_field
 from fsdpkit.models.hf.directory import read_hf_dir
 from fsdpkit.models.llama import Llama
 from fsdpkit.models.presets import preset
@@ -38,6 +38,15 @@ LLAMA_BLOCK: dict[str, str] = {
 """fsdpkit's block plan: module names of the built-in Llama and of transformers'
 Llama, Mistral and Qwen2 decoder layers."""
 
+MOE_BLOCK: dict[str, str] = {
+    **{k: v for k, v in LLAMA_BLOCK.items() if k.startswith("self_attn.")},
+    "self_attn.q_norm": "replicated_with_grad_allreduce",
+    "self_attn.k_norm": "replicated_with_grad_allreduce",
+}
+"""The built-in MoE model's attention plan (Qwen3's per-head q / k norms); its MLP is
+a mixture-of-experts block ([Note: experts under tensor parallelism] in
+fsdpkit.sharding.tensor.moe)."""
+
 REPLICATED = "replicated_with_grad_allreduce"
 PLAN_KINDS = ("colwise", "rowwise", REPLICATED)
 """The ``base_model_tp_plan`` entries fsdpkit applies (the others are refused)."""
@@ -48,9 +57,13 @@ class TensorParallelError(ModelError):
 
 
 def block_plan(model: nn.Module, *, tp: int) -> tuple[dict[str, str], str]:
-    """(module name in a block -> "colwise" / "rowwise", where it came from)."""
-    if isinstance(model, Llama) and expert_field(model.config) is None:
-        return dict(LLAMA_BLOCK), "fsdpkit's Llama plan"
+    """(module name in a block -> "colwise" / "rowwise" / replicated, where it came
+    from). A mixture-of-experts block's MLP is not in it: fsdpkit's own rule splits
+    that ([Note: experts under tensor parallelism] in fsdpkit.sharding.tensor.moe)."""
+    if isinstance(model, Llama):
+        if expert_field(model.config) is None:
+            return dict(LLAMA_BLOCK), "fsdpkit's Llama plan"
+        return dict(MOE_BLOCK), "fsdpkit's MoE plan"
     return _hf_block_plan(getattr(model, "config", None), name=type(model).__name__, tp=tp)
 
 
@@ -60,9 +73,9 @@ def _experts(config: Any) -> str | None:
     Read from the config (fsdpkit.models.experts), not from its ``base_model_tp_plan``:
     since transformers 5.25 Mixtral's and OLMoE's plans name only the attention
     projections (the experts moved to ``base_model_ep_plan``), and Qwen2-MoE's /
-    Qwen3-MoE's name a dense ``mlp.gate_proj`` that their expert layers do not have.
-    Such a plan would pass the entry check and fail only once the model is built,
-    after the processes start.
+    Qwen3-MoE's name a dense ``mlp.gate_proj`` that their expert layers do not have
+    (only their dense layers, ``mlp_only_layers``). fsdpkit takes such a plan's
+    attention (and dense-MLP) entries and splits the expert layers by its own rule.
     """
     found = expert_field(config)
     return f"{found[0]} = {found[1]}" if found else None
@@ -72,35 +85,35 @@ def _hf_block_plan(config: Any, *, name: str, tp: int) -> tuple[dict[str, str], 
     """A transformers config's ``base_model_tp_plan`` as a block plan, or the refusal
     naming the family, the field and the entries fsdpkit does not apply."""
     family = getattr(config, "model_type", None) or name
-    experts = _experts(config)
-    if experts:
-        raise TensorParallelError(
-            f"parallel.tp = {tp}: fsdpkit has no tensor-parallel plan for {name} ({family}): "
-            f"it is a mixture-of-experts model ({experts} in its config), and fsdpkit splits "
-            "dense blocks only (colwise / rowwise linears of transformers' "
-            "base_model_tp_plan), not expert layers. Use parallel.tp = 1 (FSDP over all "
-            "ranks; parallel.ep splits the experts, parallel.cp long sequences), or a dense "
-            "model family."
-        )
     hf_plan = getattr(config, "base_model_tp_plan", None) or {}
     translated = {k.split("layers.*.", 1)[1]: v for k, v in hf_plan.items() if "layers.*." in k}
     others = [f"{k}: {v}" for k, v in hf_plan.items() if "layers.*." in k and v not in PLAN_KINDS]
     splits = any(v != REPLICATED for v in translated.values())
+    experts = _experts(config)
     if splits and not others:
-        return translated, f"transformers' base_model_tp_plan of {name}"
+        what = "" if experts is None else " (attention; experts by fsdpkit's MoE rule)"
+        return translated, f"transformers' base_model_tp_plan of {name}{what}"
     has = (
         "has no entries for its layers"
         if not translated
         else f"has entries fsdpkit does not apply ({', '.join(others[:4])})"
     )
+    moe = (
+        f" It is a mixture-of-experts model ({experts} in its config): fsdpkit splits its "
+        "expert layers itself but takes the attention's split from that plan."
+        if experts
+        else ""
+    )
     raise TensorParallelError(
         f"parallel.tp = {tp}: fsdpkit has no tensor-parallel plan for {name} ({family}): its "
-        f"config's base_model_tp_plan {has}. fsdpkit applies colwise / rowwise linears and "
-        "replicated_with_grad_allreduce per-head norms (Llama, Mistral, Qwen2, Qwen3, Gemma2, "
-        "Gemma3, ...), not the gathered outputs of OLMo2 / OLMo3 (q / k norms over the "
-        "whole hidden q / k) or of the fused projections of Phi3 and GLM, nor "
-        "mixture-of-experts layers. Use parallel.tp = 1 (FSDP over all ranks; parallel.cp "
-        "splits long sequences instead), or a model family with such a plan."
+        f"config's base_model_tp_plan {has}.{moe} fsdpkit applies colwise / rowwise linears "
+        "and replicated_with_grad_allreduce per-head norms (Llama, Mistral, Qwen2, Qwen3, "
+        "Gemma2, Gemma3, Mixtral, Qwen2-MoE, Qwen3-MoE, ...), not the gathered outputs of "
+        "OLMo2 / OLMo3 / OLMoE (q / k norms over the whole hidden q / k) or of the fused "
+        "projections of Phi3 and GLM. Use parallel.tp = 1 (FSDP over all ranks; parallel.cp "
+        "splits long sequences instead"
+        + (", parallel.ep the experts" if experts else "")
+        + "), or a model family with such a plan."
     )
 
 
@@ -119,13 +132,6 @@ def check_layout(cfg: RunConfig) -> None:
         kv = getattr(config, "num_key_value_heads", None) or heads
     else:
         shape = preset(m.preset)
-        if p.tp > 1 and expert_field(shape) is not None:
-            raise TensorParallelError(
-                f"parallel.tp = {p.tp}: model.preset = {m.preset} is a mixture-of-experts "
-                "model, and fsdpkit splits dense blocks only, not expert layers. Use "
-                "parallel.tp = 1 and parallel.ep to split the experts over the data ranks "
-                "(parallel.cp splits long sequences)."
-            )
         heads, kv = m.n_heads or shape.n_heads, m.n_kv_heads or shape.n_kv_heads
     check_heads(
         n_heads=heads, n_kv_heads=kv, tp=p.tp, cp=heads_cp(cp=p.cp, attention=p.cp_attention)
@@ -179,9 +185,22 @@ def check_covered(block: nn.Module, plan: dict[str, str], *, tp: int) -> None:
     """Refuse a block whose plan leaves parameters inside it unplanned (Apertus' xIELU
     activation, between up and down; an attention the plan does not split): with heads
     and hidden units split around them, their gradients would be partial sums no one
-    reduces over tp. Only the block's own norms (whole hidden states) may be unplanned."""
-    covered = tuple(f"{name}." for name in plan)
+    reduces over tp. Only the block's own norms (whole hidden states) may be unplanned,
+    and a mixture-of-experts MLP, which fsdpkit's own rule covers whole (``moe_mlp``)."""
+    covered = tuple(f"{name}." for name in block_entries(block, plan))
     norms = tuple(f"{n}." for n, m in block.named_children() if is_norm_class(m))
+    moe = moe_mlp(block)
+    if moe is not None:
+        loose = [n for n, _ in moe.named_parameters(recurse=False)]
+        if loose:
+            raise TensorParallelError(
+                f"parallel.tp = {tp}: the mixture-of-experts MLP of {type(block).__name__} "
+                f"holds parameters of its own ({', '.join(loose[:3])}) besides its router, "
+                "experts and shared experts: fsdpkit cannot tell whether they act per "
+                "token. Use parallel.tp = 1 for this model (FSDP over all ranks; "
+                "parallel.ep splits its experts)."
+            )
+        norms += (f"{MLP}.",)
     stray = [n for n, _ in block.named_parameters() if not n.startswith(covered + norms)]
     if stray:
         raise TensorParallelError(
@@ -190,6 +209,23 @@ def check_covered(block: nn.Module, plan: dict[str, str], *, tp: int) -> None:
             f"({', '.join(stray[:3])}); their gradients would differ between the tp ranks. "
             "Use parallel.tp = 1 for this model (FSDP over all ranks)."
         )
+
+
+def moe_mlp(block: nn.Module) -> nn.Module | None:
+    """The block's mixture-of-experts MLP: its child ``mlp`` holding a routed experts
+    child (``experts``, fsdpkit.models.experts); None for a dense block."""
+    mlp = block._modules.get(MLP)
+    if mlp is None or not isinstance(mlp._modules.get(ROUTED_COMPONENT), nn.Module):
+        return None
+    return mlp
+
+
+def block_entries(block: nn.Module, plan: dict[str, str]) -> list[str]:
+    """The entries of ``plan`` that ``block`` takes: all of them, but a mixture-of-experts
+    block's MLP (a family's dense-MLP entries name its dense layers only)."""
+    if moe_mlp(block) is None:
+        return list(plan)
+    return [n for n in plan if not n.startswith(f"{MLP}.")]
 
 
 # [Note: sequence parallel blocks]

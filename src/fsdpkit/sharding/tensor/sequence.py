@@ -21,12 +21,18 @@ class GatherSequence(ParallelStyle):
     argument, else the ``hidden_states=`` keyword (a transformers attention's), as
     torch's ``PrepareModuleInput`` gathers one; its backward keeps this rank's shard
     of the gradient (which the column-parallel projections reduced over tp). Other
-    arguments (masks, positions, cos / sin) are whole already."""
+    arguments (masks, positions, cos / sin) are whole already. ``dim``: the sequence's
+    (1, of [batch, seq, hidden]; 0 for the tokens of a mixture-of-experts block's
+    shared experts, [tokens, hidden], fsdpkit.sharding.tensor.moe)."""
+
+    def __init__(self, *, dim: int = 1) -> None:
+        super().__init__()
+        self.dim = dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def gather(x: Any) -> Any:
             if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
+                x = DTensor.from_local(x, device_mesh, (Shard(self.dim),), run_check=False)
             return x.redistribute(placements=(Replicate(),)).to_local()
 
         def hook(

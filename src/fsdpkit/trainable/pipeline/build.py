@@ -14,11 +14,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdpkit.checkpoint.statefuls import tied_aliases
 from fsdpkit.config import RunConfig, batch_split
 from fsdpkit.config.dims import MeshAxis
-from fsdpkit.errors import ConfigError
 from fsdpkit.loss.contract import LossFn
-from fsdpkit.loss.router import RouterLoss, with_router_loss
+from fsdpkit.loss.router import RouterSpec, router_spec
 from fsdpkit.sharding.context.batch import context_parallel_loss
 from fsdpkit.sharding.mesh import cp_mesh
+from fsdpkit.sharding.pipeline.routing import check_stage_router, takes_sums
 from fsdpkit.sharding.pipeline.stages import Pipeline, shard_pipeline
 from fsdpkit.trainable.optim import group_names
 
@@ -32,13 +32,17 @@ class PipelineBuild:
     """This rank's parameters under the model's names ([Note: stage modules])."""
     loss_fn: LossFn
     """The loss the last stage computes (context-parallel where cp > 1)."""
+    router: RouterSpec | None = None
+    """A mixture-of-experts model's router loss, carried across the stages ([Note: the
+    router loss across stages])."""
 
 
 def data_ranks(mesh: DeviceMesh) -> int:
-    """The data-parallel ranks of one stage: the product of the mesh's data axes."""
+    """The data-parallel ranks of one stage: the product of the mesh's data axes (under
+    ep the shard axis is efsdp x ep: [Note: parallel dimensions])."""
     names = mesh.mesh_dim_names or ()
     size = 1
-    for axis in (MeshAxis.REPLICATE, MeshAxis.SHARD):
+    for axis in (MeshAxis.REPLICATE, MeshAxis.SHARD, MeshAxis.EFSDP, MeshAxis.EP):
         if axis in names:
             size *= mesh[axis].size()
     return size
@@ -51,12 +55,10 @@ def build_pipeline(
     and materialized, and their schedule over the step's micro-batches."""
     model = unsharded.built.module
     loss_fn: LossFn = unsharded.loss_fn
-    if isinstance(with_router_loss(loss_fn, model=model, coef=None), RouterLoss):
-        raise ConfigError(
-            "parallel.pp: mixture-of-experts models are not split into pipeline stages "
-            "(their router loss gathers every layer's routing in one forward). Use "
-            "parallel.pp = 1 for this model."
-        )
+    router = router_spec(model, coef=cfg.model.router_aux_loss_coef)
+    check_stage_router(router)  # [Note: the router loss across stages]
+    if router is not None and not (router.aux_fn and takes_sums(router)):
+        router = None  # no router loss (or none at coefficient 0 that fsdpkit can carry)
     cp = cp_mesh(mesh)
     if cp is not None:
         ring = cfg.parallel.cp_attention == "ring"
@@ -72,6 +74,7 @@ def build_pipeline(
         micro_batches=micro_batches,
         device=device,
         init=unsharded.finetune.init,
+        router=router,
     )
     pipeline.group_names, pipeline.tied_names = names, tied
-    return PipelineBuild(pipeline=pipeline, view=view, loss_fn=loss_fn)
+    return PipelineBuild(pipeline=pipeline, view=view, loss_fn=loss_fn, router=router)
