@@ -9,11 +9,17 @@ loss), and checkpoint sits below models.
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from torch import nn
 
+if TYPE_CHECKING:  # typing only: transformers is never imported here
+    from typing import TypeGuard
 
-def is_hf_model(module: nn.Module) -> bool:
+    from transformers import PreTrainedModel
+
+
+def is_hf_model(module: nn.Module) -> TypeGuard[PreTrainedModel]:
     """Whether ``module`` is a transformers ``PreTrainedModel``. transformers is never
     imported here: a model of that class exists only once the user's code (or model.hf)
     imported it, so where it is not loaded the answer is no, at no cost."""

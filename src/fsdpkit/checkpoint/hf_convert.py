@@ -236,8 +236,8 @@ def read_group(
                 tensors[key] = piece[...]
             else:
                 tensors[key] = on_read.shard_tensor(piece, tensor_idx=index)
-    if on_read is not None:
-        local = params[only].to_local()  # type: ignore[union-attr]
+    if on_read is not None and only is not None:
+        local = params[only].to_local()  # type: ignore[attr-defined]  # a DTensor shard
         if local.numel() == 0:
             return
         value = _convert(shadow, group, tensors)[only]

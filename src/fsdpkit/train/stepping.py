@@ -114,7 +114,7 @@ def run_step(s: Session, probe: HangProbe) -> StepOutcome:
             max_norm=s.cfg.train.grad_clip,
         )
         s.scheduler.step()
-        extra = {}
+        extra: dict[str, float] = {}
         dpo = getattr(s.trainable.loss_fn, "step_metrics", None)  # DPO's rewards (collective)
         if dpo is not None:
             extra |= dpo()

@@ -42,8 +42,9 @@ from fsdpkit.pretrained import is_hf_model
 def _chain(root: nn.Module, path: str) -> list[tuple[str, nn.Module, nn.Module | None]]:
     """(path, module, its HF init owner) from ``root`` down to ``path``; the owner is the
     nearest enclosing PreTrainedModel, as transformers' ``smart_apply`` dispatches."""
-    out = []
-    module, owner, prefix = root, root if is_hf_model(root) else None, ""
+    out: list[tuple[str, nn.Module, nn.Module | None]] = []
+    owner: nn.Module | None = root if is_hf_model(root) else None
+    module, prefix = root, ""
     out.append(("", root, owner))
     for part in path.split(".") if path else []:
         module = module.get_submodule(part)
