@@ -7,8 +7,8 @@ lifetime]: the sidecar calls ``bind_to_parent`` first thing (parent-death signal
 a watchdog), so a rank that exits, crashes or is killed with SIGKILL takes it along,
 and the rank stops it itself at exit (``atexit``) or when its run ends (``stop``). Its
 environment is the rank's minus what would make it join the rank's job: torch's
-launcher variables (RANK, WORLD_SIZE, MASTER_ADDR, ... , TORCHELASTIC_*) and
-fsdpkit's own (FSDPKIT_*), plus the caller's updates. Its output goes to a log file,
+launcher variables (RANK, WORLD_SIZE, MASTER_ADDR, ... , TORCHELASTIC_*), plus the
+caller's updates. Its output goes to a log file,
 whose tail explains a sidecar that died (``log_tail``).
 """
 
@@ -33,7 +33,7 @@ DIST_VARS = (
     "MASTER_ADDR",
     "MASTER_PORT",
 )
-DROP_PREFIXES = ("TORCHELASTIC_", "FSDPKIT_")
+DROP_PREFIXES = ("TORCHELASTIC_",)
 
 _RUNNING: set[subprocess.Popen[bytes]] = set()
 

@@ -199,6 +199,11 @@ def last_exception(lines: list[str]) -> str | None:
 
 def _advice(failure: dict[str, Any]) -> str:
     text = f"{failure.get('type', '')} {failure.get('message', '')}"
+    if failure.get("where") in ("begin", "load", "end"):
+        return (
+            "The weight push stopped there, so the engine never sampled with those "
+            "weights; the run stopped before the rollout."
+        )
     if "No module named 'vllm'" in text or "No module named vllm" in text:
         return (
             "That Python has no vLLM: install it there (pip install 'fsdpkit[vllm]'; "
