@@ -96,9 +96,7 @@ def _no_engine_left() -> Iterator[None]:
     assert engine_processes() == [], "an engine process outlived its test"
 
 
-def test_a_vllm_rollout_after_each_push_matches_the_trainer(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    run_ranks(_train, world_size=2, args=(_overrides(tmp_path, run_dir),), timeout_s=TIMEOUT_S)
+def _check_pushed_run(tmp_path: Path, run_dir: Path) -> None:
     steps = _steps(run_dir)
     assert [s["step"] for s in steps] == [1, 2]
     tensors, nbytes = _saved(tmp_path / "tiny")
@@ -109,6 +107,28 @@ def test_a_vllm_rollout_after_each_push_matches_the_trainer(tmp_path: Path) -> N
         assert s["rl/completion_len_mean"] > 0 and s["grad_norm"] > 1e-4
     logs = sorted(p.name for p in (run_dir / "vllm").glob("engine-rank*.log"))
     assert logs == ["engine-rank0.log", "engine-rank1.log"]
+
+
+def test_a_vllm_rollout_after_each_push_matches_the_trainer(tmp_path: Path) -> None:
+    """Held-out prompts are evaluated after each step, so step 2's push happens in the
+    evaluation (its rollout needs the updated weights) and is reported with step 2."""
+    run_dir = tmp_path / "run"
+    overrides = _overrides(tmp_path, run_dir, "data.val_fraction=0.25", "train.eval_every=1")
+    run_ranks(_train, world_size=2, args=(overrides,), timeout_s=TIMEOUT_S)
+    _check_pushed_run(tmp_path, run_dir)
+    evals = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+             if "val_reward" in r]  # fmt: skip
+    assert [r["step"] for r in evals] == [1, 2]
+
+
+@pytest.mark.slow
+def test_under_lora_the_merged_weights_are_pushed(tmp_path: Path) -> None:
+    """The push folds each adapter into its base weight (the engine serves no
+    adapters); the gap shows the engine computes what the adapted policy computes."""
+    run_dir = tmp_path / "run"
+    overrides = _overrides(tmp_path, run_dir, "lora.rank=4", "lora.alpha=8", "train.lr=1e-2")
+    run_ranks(_train, world_size=2, args=(overrides,), timeout_s=TIMEOUT_S)
+    _check_pushed_run(tmp_path, run_dir)
 
 
 class _Replay:

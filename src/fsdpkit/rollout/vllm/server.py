@@ -22,7 +22,9 @@ bucket (each tensor copied out of the shared bucket first: a layer buffers its t
 until complete, and the bucket is reused), and ``end``: the layers finalized, the
 parameters that received nothing reported, and the prefix cache dropped (its KV
 blocks were computed with the old weights). Samples are drawn with one vLLM seed per
-completion; each sampled token's log-prob is vLLM's ``processed_logprobs``
+completion, ending at the run's stop ids only (``ignore_eos``: the config's EOS is
+among them when it is the run's; vLLM adds nothing of its own); each sampled token's
+log-prob is vLLM's ``processed_logprobs``
 (temperature applied; top-k / top-p are refused with this engine by
 fsdpkit.config.rl), the quantity of [Note: world-size-independent samples]. On CUDA
 with sleep mode the engine sleeps (level 2: weights and KV cache freed) after each
@@ -130,6 +132,7 @@ class Server:
                         temperature=s["temperature"],
                         max_tokens=s["max_tokens"],
                         stop_token_ids=list(s["stop_ids"]) or None,
+                        ignore_eos=True,  # the stop ids are the run's, EOS among them
                         logprobs=0,
                         seed=seed,
                         detokenize=False,
