@@ -23,6 +23,8 @@ Sections (each a row or a few of the table; a failing section is a row, not a cr
 - train: ``fsdpkit train --nproc 1`` of llama3-1b at 4096 tokens: MFU over the GPU's
   dense peak, ``peak_mem_kind``, peak vs plan, the workers' listeners on loopback
 - doctor: ``fsdpkit doctor`` statuses of its GPU-side checks on this machine
+- vllm: GRPO with rl.engine = vllm (sleep mode, bf16) on the GPU, when vLLM is installed
+  ($FSDPKIT_VLLM_PYTHON): the log-prob gap, the push's seconds, the listeners
 
 Prints a table; writes bench/results/gpu_check.json. Exit 1 if any row fails, 2
 without CUDA (unless --dry-run). Never run in CI.
@@ -152,7 +154,69 @@ def check_doctor() -> list[Row]:
     return rows
 
 
-CHILDREN: dict[str, Callable[[], list[Row]]] = {"train": check_train, "doctor": check_doctor}
+def _vllm_python() -> str | None:
+    """The Python that has vLLM: $FSDPKIT_VLLM_PYTHON, else this one if it imports vllm."""
+    chosen = os.environ.get("FSDPKIT_VLLM_PYTHON") or sys.executable
+    probe = subprocess.run([chosen, "-c", "import vllm"], capture_output=True, timeout=300)
+    return chosen if probe.returncode == 0 else None
+
+
+def check_vllm() -> list[Row]:
+    """rl.engine = vllm on one GPU (docs/rl-vllm.md, "Awaiting a GPU"): sleep mode on, bf16,
+    5 GRPO steps of a 4-layer Llama with 64-wide heads."""
+    python = _vllm_python()
+    if python is None:
+        return [Row("vllm", "GRPO with rl.engine = vllm on CUDA", "vLLM not installed here "
+                    "(set FSDPKIT_VLLM_PYTHON to a Python that has it)", None)]  # fmt: skip
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from tiny_hf import write_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_tiny_model(Path(tmp) / "model", arch="llama", dim=512, heads=8,
+                                 kv_heads=4, layers=4, ffn=1376, vocab_size=320)  # fmt: skip
+        data = Path(tmp) / "prompts.jsonl"
+        data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n"
+                                for i in range(256)))  # fmt: skip
+        run_dir = Path(tmp) / "run"
+        cmd = [sys.executable, "-m", "fsdpkit", "train", "--nproc", "1", "train.objective=grpo",
+               f"model.hf={model}", f"data.path={data}", f"logging.run_dir={run_dir}",
+               "data.val_fraction=0", 'rl.rewards=["exact"]', "rl.num_generations=8",
+               "rl.max_completion_length=64", "rl.max_prompt_length=16",
+               "train.global_batch_size=64", "train.micro_batch_size=16", "train.steps=5",
+               "precision.mode=auto", "train.eval_every=0", "train.sample_tokens=0",
+               "checkpoint.every=0", "logging.progress=none", "logging.report=false",
+               "rl.engine=vllm", f"rl.vllm_python={python}"]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        seen: list[str] = []
+        while proc.poll() is None:
+            seen += listeners(_tree(proc.pid))
+            time.sleep(2)
+        out = proc.stdout.read() if proc.stdout else ""
+        if proc.returncode != 0:
+            return [Row("vllm", "GRPO with rl.engine = vllm on CUDA", f"exit {proc.returncode}: "
+                        f"{out[-400:]}", False)]  # fmt: skip
+        steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                 if "loss" in r]  # fmt: skip
+    gap = max(r["rl/logprob_gap_max"] for r in steps)
+    push = statistics.median(r["rl/sync_s"] for r in steps)
+    rate = statistics.median(r["rl/rollout_tokens_per_s"] for r in steps)
+    addrs = sorted(set(seen))
+    return [
+        Row("vllm", "GRPO with rl.engine = vllm, sleep mode: 5 steps on CUDA", "ok", True),
+        Row("vllm", "largest log-prob gap, vLLM vs FSDP2 bf16 (limit 0.1)", f"{gap:.3g}",
+            gap <= 0.1),
+        Row("vllm", "weight push per update (rl/sync_s, median)", f"{push * 1000:.0f} ms", None),
+        Row("vllm", "rollout tokens/s (median)", f"{rate:,.0f}", None),
+        Row("vllm", "the run's and its engine's listeners bind to loopback",
+            ", ".join(addrs) or "none seen", all_loopback(addrs) if addrs else None),
+    ]  # fmt: skip
+
+
+CHILDREN: dict[str, Callable[[], list[Row]]] = {
+    "train": check_train,
+    "doctor": check_doctor,
+    "vllm": check_vllm,
+}
 
 
 def run_sections(names: list[str]) -> list[Row]:

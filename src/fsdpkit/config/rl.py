@@ -113,7 +113,41 @@ class RlConfig:
     rl/logprob_gap_max in a run's metrics and set this above it if a healthy run stops."""
     engine: Literal["embedded", "vllm"] = "embedded"
     """What samples the rollouts: embedded = the policy being trained, sharded as it
-    trains (KV cache, no second copy). vllm is reserved for a later release."""
+    trains (KV cache, no second copy); vllm = a vLLM engine beside each data-parallel
+    rank, its weights pushed from the shards after every update and checked by the
+    same log-prob gap (the `vllm` extra; docs/rl-vllm.md)."""
+    vllm_python: str = ""
+    """rl.engine = vllm: the Python interpreter that runs the engine; empty = the
+    trainer's own. vLLM pins its own transformers (vllm 0.32: < 5.20), so the engine may
+    live in an environment of its own: `make vllm-venv` builds .venv-vllm, then
+    rl.vllm_python = ".venv-vllm/bin/python"."""
+    vllm_sync_bucket_mb: int = 256
+    """rl.engine = vllm: the most weight bytes gathered whole at once while the weights
+    are pushed to the engine (one tensor larger than this goes alone): a rank never holds
+    the whole model unsharded."""
+    vllm_kv_cache_mb: int = 0
+    """rl.engine = vllm: the engine's KV cache; 0 = sized to one rollout of this rank
+    (its prompts x rl.num_generations sequences of max_prompt_length +
+    max_completion_length tokens)."""
+    vllm_enable_sleep_mode: bool = True
+    """rl.engine = vllm on CUDA: the engine frees its weights and KV cache while the
+    trainer steps (vLLM's sleep mode, level 2) and takes them back before the next push;
+    vLLM on CPU has no sleep mode (ignored)."""
+    vllm_importance_sampling_correction: bool = False
+    """rl.engine = vllm: weigh each token's loss by the truncated importance ratio
+    exp(trainer - engine log-prob) of the sampling policy (TRL's option of this name,
+    verl's TIS), correcting for the engine's kernels differing from the trainer's
+    below rl.logprob_gap_max. Off by default: the gap guard bounds the mismatch."""
+    vllm_importance_sampling_mode: Literal[
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    ] = "sequence_mask"
+    """token_*: one ratio per token; sequence_*: one per completion (the product of its
+    tokens' ratios). *_truncate clips the ratio into [clip_min, clip_max]; *_mask sets
+    it to 0 outside (TRL's modes and default)."""
+    vllm_importance_sampling_clip_min: float | None = None
+    """Lower bound of the importance ratio; empty = none."""
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    """Upper bound of the importance ratio (TRL's default 3.0); empty = none."""
 
 
 def check_section(rl: RlConfig) -> None:
@@ -136,6 +170,8 @@ def _ranges(rl: RlConfig) -> None:
         ("beta", rl.beta >= 0, "must be >= 0 (0 = no KL term)"),
         ("num_iterations", rl.num_iterations >= 1, "must be >= 1"),
         ("logprob_gap_max", rl.logprob_gap_max is None or rl.logprob_gap_max > 0, "must be > 0"),
+        ("vllm_sync_bucket_mb", rl.vllm_sync_bucket_mb > 0, "must be > 0"),
+        ("vllm_kv_cache_mb", rl.vllm_kv_cache_mb >= 0, "must be >= 0 (0 = sized to a rollout)"),
     ]  # fmt: skip
     for key, ok, rule in checks:
         if not ok:

@@ -17,14 +17,10 @@ def validate_rl(cfg: RunConfig) -> None:
     needs from the rest of the config; a ConfigError names the key and the fix."""
     rl = cfg.rl
     check_section(rl)
-    if rl.engine == "vllm":
-        raise ConfigError(
-            "rl.engine = 'vllm' is reserved for a later release: fsdpkit does not drive "
-            "vLLM yet. Use rl.engine = 'embedded' (the default: the policy samples its own "
-            "rollouts)."
-        )
     if cfg.train.objective == "grpo":
         _grpo_run(cfg)
+        if rl.engine == "vllm":
+            _vllm_run(cfg)
 
 
 def _grpo_run(cfg: RunConfig) -> None:
@@ -70,3 +66,30 @@ def with_rl_context(cfg: RunConfig) -> RunConfig:
     if cfg.train.objective != "grpo" or cfg.data.seq_len >= need:
         return cfg
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=need))
+
+
+def _vllm_run(cfg: RunConfig) -> None:
+    """What ``rl.engine = vllm`` needs (docs/rl-vllm.md)."""
+    rl = cfg.rl
+    if rl.top_k or rl.top_p < 1:
+        raise ConfigError(
+            f"rl.top_k = {rl.top_k} / rl.top_p = {rl.top_p:g} is not supported with rl.engine "
+            "= 'vllm' yet: vLLM 0.32 reports a sampled token's log-prob after top-k / top-p "
+            "renormalized the distribution (logprobs_mode = processed_logprobs), not the "
+            "whole-vocabulary log-prob the trainer recomputes, so the log-prob gap would "
+            "compare two different numbers. Set rl.top_k = 0 and rl.top_p = 1.0 (TRL's "
+            "defaults), or use rl.engine = 'embedded'."
+        )
+    if cfg.model.factory:
+        raise ConfigError(
+            f"model.factory = {cfg.model.factory!r} cannot be served by rl.engine = 'vllm': "
+            "vLLM builds the model from a Hugging Face config.json of an architecture it "
+            "implements. Use model.hf (a Hugging Face directory) or a built-in model.preset, "
+            "or rl.engine = 'embedded'."
+        )
+    low, high = rl.vllm_importance_sampling_clip_min, rl.vllm_importance_sampling_clip_max
+    if (low is not None and low < 0) or (low is not None and high is not None and low >= high):
+        raise ConfigError(
+            f"rl.vllm_importance_sampling_clip_min = {low} must be >= 0 and below "
+            f"rl.vllm_importance_sampling_clip_max = {high} (the ratio's bounds)."
+        )

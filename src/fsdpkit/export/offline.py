@@ -169,16 +169,16 @@ def _export_hf(
     config = hf_config(cfg, dtype=dtype or saved_dtype)  # before writing: it may refuse
     _check_target(out)
     out.mkdir(parents=True, exist_ok=True)
-    moe_shadow = _moe_shadow(config) if config["model_type"] != "llama" else None
+    builtin_shadow = moe_shadow(config) if config["model_type"] != "llama" else None
     _write_shards(
         ckpt, out, items, dtype=dtype, max_shard_bytes=max_shard_bytes, read=read,
-        shadow=moe_shadow,
+        shadow=builtin_shadow,
     )  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
 
-def _moe_shadow(config: dict[str, Any]) -> Any:
+def moe_shadow(config: dict[str, Any]) -> Any:
     """The transformers model of the built-in MoE's config.json, on meta: its reverse
     conversion writes the per-expert layout ``save_pretrained`` writes."""
     from transformers import AutoConfig

@@ -20,8 +20,9 @@ plus ``beta`` times the k3 estimator of KL(pi || ref), ``exp(ref - logp) - (ref 
 - 1``, multiplied by ``w`` when ``use_bias_correction_kl`` (TRL's default). The
 variants differ in how the masked per-token losses ``l_it m_it`` are summed and
 normalized ([Note: GRPO loss normalization]). Not offered: vespo, TRL's off-policy
-sequence mask, its top-entropy token mask, its entropy bonus and vLLM's importance
-sampling correction.
+sequence mask, its top-entropy token mask and its entropy bonus. vLLM's importance
+sampling correction is ``engine_sampling_weights`` ([Note: engine importance
+sampling]).
 
 Metrics, as TRL logs them, as ``[sum, count]`` pairs that add over ranks and
 micro-batches (``metric_means`` divides): ``clip_ratio/{low,high,region}_mean`` (clipped
@@ -219,11 +220,15 @@ def policy_loss(
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
     entropy: torch.Tensor | None = None,
+    sampling_weights: torch.Tensor | None = None,
 ) -> PolicyLoss:
     """One micro-batch's ``loss_type`` loss ([Note: GRPO policy losses]) over its
     completions' per-token ``logps`` (B, T), divided by the global ``denominator``
     (``loss_denominator``). ``old_logps`` None means one update per rollout: the ratio is
-    1 with the policy's gradient. Defaults are TRL 1.16's GRPOConfig defaults."""
+    1 with the policy's gradient. ``sampling_weights`` (B, T) or (B, 1): the rollout
+    engine's importance weights (``engine_sampling_weights``), multiplying each token's
+    policy loss (not the KL term), as TRL's vLLM correction does. Defaults are TRL
+    1.16's GRPOConfig defaults."""
     _check_choice("loss_type", loss_type, LOSS_TYPES)
     _check_choice("importance_sampling_level", importance_sampling_level, LEVELS)
     _check_shapes(
@@ -252,6 +257,9 @@ def policy_loss(
         delta=delta,
         sapo_temperatures=(sapo_temperature_pos, sapo_temperature_neg),
     )
+    if sampling_weights is not None:
+        per_token = per_token * sampling_weights
+        metrics["engine_is_ratio"] = _pair(sampling_weights.expand_as(mask), mask)
     if ref_logps is not None:
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
         kl = kl * ratio if use_bias_correction_kl else kl
@@ -262,3 +270,40 @@ def policy_loss(
         metrics["entropy"] = _pair(entropy, mask)
     loss = _numerator(per_token, mask, loss_type=loss_type) / denominator
     return PolicyLoss(loss=loss, metrics=metrics)
+
+
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def engine_sampling_weights(
+    trainer_logps: torch.Tensor,
+    engine_logps: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    mode: str,
+    clip_min: float | None,
+    clip_max: float | None,
+) -> torch.Tensor:
+    """Truncated importance weights for an engine that samples with other kernels than
+    the trainer's (TRL 1.16's vllm_importance_sampling_correction, verl's TIS).
+
+    [Note: engine importance sampling]
+    The rollout engine samples from its own numerics' distribution, ``q``; the trainer's
+    recomputation with the same weights, ``p_old``, is what the loss's ratio starts
+    from. ``w = p_old / q = exp(trainer - engine)`` per token (``token_*``), or per
+    completion as the product over its tokens, ``exp(sum_t m (trainer - engine))``
+    (``sequence_*``: (B, 1)); ``*_truncate`` clamps ``w`` into [clip_min, clip_max],
+    ``*_mask`` sets it to 0 outside. Detached: a weight, not a gradient path. The
+    log-prob gap guard stops a step whose largest per-token difference exceeds
+    rl.logprob_gap_max, so with the default limits ``w`` is within ~1e-3 of 1 in fp32;
+    the correction matters for bf16 engines whose kernels differ from the trainer's."""
+    _check_choice("mode", mode, IS_MODES)
+    diff = ((trainer_logps - engine_logps) * mask).detach().float()
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    weights = torch.exp(diff)
+    low = clip_min if clip_min is not None else 0.0
+    high = clip_max if clip_max is not None else float("inf")
+    if mode.endswith("truncate"):
+        return weights.clamp(min=low, max=high)
+    return weights.masked_fill((weights < low) | (weights > high), 0.0)

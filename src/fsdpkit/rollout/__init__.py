@@ -8,6 +8,8 @@ Modules:
                      decoding with a KV cache])
     embedded         the embedded engine: the sharded policy gathered whole per rollout
                      ([Note: the embedded engine])
+    vllm/            rl.engine = vllm: an engine process per rank, weights pushed from the
+                     shards ([Note: the vLLM engine])
     completion_rows  sampled completions laid out for the trainer ([Note: rollout batches])
     gap              the engine's log-probs against the trainer's ([Note: the log-prob gap])
     rewards          the built-in rewards and users' own with TRL's reward signature,

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -51,6 +51,33 @@ class Completion:
     @property
     def truncated(self) -> bool:
         return self.finish == "length"
+
+
+class RolloutEngine(Protocol):
+    """What the GRPO step samples from: the embedded engine, or vLLM's
+    (fsdpkit.rollout.vllm.engine)."""
+
+    name: str
+
+    def generate(
+        self,
+        prompts: Sequence[np.ndarray],
+        *,
+        seeds: Sequence[Sequence[int]],
+        sampling: Sampling,
+    ) -> list[list[Completion]]: ...
+
+    def sync(self) -> dict[str, float]:
+        """Bring the engine's weights to the policy's if they may differ (collective);
+        the cost as metrics."""
+        ...
+
+    def weights_updated(self) -> None:
+        """The policy changed (after the optimizer updates of a step)."""
+
+    def describe(self) -> str: ...
+
+    def close(self) -> None: ...
 
 
 @contextmanager
@@ -97,6 +124,19 @@ class EmbeddedEngine:
         """``decode``: completion ids -> text, to find stop strings."""
         self.model, self.device, self.decode = model, device, decode
         self._decoder = decoder_factory(model)
+
+    def sync(self) -> dict[str, float]:
+        """Nothing to bring over: the engine is the policy."""
+        return {}
+
+    def weights_updated(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return "the embedded engine (the policy, gathered whole per rollout)"
+
+    def close(self) -> None:
+        pass
 
     @torch.no_grad()
     def generate(

@@ -5,6 +5,8 @@ Modules, one job each:
                 report how they ended
     rendezvous  stores that listen only where they must, fail fast on a busy port
     lifetime    workers never outlive their launcher
+    sidecar     helper processes a rank starts (the vLLM engine): die with the rank,
+                never see its distributed variables
     interrupts  the launcher's side of Ctrl-C, SIGHUP, SIGTERM, SIGQUIT
     signals     the worker's side: stop requests as a flag the loop polls, agreed by all ranks
     failures    why a run failed, said once (the first failing rank)

@@ -292,6 +292,8 @@ def run(
         obs = obs or Observer(s.cfg, s.env, cpu_memory=False)
         return _train(s, obs=obs, stop=stop, probe=probe)
     finally:
+        if s.rl is not None:
+            s.rl.engine.close()  # a vLLM engine process ends with the run
         if lock is not None:
             lock.release()
 

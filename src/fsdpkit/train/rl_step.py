@@ -25,29 +25,25 @@ The LR schedule steps once per GRPO step (its K updates share the step's LR).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpkit.config import ConfigError, RunConfig
+from fsdpkit.config import RunConfig
 from fsdpkit.config.batch_split import BatchSplit
-from fsdpkit.config.rl import gap_limit
 from fsdpkit.data.prompt_order import PromptBatch
 from fsdpkit.data.tokenizer import Tokenizer
 from fsdpkit.loss.advantages import group_advantages
 from fsdpkit.loss.contract import logits_of
-from fsdpkit.loss.grpo import metric_means, policy_loss
+from fsdpkit.loss.grpo import engine_sampling_weights, metric_means, policy_loss
 from fsdpkit.loss.logprobs import completion_logps, completion_logps_and_entropy
-from fsdpkit.models.hf.directory import read_hf_dir
 from fsdpkit.rollout.completion_rows import RolloutBatch, completion_logits, rollout_batch
-from fsdpkit.rollout.embedded import Completion, EmbeddedEngine
+from fsdpkit.rollout.embedded import Completion, RolloutEngine
 from fsdpkit.rollout.gap import Gap
 from fsdpkit.rollout.rewards import Rewards, RewardState, Scores
 from fsdpkit.rollout.sampling import Sampling, completion_seed
@@ -61,7 +57,7 @@ PASS_REWARDS = ("math", "exact")
 class RlRun:
     """What a GRPO session holds beside the policy."""
 
-    engine: EmbeddedEngine
+    engine: RolloutEngine
     rewards: Rewards
     sampling: Sampling
     tokenizer: Tokenizer
@@ -76,99 +72,6 @@ class RlRun:
         return self.tokenizer.decode([t for t in ids if t not in self.sampling.stop_ids])
 
 
-def stop_ids(cfg: RunConfig, tokenizer: Tokenizer) -> frozenset[int]:
-    """The tokens that end a completion: the tokenizer's EOS and, for model.hf, every
-    ``eos_token_id`` of the model's generation_config.json (an instruct model's end of
-    turn, as transformers' ``generate`` stops at them)."""
-    ids = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
-    if cfg.model.hf:
-        path = Path(cfg.model.hf).expanduser() / "generation_config.json"
-        if path.is_file():
-            found = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-            ids |= set(found if isinstance(found, list) else [found] if found is not None else [])
-    return frozenset(int(i) for i in ids)
-
-
-def check_lengths(cfg: RunConfig) -> None:
-    """A model.hf model must hold a prompt and its completion in its positions: the
-    refusal names the [rl] lengths (the run's data.seq_len is derived from them:
-    fsdpkit.config.rl_rules.with_rl_context)."""
-    if not cfg.model.hf:
-        return
-    config = read_hf_dir(cfg.model.hf).config
-    positions = getattr(config, "max_position_embeddings", None) or getattr(
-        config, "n_positions", None
-    )
-    need = cfg.rl.max_prompt_length + cfg.rl.max_completion_length
-    if positions is not None and need > positions:
-        raise ConfigError(
-            f"rl.max_prompt_length + rl.max_completion_length = {cfg.rl.max_prompt_length} "
-            f"+ {cfg.rl.max_completion_length} = {need} tokens is longer than model.hf = "
-            f"{cfg.model.hf!r} supports ({positions} positions in config.json): a prompt and "
-            "its completion are one sequence of the model. Lower them so they add up to at "
-            f"most {positions}."
-        )
-
-
-def build_rl(
-    cfg: RunConfig,
-    *,
-    model: nn.Module,
-    tokenizer: Tokenizer,
-    device: torch.device,
-    rewards: Rewards,
-    reference: nn.Module | None,
-    low_precision: bool,
-) -> RlRun:
-    """A GRPO session's rollout side: the embedded engine over the sharded policy."""
-    rl = cfg.rl
-    sampling = Sampling(
-        max_new_tokens=rl.max_completion_length,
-        temperature=rl.temperature,
-        top_p=rl.top_p,
-        top_k=rl.top_k,
-        stop_ids=stop_ids(cfg, tokenizer),
-        stop_strings=tuple(rl.stop),
-    )
-    engine = EmbeddedEngine(model, device=device, decode=tokenizer.decode)
-    limit = gap_limit(rl, low_precision=low_precision)
-    return RlRun(
-        engine, rewards, sampling, tokenizer, reference, lora=bool(cfg.lora.rank), gap_limit=limit
-    )
-
-
-def describe(run: RlRun, cfg: RunConfig) -> str:
-    """The run's first lines about GRPO."""
-    rl, s = cfg.rl, run.sampling
-    stops = f"{len(s.stop_ids)} stop token(s)" + (
-        f", stop strings {list(s.stop_strings)}" if s.stop_strings else ""
-    )
-    kl = (
-        "no KL term"
-        if rl.beta == 0
-        else (
-            f"KL to the reference x {rl.beta:g} ("
-            + (
-                "the base with the adapters off"
-                if run.reference is None
-                else "a frozen sharded copy"
-            )
-            + ")"
-        )
-    )
-    return (
-        f"GRPO: {rl.num_generations} completions per prompt from the embedded engine (the "
-        f"policy, gathered whole per rollout), at most {rl.max_completion_length} tokens, "
-        f"temperature {rl.temperature:g}, top-p {rl.top_p:g}, top-k {rl.top_k or 'off'}, "
-        f"{stops}; {run.rewards.describe()}; loss {rl.loss_type} "
-        f"({rl.importance_sampling_level} ratio, clip {rl.epsilon:g}/"
-        f"{rl.epsilon_high if rl.epsilon_high is not None else rl.epsilon:g}), "
-        f"{rl.num_iterations} update(s) per rollout, advantages scaled by {rl.scale_rewards}, "
-        f"{kl}; train.global_batch_size counts completions; a step stops if the rollout's "
-        f"log-prob gap passes rl.logprob_gap_max = {run.gap_limit:g}"
-    )
-
-
 @dataclass(frozen=True)
 class Rollout:
     """This rank's completions of one step, prompt-major (G per prompt), scored."""
@@ -177,6 +80,8 @@ class Rollout:
     completions: list[Completion]
     scores: Scores
     seconds: float
+    sync: dict[str, float]
+    """The engine's weight pushes before it (rl.engine = vllm), as metrics."""
 
 
 def _seeds(cfg: RunConfig, batch: PromptBatch, *, step: int) -> list[list[int]]:
@@ -188,7 +93,9 @@ def _seeds(cfg: RunConfig, batch: PromptBatch, *, step: int) -> list[list[int]]:
 
 
 def sample(rl: RlRun, cfg: RunConfig, batch: PromptBatch, *, step: int) -> Rollout:
-    """Rollouts and rewards of this rank's prompts (collective: the engine gathers)."""
+    """Rollouts and rewards of this rank's prompts (collective: the engine gathers, or
+    the policy is pushed into it)."""
+    sync = rl.engine.sync()
     start = time.perf_counter()
     groups = rl.engine.generate(
         batch.ids, seeds=_seeds(cfg, batch, step=step), sampling=rl.sampling
@@ -200,7 +107,7 @@ def sample(rl: RlRun, cfg: RunConfig, batch: PromptBatch, *, step: int) -> Rollo
     scores = rl.rewards.score(
         batch.repeat(cfg.rl.num_generations), texts, [c.ids for c in completions], state=state
     )
-    return Rollout(batch, completions, scores, seconds)
+    return Rollout(batch, completions, scores, seconds, sync)
 
 
 def gather_rewards(local: torch.Tensor) -> torch.Tensor:
@@ -290,6 +197,15 @@ class GrpoLoss:
         logps, entropy = completion_logps_and_entropy(
             _logits(model, batch), batch.completion_ids, temperature=rl.temperature
         )
+        weights = None
+        if rl.engine == "vllm" and rl.vllm_importance_sampling_correction:
+            assert batch.old_logps is not None
+            weights = engine_sampling_weights(
+                batch.old_logps, batch.engine_logps, batch.mask,
+                mode=rl.vllm_importance_sampling_mode,
+                clip_min=rl.vllm_importance_sampling_clip_min,
+                clip_max=rl.vllm_importance_sampling_clip_max,
+            )  # fmt: skip
         out = policy_loss(
             logps,
             old_logps=batch.old_logps if self.off_policy else None,
@@ -303,6 +219,7 @@ class GrpoLoss:
             ref_logps=batch.ref_logps,
             beta=rl.beta,
             entropy=entropy,
+            sampling_weights=weights,
         )
         self.metrics.append(out.metrics)
         return out.loss * self.dp

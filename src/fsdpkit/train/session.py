@@ -32,9 +32,10 @@ from fsdpkit.runtime.distenv import DistEnv, pin_collectives, rendezvous_store
 from fsdpkit.runtime.rundir import RunDirError, describe_os_error, write_text_atomically
 from fsdpkit.sharding import make_grad_scaler
 from fsdpkit.sharding.mesh import build_mesh
-from fsdpkit.train.rl_step import RlRun, build_rl
-from fsdpkit.train.rl_step import check_lengths as check_rl_lengths
-from fsdpkit.train.rl_step import describe as describe_rl
+from fsdpkit.train.rl_build import build_rl
+from fsdpkit.train.rl_build import check_lengths as check_rl_lengths
+from fsdpkit.train.rl_build import describe as describe_rl
+from fsdpkit.train.rl_step import RlRun
 from fsdpkit.train.state import TrainerState
 from fsdpkit.train.telemetry import MetricsWriter
 from fsdpkit.trainable.build import Trainable, build_unsharded, shard_trainable
@@ -209,6 +210,7 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
             rewards=rewards,
             reference=ref,
             low_precision=run.precision.low_precision,
+            compute_dtype=run.precision.param_dtype,
         )
         run.loss_note = describe_rl(rl, cfg)
     scaler = make_grad_scaler(run.precision, device_type=env.device_type)

@@ -25,6 +25,7 @@ from fsdpkit.rollout.gap import check_gap, logprob_gap
 from fsdpkit.runtime.failures import newest_checkpoint_note
 from fsdpkit.runtime.hangs import HangProbe
 from fsdpkit.sharding.policy import sync_mode
+from fsdpkit.train.rl_build import sync_metrics
 from fsdpkit.train.rl_step import (
     GrpoLoss,
     RlRun,
@@ -171,8 +172,9 @@ def grpo_step(s: Session, rl: RlRun, probe: HangProbe) -> StepOutcome:
     )
     for _ in range(cfg.rl.num_iterations):
         result = _train(s, batches, probe=probe, loss_fn=loss_fn, average=False)
+    rl.engine.weights_updated()  # the next rollout's engine needs these weights
     s.scheduler.step()
-    metrics = rollout_metrics(rollout, totals, gap, g=g)
+    metrics = rollout_metrics(rollout, totals, gap, g=g) | sync_metrics(cfg, rollout.sync)
     metrics |= {f"rl/{k}": v for k, v in summed_metrics(loss_fn.metrics).items()}
     trained = sum(int(b.inputs.numel()) for b in batches) * cfg.rl.num_iterations
     return StepOutcome(
