@@ -16,6 +16,7 @@ norms and the final parameters with the same model, batches and loss in one proc
 
 from __future__ import annotations
 
+import faulthandler
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -256,6 +257,10 @@ def _run_variant(rank: int, name: str, dirs: dict[str, str]) -> dict[str, Any]:
 
 
 def _all(rank: int, world: int, dirs: dict[str, str], names: list[str]) -> dict[str, Any]:
+    # a worker that crashes (issue 50 item 5: glibc once aborted one on a corrupted heap)
+    # prints every thread's Python stack to the captured stderr, not just its peers'
+    # "connection closed"; [Note: the ring heap-corruption hunt] in test_ring_cpu_handlers
+    faulthandler.enable(all_threads=True)
     return {name: _run_variant(rank, name, dirs) for name in names}
 
 
