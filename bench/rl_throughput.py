@@ -44,12 +44,12 @@ from tiny_hf import write_tiny_model
 
 from fsdpkit.loss.logprobs import completion_logps
 from fsdpkit.models.hf.construct import construct
+from fsdpkit.planner.replay.vllmmem import MIB, kv_cache_bytes
 from fsdpkit.rollout.completion_rows import completion_logits, rollout_batch
 from fsdpkit.rollout.embedded import EmbeddedEngine
 from fsdpkit.rollout.sampling import Sampling, completion_seed
 from fsdpkit.rollout.vllm.engine import VllmEngine
 from fsdpkit.rollout.vllm.process import EngineProcess, EngineSpec
-from fsdpkit.rollout.vllm.start import MIB, kv_cache_bytes
 from fsdpkit.rollout.vllm.sync import layout
 
 NAME = "rl_throughput"

@@ -172,3 +172,41 @@ def test_the_rule_is_a_pure_function_of_numbers() -> None:
         largest_unit=4 * max(u.gathered for u in sc.all_units),
     )
     assert alone.peak == r.peak and alone.where == r.where
+
+
+def _vllm(device: str, *extra: str) -> Plan:
+    cfg = load(None, [*SHAPE, "model.n_kv_heads=2", *GRPO, "rl.engine=vllm", *extra])
+    return plan(cfg, world_size=2, vocab_size=512, trace=False, device=parse_device(device))
+
+
+def test_vllm_counts_the_engine_by_the_rule_the_engine_sizes_itself_with() -> None:
+    """[Note: vLLM rollout memory]: the engine's whole model and its KV cache (the same
+    kv_cache_bytes fsdpkit.rollout.vllm.start sizes it with), no gathered policy."""
+    from fsdpkit.planner.replay.vllmmem import kv_cache_bytes
+
+    p = _vllm("h100")
+    r, terms = p.grpo.rollout, p.scenario.grpo  # type: ignore[union-attr]
+    assert r is not None and terms is not None and r.gathered == 0
+    want = kv_cache_bytes(layers=4, kv_heads=2, head_dim=32, itemsize=p.scenario.param_bytes,
+                          sequences=terms.decode_batches * terms.rows, tokens=128)  # fmt: skip
+    assert r.kv_cache == want
+    weights = p.scenario.param_bytes * sum(u.gathered for u in p.scenario.all_units)
+    assert r.breakdown["vllm_engine"] in (weights, weights + want)
+    assert "lower bound" in " ".join(p.memory.notes)
+    sized = _vllm("h100", "rl.vllm_kv_cache_mb=64").grpo.rollout  # type: ignore[union-attr]
+    assert sized is not None and sized.kv_cache == 64 << 20
+
+
+def test_vllm_without_sleep_keeps_the_engine_through_training() -> None:
+    """A GPU engine sleeps while the trainer steps; on CPU (no sleep mode) or with sleep
+    off it stays, and the training phase carries it."""
+    awake = _vllm("h100", "rl.vllm_enable_sleep_mode=false")
+    asleep = _vllm("h100")
+    r = asleep.grpo.rollout  # type: ignore[union-attr]
+    assert r is not None
+    engine = r.kv_cache + asleep.scenario.param_bytes * sum(
+        u.gathered for u in asleep.scenario.all_units
+    )
+    gap = awake.memory.phase_peaks["backward"] - asleep.memory.phase_peaks["backward"]
+    assert gap == engine
+    assert _vllm("cpu").memory.peak.breakdown.get("vllm_engine", 0) > 0

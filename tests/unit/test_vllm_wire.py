@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from fsdpkit.planner.replay.vllmmem import BLOCK, MIB, kv_cache_bytes
 from fsdpkit.rollout.vllm.engine import stop_string_end
 from fsdpkit.rollout.vllm.process import EngineProcess, EngineSpec, VllmEngineError, last_exception
-from fsdpkit.rollout.vllm.start import BLOCK, MIB, kv_cache_bytes
 from fsdpkit.rollout.vllm.wire import ALIGN, EngineGone, SharedBucket, recv, send
 from fsdpkit.runtime import sidecar
 

@@ -25,6 +25,13 @@ def grpo_lines(p: Plan, *, size: Callable[[int], str]) -> list[str]:
         f"{sc.micro_batch} completions x {sc.seq_len} tokens, GRPO's loss on full logits)"
     ]
     r = g.rollout
+    if terms.engine == "vllm":
+        return [
+            *lines,
+            f"GRPO rollout phase {size(r.peak)} at {r.where}: a vLLM engine beside the rank "
+            f"with the whole model and a KV cache of {size(r.kv_cache)} "
+            f"({terms.decode_batches} x {terms.rows} sequences of {terms.seq_len} tokens)",
+        ]
     made = f"KV cache {size(r.kv_cache)} at full length, prefill logits {size(r.logits)}"
     if g.why_not:
         made = "only the gathered model counted (see the note)"

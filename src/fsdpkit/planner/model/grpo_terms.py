@@ -64,6 +64,14 @@ class GrpoTerms:
     top_p: float
     ref_logps: bool
     """``rl.beta > 0``: the reference's log-probs are computed and kept."""
+    engine: str = "embedded"
+    """``rl.engine``: with vllm the rollout is the engine's ([Note: vLLM rollout
+    memory] in fsdpkit.planner.replay.vllmmem)."""
+    vllm_bucket_mb: int = 256
+    vllm_kv_cache_mb: int = 0
+    vllm_sleeps: bool = True
+    """``rl.vllm_enable_sleep_mode`` (CUDA only: the engine frees its memory while the
+    trainer steps)."""
 
     @property
     def seq_len(self) -> int:
@@ -104,6 +112,10 @@ def grpo_terms(cfg: RunConfig, *, split: BatchSplit, dp: int) -> GrpoTerms | Non
         top_k=rl.top_k,
         top_p=rl.top_p,
         ref_logps=rl.beta > 0,
+        engine=rl.engine,
+        vllm_bucket_mb=rl.vllm_sync_bucket_mb,
+        vllm_kv_cache_mb=rl.vllm_kv_cache_mb,
+        vllm_sleeps=rl.vllm_enable_sleep_mode,
     )
 
 

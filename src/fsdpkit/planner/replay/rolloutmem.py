@@ -55,6 +55,7 @@ from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.planner.replay.blockmem import Sizes, block_forward
 from fsdpkit.planner.replay.ledger import summarize
 from fsdpkit.planner.replay.sizing import sizes
+from fsdpkit.planner.replay.vllmmem import VllmRollout, vllm_rollout
 from fsdpkit.planner.shapes.result import ROLLOUT, MemoryPlan, PeakPoint
 from fsdpkit.planner.shapes.scenario import Scenario
 from fsdpkit.planner.shapes.states import model_states
@@ -238,26 +239,80 @@ def _attention_step(shape: RolloutShape, positions: int) -> int:
     return max(shape.layer_kv(positions - 1), repeated + scores)
 
 
+def _shape(sc: Scenario) -> RolloutShape | None:
+    """The rollout's shape of a GRPO scenario's Llama-shaped model (None: no shape)."""
+    g = sc.grpo
+    if g is None or sc.model is None:
+        return None
+    s = sizes(sc)
+    extra = {"draw_bytes": g.draw_bytes, "gqa": s.gqa, "norm_casts_first": s.norm_casts_first}
+    lengths = {"prompt_len": g.prompt_len, "completion_len": g.completion_len}
+    return model_rollout(sc.model, rows=g.rows, e=sc.param_bytes, **lengths, **extra)
+
+
 def scenario_rollout(sc: Scenario) -> RolloutMemory | None:
     """The rollout phase of a GRPO scenario (None: not GRPO). A model without a Llama
     shape (planned by tracing) gets the gather only: its cache's shape is unknown."""
     if sc.grpo is None:
         return None
-    g, shape = sc.grpo, None
-    if sc.model is not None:
-        s = sizes(sc)
-        extra = {"draw_bytes": g.draw_bytes, "gqa": s.gqa, "norm_casts_first": s.norm_casts_first}
-        lengths = {"prompt_len": g.prompt_len, "completion_len": g.completion_len}
-        shape = model_rollout(sc.model, rows=g.rows, e=sc.param_bytes, **lengths, **extra)
+    g, shape = sc.grpo, _shape(sc)
     host = sc.offload and sc.device.kind == "gpu"  # the states live on the host
     states = {} if host else {k: v for k, v in model_states(sc).items() if k != "gradients"}
     resident = {**states, "buffers_inputs": sc.layout.buffer_bytes, "reference": sc.reference_bytes}
+    if g.engine == "vllm":
+        return _with_engine(sc, shape, resident=resident)
     return rollout_memory(
         shape,
         resident=resident,
         gathered=sc.param_bytes * sum(u.gathered for u in sc.all_units),
         largest_unit=sc.param_bytes * max(u.gathered for u in sc.all_units),
         gloo=sc.device.kind != "gpu" and sc.dims.fsdp_shard > 1,
+    )
+
+
+def engine_memory(sc: Scenario, shape: RolloutShape | None) -> VllmRollout:
+    """This rank's vLLM engine, sized as fsdpkit.rollout.vllm.start sizes it."""
+    g = sc.grpo
+    assert g is not None
+    layers, kv_heads, head_dim, vocab = (
+        (shape.layers, shape.kv_heads, shape.head_dim, shape.vocab) if shape else (0, 0, 0, 0)
+    )
+    return vllm_rollout(
+        weights=sc.param_bytes * sum(u.gathered for u in sc.all_units),
+        largest_tensor=sc.param_bytes * max(u.gathered for u in sc.all_units),
+        bucket_mb=g.vllm_bucket_mb,
+        kv_cache_mb=g.vllm_kv_cache_mb,
+        sequences=g.decode_batches * g.rows,
+        tokens=g.prompt_len + g.completion_len,
+        vocab=vocab,
+        layers=layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        itemsize=sc.param_bytes,
+        host=sc.device.kind != "gpu",
+    )
+
+
+def _with_engine(
+    sc: Scenario, shape: RolloutShape | None, *, resident: dict[str, int]
+) -> RolloutMemory:
+    """The rollout with a vLLM engine beside the rank ([Note: vLLM rollout memory])."""
+    engine = engine_memory(sc, shape)
+    base = sum(resident.values())
+    moments = engine.moments()
+    totals = {name: base + sum(extra.values()) for name, extra in moments.items()}
+    where = max(totals, key=lambda name: totals[name])
+    breakdown = dict(resident)
+    for key, nbytes in moments[where].items():
+        breakdown[key] = breakdown.get(key, 0) + nbytes
+    return RolloutMemory(
+        peak=totals[where],
+        where=where,
+        breakdown=breakdown,
+        gathered=0,
+        kv_cache=engine.kv_cache,
+        logits=engine.logits,
+        moments=totals,
     )
 
 
@@ -280,6 +335,34 @@ class GrpoPhases:
         return "training"
 
 
+VLLM_NOTE = (
+    "rl.engine = vllm: the engine's weights, KV cache and the push bucket are counted; "
+    "vLLM's own workspace (its profiling run, CUDA graphs, the CUDA context) is not, so "
+    "the rollout phase is a lower bound ([Note: vLLM rollout memory])"
+)
+
+
+def _awake_engine(sc: Scenario, memory: MemoryPlan) -> MemoryPlan:
+    """With vLLM and no sleep mode (CPU, or rl.vllm_enable_sleep_mode off) the engine's
+    weights and cache stay through the training phase: added to its peak."""
+    g = sc.grpo
+    if g is None or g.engine != "vllm":
+        return memory
+    memory = replace(memory, notes=(*memory.notes, VLLM_NOTE))
+    if g.vllm_sleeps and sc.device.kind == "gpu":
+        return memory
+    engine = engine_memory(sc, _shape(sc))
+    extra = engine.weights + engine.kv_cache
+    peak = memory.peak
+    breakdown = {**peak.breakdown, "vllm_engine": extra}
+    peaks = {k: v + extra for k, v in memory.phase_peaks.items()}
+    return replace(
+        memory,
+        peak=PeakPoint(peak.bytes + extra, peak.phase, peak.where, breakdown),
+        phase_peaks=peaks,
+    )
+
+
 NO_SHAPE = (
     "GRPO rollout: only the gathered model is counted: the KV cache, prefill logits and "
     "token draws are read off a Llama shape (layers, kv heads, head dim), which this "
@@ -292,6 +375,7 @@ def with_rollout(sc: Scenario, memory: MemoryPlan) -> tuple[MemoryPlan, GrpoPhas
     ``phase_peaks`` gains "rollout" (first)."""
     rollout = scenario_rollout(sc)
     assert rollout is not None, "a GRPO scenario"
+    memory = _awake_engine(sc, memory)
     phases = GrpoPhases(rollout, memory.peak, None if sc.model is not None else NO_SHAPE)
     if phases.why_not:
         memory = replace(memory, notes=(*memory.notes, phases.why_not))

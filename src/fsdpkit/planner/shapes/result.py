@@ -30,6 +30,7 @@ CATEGORIES: dict[str, str] = {
 ROLLOUT_CATEGORIES: dict[str, str] = {
     "kv_cache": "rollout KV cache (one decode batch)",
     "rollout_logits": "rollout logits and token draw",
+    "vllm_engine": "vLLM engine weights and KV cache",
 }
 """The breakdown keys only a GRPO rollout's peak has ([Note: rollout memory] in
 fsdpkit.planner.replay.rolloutmem), reported after CATEGORIES; there the gathered model

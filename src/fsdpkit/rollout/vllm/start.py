@@ -29,6 +29,7 @@ from fsdpkit.export.offline import moe_shadow
 from fsdpkit.models.hf.construct import construct
 from fsdpkit.models.hf.directory import read_hf_dir
 from fsdpkit.models.llama import LlamaConfig
+from fsdpkit.planner.replay.vllmmem import kv_cache_bytes
 from fsdpkit.rollout.vllm.engine import VllmEngine, agree
 from fsdpkit.rollout.vllm.process import (
     EngineProcess,
@@ -39,7 +40,6 @@ from fsdpkit.rollout.vllm.process import (
 from fsdpkit.rollout.vllm.sync import largest_bytes, layout
 from fsdpkit.rollout.vllm.wire import dtype_name
 
-BLOCK = 128
 MIB = 1 << 20
 
 
@@ -81,16 +81,6 @@ def _kv_shape(cfg: RunConfig, model: nn.Module) -> tuple[int, int, int]:
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv = getattr(text, "num_key_value_heads", None) or heads
     return text.num_hidden_layers, kv, head_dim
-
-
-def kv_cache_bytes(
-    *, layers: int, kv_heads: int, head_dim: int, itemsize: int, sequences: int, tokens: int
-) -> int:
-    """One rollout's KV cache: ``sequences`` of up to ``tokens`` tokens, in whole
-    blocks plus one spare block each."""
-    per_token = 2 * layers * kv_heads * head_dim * itemsize
-    blocks = math.ceil(tokens / BLOCK) + 1
-    return max(sequences * blocks * BLOCK * per_token, 16 * MIB)
 
 
 def start_vllm(
