@@ -51,7 +51,9 @@ def _resumed(steps_before: int, steps_after: int, at: int) -> tuple[float, float
     sched2 = build_scheduler(opt2, new)
     opt2.load_state_dict(saved[0])
     sched2.load_state_dict(saved[1])
-    session = SimpleNamespace(scheduler=sched2, optimizer=opt2, cfg=SimpleNamespace(train=new))
+    session = SimpleNamespace(
+        scheduler=sched2, trainable=SimpleNamespace(optimizer=opt2), cfg=SimpleNamespace(train=new)
+    )
     reapply_schedule(session)  # type: ignore[arg-type]
     assert sched2.get_last_lr()[0] == opt2.param_groups[0]["lr"]
     return opt2.param_groups[0]["lr"], new.lr * lr_factor(at, new)

@@ -144,10 +144,11 @@ class RlConfig:
     """token_*: one ratio per token; sequence_*: one per completion (the product of its
     tokens' ratios). *_truncate clips the ratio into [clip_min, clip_max]; *_mask sets
     it to 0 outside (TRL's modes and default)."""
-    vllm_importance_sampling_clip_min: float | None = None
-    """Lower bound of the importance ratio; empty = none."""
-    vllm_importance_sampling_clip_max: float | None = 3.0
-    """Upper bound of the importance ratio (TRL's default 3.0); empty = none."""
+    vllm_importance_sampling_clip_min: float = 0.0
+    """Lower bound of the importance ratio (0.0 = none: a ratio is never negative)."""
+    vllm_importance_sampling_clip_max: float = 3.0
+    """Upper bound of the importance ratio (TRL's default 3.0; inf = none). A plain
+    number rather than an optional one: a config written back reads the same."""
 
 
 def check_section(rl: RlConfig) -> None:

@@ -88,7 +88,7 @@ def _vllm_run(cfg: RunConfig) -> None:
             "or rl.engine = 'embedded'."
         )
     low, high = rl.vllm_importance_sampling_clip_min, rl.vllm_importance_sampling_clip_max
-    if (low is not None and low < 0) or (low is not None and high is not None and low >= high):
+    if low < 0 or low >= high:
         raise ConfigError(
             f"rl.vllm_importance_sampling_clip_min = {low} must be >= 0 and below "
             f"rl.vllm_importance_sampling_clip_max = {high} (the ratio's bounds)."
