@@ -29,7 +29,7 @@ MARKER = "FSDPKIT_TEST_SESSION"
 os.environ[MARKER] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 GRACE_S = 15.0
 """Time left to processes that are already exiting (e.g. a killed run's workers)."""
-_EXEMPT = ("multiprocessing.resource_tracker",)
+_EXEMPT = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 """Helpers of pytest itself that live exactly as long as it does."""
 
 

@@ -4,7 +4,8 @@ gloo mesh match the unsharded model trained in one process.
 One spawn runs every selected variant (process start-up dominates). Each variant builds its
 model on meta, applies ``fsdpkit.shard`` with ``parallel.tp`` / ``parallel.cp`` (the
 built-in Llama with sequence parallelism; transformers' Llama, Qwen2, Qwen3 and Gemma3
-(and, slow-marked, 14 more families: ``SLOW``) with their own ``base_model_tp_plan`` and
+(and, slow-marked, 14 more families and 13 more combinations of the layouts:
+``SLOW``) with their own ``base_model_tp_plan`` and
 sequence parallelism where it applies (Qwen3's and Gemma3's
 per-head q / k norms replicated over tp, their gradients reduced; Gemma3's four norms
 per block); LoRA adapters on the split linears; the Ulysses exchange with plain and
@@ -69,29 +70,13 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "dp2xtp2-tied": ("llama-tied", ["parallel.tp=2"]),
     "tp4": ("llama-kv4", ["parallel.tp=4"]),
     "dp2xtp2-ac-selective": ("llama", ["parallel.tp=2", "activations.mode=selective"]),
-    "hf-llama-tp2": ("hf-llama", ["parallel.tp=2"]),
-    "hf-qwen2-tp2": ("hf-qwen2", ["parallel.tp=2"]),
     "hf-llama-lora-tp2": ("hf-llama", ["parallel.tp=2", "lora.rank=4", "lora.alpha=8"]),
-    "llama-lora-tp2": ("llama", ["parallel.tp=2", "lora.rank=4", "lora.alpha=8"]),
     "dp2xcp2": ("llama", ["parallel.cp=2"]),
-    "dp2xcp2-ac-selective": ("llama", ["parallel.cp=2", "activations.mode=selective"]),
-    "tp2xcp2": ("llama", ["parallel.tp=2", "parallel.cp=2"]),
-    "dp2xcp2-ac-full-packed-sft": ("llama", ["parallel.cp=2", "activations.mode=full"]),
     "tp2xcp2-packed-sft": ("llama", ["parallel.tp=2", "parallel.cp=2"]),
-    "hf-llama-cp2": ("hf-llama", ["parallel.cp=2"]),
     "hf-qwen2-tp2xcp2": ("hf-qwen2", ["parallel.tp=2", "parallel.cp=2"]),
-    "dp2xtp2-chunked": ("llama", ["parallel.tp=2"]),
     "dp2xtp2-tied-chunked": ("llama-tied", ["parallel.tp=2"]),
     "tp2xcp2-chunked-packed-sft": ("llama", ["parallel.tp=2", "parallel.cp=2"]),
-    "hf-qwen2-tp2-chunked": ("hf-qwen2", ["parallel.tp=2"]),
-    "hf-llama-tp2-ac-full-chunked": ("hf-llama", ["parallel.tp=2", "activations.mode=full"]),
-    "hf-qwen2-tp2-packed-sft": ("hf-qwen2", ["parallel.tp=2"]),
-    "dp2xcp2-ring": ("llama", ["parallel.cp=2", RING]),
     "cp4-ring-sft": ("llama-kv4", ["parallel.cp=4", RING, "activations.mode=full"]),
-    "tp2xcp2-ring-ac-selective": (
-        "llama",
-        ["parallel.tp=2", "parallel.cp=2", RING, "activations.mode=selective"],
-    ),
     "hf-qwen2-cp2-ring-chunked": ("hf-qwen2", ["parallel.cp=2", RING]),
     "hf-qwen3-tp2": ("hf-qwen3", ["parallel.tp=2"]),
     "hf-gemma3-tp2": ("hf-gemma3", ["parallel.tp=2"]),
@@ -101,6 +86,29 @@ the others with full logits (all-gathered over the vocabulary under tp). "-ring"
 split attention by torch's ring attention (head-tail chunks; on this CPU through
 fsdpkit's adapter to torch's CPU flash kernel), the other cp ones by Ulysses;
 "-sft" ones (not packed) train unpacked SFT rows, prompts masked."""
+
+MORE_LAYOUTS: dict[str, tuple[str, list[str]]] = {
+    "hf-llama-tp2": ("hf-llama", ["parallel.tp=2"]),
+    "hf-qwen2-tp2": ("hf-qwen2", ["parallel.tp=2"]),
+    "llama-lora-tp2": ("llama", ["parallel.tp=2", "lora.rank=4", "lora.alpha=8"]),
+    "dp2xcp2-ac-selective": ("llama", ["parallel.cp=2", "activations.mode=selective"]),
+    "tp2xcp2": ("llama", ["parallel.tp=2", "parallel.cp=2"]),
+    "dp2xcp2-ac-full-packed-sft": ("llama", ["parallel.cp=2", "activations.mode=full"]),
+    "hf-llama-cp2": ("hf-llama", ["parallel.cp=2"]),
+    "dp2xtp2-chunked": ("llama", ["parallel.tp=2"]),
+    "hf-qwen2-tp2-chunked": ("hf-qwen2", ["parallel.tp=2"]),
+    "hf-llama-tp2-ac-full-chunked": ("hf-llama", ["parallel.tp=2", "activations.mode=full"]),
+    "hf-qwen2-tp2-packed-sft": ("hf-qwen2", ["parallel.tp=2"]),
+    "dp2xcp2-ring": ("llama", ["parallel.cp=2", RING]),
+    "tp2xcp2-ring-ac-selective": (
+        "llama",
+        ["parallel.tp=2", "parallel.cp=2", RING, "activations.mode=selective"],
+    ),
+}
+"""Slow-marked (with ``SLOW``): each combines pieces a ``VARIANTS`` row already checks
+on its own (tp, cp by Ulysses or ring, LoRA, selective or full recomputation, the
+chunked loss, packed or unpacked SFT, Llama or Qwen2 from transformers), so
+``make test`` trains each piece once and test-all every combination."""
 
 
 BF16: dict[str, tuple[str, list[str]]] = {
@@ -126,12 +134,14 @@ NO_SP = ("hf-gpt_neox", "hf-phi", "hf-hrm_text")
 """Kinds whose residual stream stays whole (GPT-NeoX: dropouts beside its attention and
 MLP, and no ``model.norm``)."""
 SLOW: dict[str, tuple[str, list[str]]] = {
+    **MORE_LAYOUTS,
     "hf-gemma2-tp2": ("hf-gemma2", ["parallel.tp=2"]),
     "hf-exaone4-tp2": ("hf-exaone4", ["parallel.tp=2"]),
     "hf-qwen3-lora-tp2": ("hf-qwen3", ["parallel.tp=2", "lora.rank=4", "lora.alpha=8"]),
     **{f"hf-{arch}-tp2": (f"hf-{arch}", ["parallel.tp=2"]) for arch in FAMILIES},
 }
-"""More transformers families at tp2 (slow-marked, one spawn of their own): Gemma2's
+"""``MORE_LAYOUTS`` and more transformers families at tp2 (slow-marked, one spawn of
+their own): Gemma2's
 four norms per block without per-head norms; Exaone4's post-norms (its attention and
 MLP read the residual stream itself); LoRA over Qwen3 (the per-head norms frozen);
 ``FAMILIES``: Mistral, Gemma (tied, scaled embedding), Granite (its four multipliers off
@@ -329,7 +339,7 @@ def test_matches_unsharded_reference(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SLOW))
-def test_more_families_match_unsharded_reference(
+def test_more_layouts_and_families_match_unsharded_reference(
     slow_results: dict[str, Any], hf_dirs: dict[str, str], name: str, record_property: Any
 ) -> None:
     _check(slow_results[name], _reference(name, hf_dirs), name, record_property)

@@ -129,7 +129,11 @@ def test_scontrol_requeue_saves_the_step_and_resumes(
 
 
 @pytest.mark.parametrize("attempt", REPEAT)
-@pytest.mark.parametrize("signal", ["TERM", "USR1"])
+@pytest.mark.parametrize(
+    "signal",
+    # TERM is slow-marked: test_scontrol_requeue's SIGTERM and USR1 here take its path
+    [pytest.param("TERM", marks=pytest.mark.slow), "USR1"],
+)
 def test_preemption_signal_saves_the_step_and_requeues(
     slurm: SlurmCluster, reference: dict, tmp_path: Path, record, signal: str, attempt: int
 ) -> None:

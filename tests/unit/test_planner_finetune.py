@@ -61,10 +61,21 @@ def test_fp32_base_and_frozen_blocks() -> None:
 
 
 def test_auto_recommends_for_lora_runs() -> None:
+    """A 4-block LoRA run fits as it is: the recommender keeps it (~3 s)."""
+    device = parse_device("h100", what="--device-mem")
+    cfg = load(None, [*BASE[:-1], "model.n_layers=4", "lora.rank=16", "train.micro_batch_size=4"])
+    rec = recommend(cfg, world_size=8, device=device, ranks_per_node=8)
+    assert rec.best is not None and rec.best.plan.fits and rec.best.changes == {}
+
+
+@pytest.mark.slow
+def test_auto_recommends_a_change_for_a_lora_run_that_does_not_fit() -> None:
+    """The whole 8B at micro-batch 4 does not fit an H100 as it is; the recommender
+    finds the change that makes it fit (~40 s: it traces a dozen candidates)."""
     device = parse_device("h100", what="--device-mem")
     cfg = load(None, [*BASE[:-1], "lora.rank=16", "train.micro_batch_size=4"])
     rec = recommend(cfg, world_size=8, device=device, ranks_per_node=8)
-    assert rec.best is not None and rec.best.plan.fits
+    assert rec.best is not None and rec.best.plan.fits and rec.best.changes
 
 
 def test_lora_on_a_model_hf_directory_trains_only_the_adapters(tmp_path: Path) -> None:

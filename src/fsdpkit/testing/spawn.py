@@ -7,6 +7,10 @@ the whole group, per-rank traceback files (so the error shown is the failing ran
 not a peer's "connection closed"), and ``os._exit`` at the end of each worker (gloo
 can abort during interpreter shutdown; see ../shared/cpu-fsdp-facts.md).
 
+Ranks are forked from a multiprocessing forkserver that imported torch once ([Note:
+ranks from a forkserver]), not spawned: a spawned rank spends 1-2 s of CPU importing
+torch before it does anything, ~4.5 s for four ranks on two cores, every call.
+
     def work(rank: int, world_size: int, x: int) -> float: ...
     results = run_ranks(work, world_size=2, args=(3,))   # [result of rank 0, rank 1]
 """
@@ -23,24 +27,60 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "fsdpkit.train.loop",
+]
+"""What the forkserver imports once: torch and fsdpkit's trainer, which nearly every
+rank imports. What they read from the environment when imported (torch's compiler
+settings) is the environment the server started with; transformers, which reads
+HF_HUB_OFFLINE when imported, is left to each rank."""
 
 
 class RankFailure(RuntimeError):
     """A rank raised, crashed or timed out; the message holds its traceback."""
 
 
+def _caller_state() -> tuple[dict[str, str], str, list[str]]:
+    """The caller's environment, working directory and import path, as a spawned rank
+    would inherit them at this call."""
+    return dict(os.environ), os.getcwd(), list(sys.path)
+
+
 def _worker(
-    fn: Callable[..., Any],
+    call: bytes,
+    state: tuple[dict[str, str], str, list[str]],
     rank: int,
     world_size: int,
-    args: Sequence[Any],
     tmp: str,
     pg_timeout_s: float,
     threads: int,
 ) -> None:
+    """One rank: take on the caller's state, then unpickle and run its function.
+
+    [Note: ranks from a forkserver]
+    A forkserver child starts as a copy of the server: the environment, working
+    directory and ``sys.path`` the server had when the first call started it, not the
+    caller's now (a test may have set HF_HUB_OFFLINE or changed directory since). So
+    the rank first takes on the caller's state (``os.environ`` writes through to the C
+    environment, which gloo and torch's C++ read), and only then unpickles ``fn`` and
+    its arguments: unpickling imports ``fn``'s module, whose imports must see that
+    state. Only torch is preloaded; what reads the environment when imported
+    (transformers) is imported by the rank itself."""
     code = 0
     try:
+        env, cwd, path = state
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        sys.path[:] = path
+        fn, args = pickle.loads(call)
         import torch
         import torch.distributed as dist
 
@@ -81,15 +121,23 @@ def run_ranks(
     args: Sequence[Any] = (),
     timeout_s: float = 180.0,
     threads_per_rank: int = 1,
+    start_method: Literal["forkserver", "spawn"] = "forkserver",
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each
-    rank's result. ``fn`` must be importable (a module-level function)."""
-    ctx = mp.get_context("spawn")
+    rank's result. ``fn`` must be importable (a module-level function). Each rank sees
+    the caller's environment, working directory and ``sys.path`` as of this call,
+    whichever ``start_method`` starts it ([Note: ranks from a forkserver])."""
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first call)
+    call = pickle.dumps((fn, tuple(args)))
+    state = _caller_state()
+    pg_timeout_s = max(timeout_s - 5, 10)
     with tempfile.TemporaryDirectory(prefix="fsdpkit-ranks-") as tmp:
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, r, world_size, args, tmp, max(timeout_s - 5, 10), threads_per_rank),
+                args=(call, state, r, world_size, tmp, pg_timeout_s, threads_per_rank),
                 daemon=True,
             )
             for r in range(world_size)
