@@ -127,8 +127,10 @@ def run_ranks(
     rank's result. ``fn`` must be importable (a module-level function). Each rank sees
     the caller's environment, working directory and ``sys.path`` as of this call,
     whichever ``start_method`` starts it ([Note: ranks from a forkserver])."""
-    ctx = mp.get_context(start_method)
-    if start_method == "forkserver":
+    if start_method == "spawn":
+        ctx: mp.context.SpawnContext | mp.context.ForkServerContext = mp.get_context("spawn")
+    else:
+        ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first call)
     call = pickle.dumps((fn, tuple(args)))
     state = _caller_state()
