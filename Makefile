@@ -58,10 +58,19 @@ demo: $(STAMP)
 # tests/slurm needs slurmctld, slurmd and munge: installed with apt-get as root when
 # missing (the SLURM tests skip, saying why, where this cannot be done).
 # The two environments and SLURM's packages are set up side by side (-j3: each waits on
-# downloads and disk as much as on a core), then the tests run.
+# downloads and disk as much as on a core). tests/slurm then runs beside the other tests
+# (its jobs mostly wait: on slurmctld, on steps slowed to be signalled mid-run); its
+# output is printed as one block when it ends, and either session failing fails.
 test:
 	$(MAKE) -j3 venv vllm-venv slurm-packages
-	FSDPKIT_VLLM_PYTHON=$(VLLM_PY) $(PY) -m pytest -q tests -m "not slow" --durations=25
+	@( FSDPKIT_VLLM_PYTHON=$(VLLM_PY) $(PY) -m pytest -q tests/slurm -m "not slow" \
+		--durations=10 > tests-slurm.log 2>&1; code=$$?; \
+	  echo; echo "== tests/slurm, run beside the others (exit $$code) =="; \
+	  cat tests-slurm.log; echo "== end of tests/slurm =="; exit $$code ) & slurm=$$!; \
+	FSDPKIT_VLLM_PYTHON=$(VLLM_PY) $(PY) -m pytest -q tests --ignore=tests/slurm \
+		-m "not slow" --durations=25; rest=$$?; \
+	wait $$slurm; code=$$?; \
+	[ $$rest -eq 0 ] && [ $$code -eq 0 ]
 
 test-all: $(STAMP) $(VLLM_STAMP)
 	FSDPKIT_VLLM_PYTHON=$(VLLM_PY) $(PY) -m pytest -q tests --durations=25
