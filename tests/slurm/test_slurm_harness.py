@@ -31,6 +31,13 @@ with slurmcluster.cluster(nodes=2) as c:
 """
 
 
+def _as_from_a_terminal() -> None:
+    """Ctrl-C at its default in the maker, as in a terminal: a shell without job control
+    (make's ``pytest ... &``) starts background commands with SIGINT ignored, and Python
+    then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _daemons(workdir: str) -> list[int]:
     """Processes whose command line names the work directory (every daemon does)."""
     out = []
@@ -48,7 +55,8 @@ def _daemons(workdir: str) -> list[int]:
 def test_nothing_is_left_after_the_maker_dies(how: signal.Signals, slurm_possible: None) -> None:
     path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
     maker = subprocess.Popen([sys.executable, "-c", MAKER], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": path})  # fmt: skip
+                             env={**os.environ, "PYTHONPATH": path},
+                             preexec_fn=_as_from_a_terminal)  # fmt: skip
     try:
         workdir = maker.stdout.readline().strip()  # type: ignore[union-attr]
         assert workdir, "the cluster did not come up"
