@@ -7,6 +7,7 @@ variant, so parity tests compare like with like.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import textwrap
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -313,4 +315,18 @@ def eval_logits(model: nn.Module, probe: torch.Tensor = PROBE) -> torch.Tensor:
         # reshard after forward), and an optimizer built then would hold those tensors.
         if isinstance(unit, FSDPModule):
             unit.reshard()
+    return out
+
+
+def preference_pairs(tmp: Path) -> Path:
+    """``tmp/pairs.jsonl``: 96 preference rows (prompt / chosen / rejected strings) a
+    DPO run learns from (written once)."""
+    out = tmp / "pairs.jsonl"
+    if not out.exists():
+        words = ["red", "blue", "green", "cyan", "gold", "pink", "gray", "teal"]
+        rows = [
+            {"prompt": f"q{i}: ", "chosen": f"{words[i % 8]} " * 2, "rejected": words[i % 5]}
+            for i in range(96)
+        ]
+        out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return out

@@ -17,6 +17,7 @@ from fsdpkit.runtime.distenv import joined_env
 from fsdpkit.testing import run_ranks
 from fsdpkit.train.loop import run
 from fsdpkit.train.session import build_session
+from support import preference_pairs
 
 pytestmark = pytest.mark.distributed
 
@@ -121,3 +122,52 @@ def test_tied_pipelined_checkpoint_resumes_without_pp_and_exports_as_one(
     assert sorted(exported["straight"]) == sorted(exported["dp4"])
     for key, value in exported["dp4"].items():
         assert (exported["straight"][key] - value).abs().max().item() <= 1e-5, key
+
+
+LORA = ["lora.rank=4", "lora.alpha=8", "checkpoint.adapters_only=true"]
+FINETUNES = {
+    "lora": LORA,
+    "tied-lora": [*LORA, "model.tie_embeddings=true"],
+    "dpo-lora": ["train.objective=dpo", "dpo.beta=0.5", "lora.rank=4", "lora.alpha=8"],
+}
+"""Fine-tuning under pp whose checkpoint must reshard: LoRA with adapters-only
+checkpoints (the base is built from the seed again and checked by its fingerprint over
+every stage: [Note: adapters need their base]), the same with a tied embedding and head
+(the last stage's copy of the frozen weight not counted twice), and DPO with LoRA (the
+reference is the base with the adapters off). Later overrides win over BASE's."""
+
+
+def _resume_from(source: Path, into: Path, *, step: int) -> None:
+    """A copy of ``source`` that resumes from ``step``: the later checkpoints dropped."""
+    shutil.copytree(source, into)
+    for later in (into / "checkpoints").glob("step-*"):
+        if int(later.name.removeprefix("step-")) > step:
+            shutil.rmtree(later)
+
+
+@pytest.mark.parametrize(
+    "name", ["tied-lora", *(pytest.param(n, marks=pytest.mark.slow) for n in ("lora", "dpo-lora"))]
+)
+def test_finetuned_pipelined_checkpoint_reshards_without_pp_and_back(
+    tmp_path: Path, name: str
+) -> None:
+    """pp2 x dp2 to step 6 straight; from its step 2 at dp4 (steps 3-4), and from that
+    dp4 run's step 4 at pp2 again (steps 5-6): the same losses and grad norms as the run
+    that never stopped, whichever layout wrote the checkpoint."""
+    data = [f"data.path={preference_pairs(tmp_path)}"] if "dpo" in name else []
+    settings = [*FINETUNES[name], *data]
+    straight = tmp_path / "straight"
+    _spawn(straight, "parallel.pp=2", "train.steps=6", *settings)
+    want = _metrics(straight)
+    assert len(want) == 6
+    dp4, back = tmp_path / "dp4", tmp_path / "back"
+    _resume_from(straight, dp4, step=2)
+    _spawn(dp4, "train.steps=4", *settings)
+    _resume_from(dp4, back, step=4)
+    _spawn(back, "parallel.pp=2", "train.steps=6", *settings)
+    got = {"dp4": _metrics(dp4)[2:], "back": _metrics(back)[4:]}
+    for layout, expected in (("dp4", want[2:4]), ("back", want[4:6])):
+        assert len(got[layout]) == 2, (layout, got)
+        for (loss, norm), (ref_loss, ref_norm) in zip(got[layout], expected, strict=True):
+            assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), (layout, got, want)
+            assert abs(norm - ref_norm) <= 1e-5 * abs(ref_norm), (layout, got, want)

@@ -29,7 +29,7 @@ from fsdpkit.runtime.distenv import joined_env
 from fsdpkit.testing import run_ranks
 from fsdpkit.train.loop import run
 from fsdpkit.train.session import build_session
-from support import full_state
+from support import full_state, preference_pairs
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))  # factories (spawned ranks inherit)
 pytestmark = pytest.mark.distributed
@@ -167,7 +167,7 @@ def _finetune(name: str, tmp: Path, common: list[str]) -> list[str] | None:
     """The overrides of a fine-tuning layout (None: not one)."""
     for prefix, settings in FINETUNE.items():
         if name.startswith(prefix):
-            data = [f"data.path={_pairs(tmp)}"] if prefix.startswith("dpo-") else []
+            data = [f"data.path={preference_pairs(tmp)}"] if prefix.startswith("dpo-") else []
             return [*BASE, *BATCH, *settings, *data]
     if not name.startswith("initfrom-"):
         return None
@@ -175,19 +175,6 @@ def _finetune(name: str, tmp: Path, common: list[str]) -> list[str] | None:
     if not weights.exists():
         _write_builtin_weights(weights, seed=7)
     return [*BASE, *BATCH, f"model.init_from={weights}"]
-
-
-def _pairs(tmp: Path) -> Path:
-    """Preference rows (prompt / chosen / rejected strings) for the DPO layouts."""
-    out = tmp / "pairs.jsonl"
-    if not out.exists():
-        words = ["red", "blue", "green", "cyan", "gold", "pink", "gray", "teal"]
-        rows = [
-            {"prompt": f"q{i}: ", "chosen": f"{words[i % 8]} " * 2, "rejected": words[i % 5]}
-            for i in range(96)
-        ]
-        out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return out
 
 
 def _write_builtin_weights(out: Path, *, seed: int) -> None:

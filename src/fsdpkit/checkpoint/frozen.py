@@ -10,12 +10,16 @@ carries the base's fingerprint (element count, sum and sum of squares of every f
 parameter, in float64, summed over the shards), and resuming adapters onto a base whose
 fingerprint differs stops with a ``FrozenBaseMismatch``. A full checkpoint restores the
 base itself, so its fingerprint is not compared. The fingerprint is independent of the
-world size up to float64 rounding (compared at 1e-9 relative).
+world size up to float64 rounding (compared at 1e-9 relative), and of the layout: under
+pipeline parallelism a rank holds its stages' parameters only, so the stages' sums are
+added over the pipeline group, the last stage's copy of a tied weight left out (the
+first stage's counts it), and a pp checkpoint's adapters resume without pp and back.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,11 +48,18 @@ def _reduce(stats: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return stats
 
 
-def fingerprint(model: nn.Module) -> torch.Tensor:
+def fingerprint(
+    model: nn.Module, *, across: Any = None, skip: Sequence[torch.Tensor] = ()
+) -> torch.Tensor:
     """float64 [elements, sum, sum of squares] over the frozen parameters (collective on
     a sharded model: every rank must call it). Each layout (tensor parallelism mixes
-    split and replicated parameters) is summed over the mesh axes it is sharded on."""
-    frozen: list[torch.Tensor] = [p for p in model.parameters() if not p.requires_grad]
+    split and replicated parameters) is summed over the mesh axes it is sharded on.
+    ``across``: the pipeline group, whose ranks hold the other stages (None without
+    pp); ``skip``: parameters another stage counts."""
+    left_out = {id(t) for t in skip}
+    frozen: list[torch.Tensor] = [
+        p for p in model.parameters() if not p.requires_grad and id(p) not in left_out
+    ]
     total = torch.zeros(3, dtype=torch.float64)
     for group in _by_layout(frozen):
         local = torch.zeros(3, dtype=torch.float64)
@@ -59,7 +70,19 @@ def fingerprint(model: nn.Module) -> torch.Tensor:
             )
         device = group[0].device if group[0].device.type != "meta" else torch.device("cpu")
         total += _reduce(local.to(device), group[0]).cpu()
-    return total
+    if across is not None:
+        total = total.to(_device(model))
+        dist.all_reduce(total, group=across)
+    return total.cpu()
+
+
+def _device(model: nn.Module) -> torch.device:
+    """Where the model's parameters live (a collective's tensor must be there for NCCL;
+    offloaded parameters run gloo for CPU tensors too)."""
+    first = next(model.parameters(), None)
+    if first is None or first.device.type == "meta":
+        return torch.device("cpu")
+    return first.device
 
 
 def _by_layout(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -84,13 +107,23 @@ class FrozenBase(Stateful):
     base]), computed from the model at each save and load (collective); compared on
     load when ``check`` (only the adapters are loaded)."""
 
-    def __init__(self, model: nn.Module, *, check: bool) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        check: bool,
+        across: Any = None,
+        skip: Sequence[torch.Tensor] = (),
+    ) -> None:
         self.model = model
         self.check = check
+        self.across = across
+        """The pipeline group (``fingerprint``'s), None without pp."""
+        self.skip = list(skip)
         self._now: torch.Tensor | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        self._now = fingerprint(self.model)
+        self._now = fingerprint(self.model, across=self.across, skip=self.skip)
         return {"fingerprint": self._now.clone()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -93,7 +93,8 @@ class Session:
             "rng": RankLocal(RNGState()),
         }
         if run.finetune.active:
-            state["frozen"] = FrozenBase(run.model, check=only)
+            across, skip = (pipeline.group, pipeline.uncounted()) if pipeline else (None, [])
+            state["frozen"] = FrozenBase(run.model, check=only, across=across, skip=skip)
         return state
 
 

@@ -276,6 +276,13 @@ class Pipeline:
     def holds_last(self) -> bool:
         return any(s.last for s in self.stages)
 
+    def uncounted(self) -> list[torch.Tensor]:
+        """This rank's parameters that a sum over the whole model (the gradient norm, the
+        frozen base's fingerprint) skips: the last stage's copy of a tied weight, which
+        the first stage's counts ([Note: tied embeddings across stages])."""
+        tied = self.tied
+        return [tied.param] if tied is not None and not tied.counted else []
+
     def describe(self) -> str:
         """For the run's first lines: the schedule and which blocks each rank holds."""
         p = self.split

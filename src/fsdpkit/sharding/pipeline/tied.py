@@ -133,7 +133,11 @@ def refresh_twin(tied: TiedCopy | None) -> None:
 @torch.no_grad()
 def sum_tied_grads(tied: TiedCopy) -> None:
     """The first copy's gradient becomes the sum of both copies' (the last copy's too
-    over a tie group; dropped where one rank holds both)."""
+    over a tie group; dropped where one rank holds both). A frozen tied weight (the base
+    under LoRA) has no gradient on either copy, both copies frozen alike (by the
+    embedding's name each is registered under), so nothing is summed."""
+    if not tied.param.requires_grad:
+        return
     grad = tied.param.grad
     if grad is None:
         raise RuntimeError("pipeline: the tied embedding's copy has no gradient after the step")

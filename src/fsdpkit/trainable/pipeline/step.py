@@ -86,8 +86,9 @@ def pipeline_step(
     tied = pipe.tied
     if tied is not None:  # [Note: tied embeddings across stages]
         sum_tied_grads(tied)
-    skip = [tied.param] if tied is not None and not tied.counted else []
-    norm = clip_grad_norm_(view, max_norm, foreach=foreach, across=pipe.group, skip=skip)
+    norm = clip_grad_norm_(
+        view, max_norm, foreach=foreach, across=pipe.group, skip=pipe.uncounted()
+    )
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss=total, grad_norm=norm)
