@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fsdpkit.precision_modes import MODES
+
 if TYPE_CHECKING:  # torch.distributed.fsdp costs ~0.7 s to import (DTensor, sympy)
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -61,14 +63,10 @@ class Precision:
 
 
 PRESETS: dict[str, Precision] = {
-    p.name: p
-    for p in (
-        Precision("fp32", torch.float32, torch.float32, scaler=False),
-        Precision("bf16", torch.bfloat16, torch.float32, scaler=False),
-        Precision("bf16-pure", torch.bfloat16, torch.bfloat16, scaler=False),
-        Precision("fp16", torch.float16, torch.float32, scaler=True),
-    )
+    m.name: Precision(m.name, getattr(torch, m.param), getattr(torch, m.reduce), scaler=m.scaler)
+    for m in MODES.values()
 }
+"""fsdpkit.precision_modes' table with torch dtypes."""
 AUTO = "auto"
 """``precision.mode = auto``: bf16 where the device computes in bf16, else fp32."""
 

@@ -89,3 +89,15 @@ def test_a_model_that_changes_the_hidden_state_at_a_cut_is_refused(tmp_path: Pat
     assert "ScaledEmbedding's forward changes the input embedding's output" in run.stderr
     assert "Traceback" not in run.stderr
     assert time.monotonic() - started < 120
+
+
+def test_a_pipeline_rank_with_nothing_to_train_is_refused(tmp_path: Path) -> None:
+    """``model.freeze`` of the embedding and the first stage's blocks: that rank would
+    step an optimizer over nothing (torch's bare "empty parameter list" before); every
+    rank stops with the paragraph naming the rank, its stage and the way out, exit 2."""
+    frozen = 'model.freeze=["model.embed_tokens.*","model.layers.[0-1].*"]'
+    run = _train(tmp_path, UNTIED, "parallel.pp=2", frozen)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "model.freeze leaves pipeline rank(s) [0] nothing to train" in run.stderr
+    assert "pp rank 0: stage 0: embedding + blocks 0-1" in run.stderr
+    assert "Traceback" not in run.stderr

@@ -89,6 +89,7 @@ def _check_topology(args: argparse.Namespace, nproc: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fsdpkit.config import load
     from fsdpkit.run.resolve import resolve
     from fsdpkit.runtime.distenv import bind_worker_lifetime, default_nproc, joined_env
 
@@ -104,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         from fsdpkit.run.worker import main
 
         main(path, overrides, env)  # never returns
+    load(path, overrides)  # the config's own errors first: counting GPUs imports torch
     nproc = default_nproc() if args.nproc is None else args.nproc
     _check_topology(args, nproc)
     resolved = resolve(path, overrides, world_size=nproc * args.nnodes, local_world_size=nproc)

@@ -14,7 +14,7 @@ from fsdpkit.config.rl_rules import validate_rl
 from fsdpkit.config.schedules import check_micro_batches, validate_pipeline
 from fsdpkit.config.schema import DataConfig, ModelConfig, RunConfig
 from fsdpkit.errors import ConfigError
-from fsdpkit.precision import PRESETS
+from fsdpkit.precision_modes import MODES
 from fsdpkit.strategies import strategy
 
 
@@ -140,7 +140,7 @@ def _validate_finetune(cfg: RunConfig) -> None:
             'lora.targets=["q_proj","v_proj"], or use ["all-linear"].'
         )
     mode = cfg.precision.mode
-    if lora.base_dtype == "bf16" and mode in PRESETS and not PRESETS[mode].low_precision:
+    if lora.base_dtype == "bf16" and mode in MODES and not MODES[mode].low_precision:
         raise ConfigError(
             f"lora.base_dtype = 'bf16' needs bf16 compute, but precision.mode = {mode!r} "
             "computes in fp32: the bf16 base could not multiply fp32 activations. Use "
@@ -291,7 +291,7 @@ def _validate_precision_levers(cfg: RunConfig) -> None:
     """Precision against the levers that depend on it: the fp16 scaler, selective
     checkpointing with fp32 norm units, the fused AdamW kernel under a scaler."""
     mode = cfg.precision.mode
-    if mode in PRESETS and PRESETS[mode].scaler and cfg.precision.grad_scaler is False:
+    if mode in MODES and MODES[mode].scaler and cfg.precision.grad_scaler is False:
         raise ConfigError(
             f"precision.mode = {mode!r} without a gradient scaler underflows gradients. "
             "Set precision.grad_scaler = true (or leave it empty), or use bf16/fp32."
@@ -305,7 +305,7 @@ def _validate_precision_levers(cfg: RunConfig) -> None:
         )
     scaler = cfg.precision.grad_scaler
     if scaler is None:
-        scaler = mode in PRESETS and PRESETS[mode].scaler
+        scaler = mode in MODES and MODES[mode].scaler
     if cfg.train.optimizer_impl == "fused" and scaler:
         raise ConfigError(
             "train.optimizer_impl = 'fused' cannot step under the fp16 gradient scaler: "

@@ -19,10 +19,6 @@ from typing import Any
 from fsdpkit.config.io import load, with_changes
 from fsdpkit.config.schema import RunConfig
 from fsdpkit.config.validate import validate_for_world
-from fsdpkit.planner.search.auto import accum_sync_choice, auto_plan
-from fsdpkit.sharding.experts.parallel import check_layout as check_expert_layout
-from fsdpkit.sharding.pipeline.split import check_pipeline_layout
-from fsdpkit.sharding.tensor.rules import check_layout
 
 
 @dataclass(frozen=True)
@@ -46,6 +42,13 @@ def resolve(
 ) -> Resolved:
     """The config a run of ``world_size`` ranks (``local_world_size`` per node) uses."""
     cfg = load(path, list(overrides))
+    # Imported once the config reads: the planner and the layout checks bring torch
+    # (~2 s), so a config error above is answered in a fraction of a second.
+    from fsdpkit.planner.search.auto import accum_sync_choice, auto_plan
+    from fsdpkit.sharding.experts.parallel import check_layout as check_expert_layout
+    from fsdpkit.sharding.pipeline.split import check_pipeline_layout
+    from fsdpkit.sharding.tensor.rules import check_layout
+
     changes: dict[str, Any] | None = None
     note = None
     if cfg.parallel.auto or cfg.parallel.accum_sync == "auto":

@@ -21,13 +21,6 @@ from fsdpkit import netinfo
 from fsdpkit.devices import device_type, local_gpus
 from fsdpkit.runtime import slurm
 from fsdpkit.runtime.lifetime import bind_to_parent
-from fsdpkit.runtime.rendezvous import (
-    ANSWER_S,
-    ROUND_VAR,
-    RendezvousError,
-    connect_store,
-    serve_store,
-)
 
 if TYPE_CHECKING:
     pass
@@ -128,6 +121,16 @@ def rendezvous_store(env: DistEnv, *, timeout: datetime.timedelta) -> Any:
     count of 0, [Note: rejoined node] in fsdpkit.runtime.rendezvous).
     """
     from torch.distributed import PrefixStore
+
+    # here, not at the top: the launcher reads this module before any config error
+    # is answered, and the rendezvous brings torch.distributed (~1.5 s)
+    from fsdpkit.runtime.rendezvous import (
+        ANSWER_S,
+        ROUND_VAR,
+        RendezvousError,
+        connect_store,
+        serve_store,
+    )
 
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"

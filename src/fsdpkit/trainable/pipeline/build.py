@@ -8,12 +8,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpkit.checkpoint.statefuls import tied_aliases
 from fsdpkit.config import RunConfig, batch_split
 from fsdpkit.config.dims import MeshAxis
+from fsdpkit.errors import ConfigError
 from fsdpkit.loss.contract import LossFn
 from fsdpkit.loss.router import RouterSpec, router_spec
 from fsdpkit.sharding.context.batch import context_parallel_loss
@@ -77,4 +79,24 @@ def build_pipeline(
         router=router,
     )
     pipeline.group_names, pipeline.tied_names = names, tied
+    _require_something_to_train(pipeline, view)
     return PipelineBuild(pipeline=pipeline, view=view, loss_fn=loss_fn, router=router)
+
+
+def _require_something_to_train(pipeline: Pipeline, view: nn.Module) -> None:
+    """Every pipeline rank must train something: a rank whose stages are all frozen
+    (``model.freeze`` of the first blocks and the embedding) would get an optimizer
+    over nothing. Checked on every rank of the pipeline group together, so all of them
+    stop with the same paragraph."""
+    mine = any(p.requires_grad for p in view.parameters())
+    flags: list[Any] = [None] * dist.get_world_size(pipeline.group)
+    dist.all_gather_object(flags, mine, group=pipeline.group)
+    idle = [rank for rank, trains in enumerate(flags) if not trains]
+    if idle:
+        held = "; ".join(pipeline.split.describe().splitlines()[r] for r in idle)
+        raise ConfigError(
+            f"model.freeze leaves pipeline rank(s) {idle} nothing to train ({held}): "
+            "every pipeline rank needs trainable parameters. Freeze fewer blocks, move "
+            "the cut with parallel.pp_split / fewer stages (parallel.pp), or train the "
+            "frozen run without parallel.pp."
+        )
