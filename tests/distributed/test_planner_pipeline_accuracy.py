@@ -26,10 +26,10 @@ import statistics
 
 import pytest
 
-from fsdpkit.config import load, parallel_dims
+from fsdpkit.config import load
 from fsdpkit.planner import plan
 from fsdpkit.planner.shapes.scenario import model_shape
-from fsdpkit.planner.traced.measure import measure_step_peaks
+from fsdpkit.planner.traced.measure import measure_step_peaks, pipeline_rank_peaks
 from fsdpkit.testing import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -83,12 +83,11 @@ def _check(cases: dict[str, list[str]]) -> None:
     specs = [(name, cfg, model_shape(cfg)) for name, cfg in configs.items()]
     per_rank = run_ranks(measure_step_peaks, world_size=4, args=(specs, STEPS), timeout_s=900)
     for name, cfg in configs.items():
-        dims = parallel_dims(cfg, world_size=4, local_world_size=4)
         pipe = plan(cfg, world_size=4).pipeline
         assert pipe is not None
+        peaks = pipeline_rank_peaks(per_rank, name, cfg=cfg)
         for r in pipe.ranks:
-            ranks = [g for g in range(4) if dims.pp_rank(g) == r.rank]
-            steps = [max(per_rank[g][name][i] for g in ranks) for i in range(STEPS)]
+            steps = peaks[r.rank]
             typical = statistics.median(steps)
             error = (r.memory.peak.bytes - typical) / typical
             assert abs(error) <= BOUND, f"{name} pp rank {r.rank}: {error:+.2%} ({steps})"

@@ -138,9 +138,12 @@ def _pipeline(
         )
     pipe = pipeline_plan(cfg, sc)
     worst = pipe.worst
+    memory = worst.memory
+    if cfg.lora.rank or cfg.model.freeze:
+        memory = replace(memory, notes=(*memory.notes, PIPELINE_FINETUNE_NOTE))
     return Plan(
         scenario=sc,
-        memory=worst.memory,
+        memory=memory,
         comm=worst.comm,
         device_bytes=sc.device.memory,
         usable_bytes=usable,
@@ -150,6 +153,15 @@ def _pipeline(
         data_host_bytes=_data_host_bytes(cfg, sc),
         pipeline=pipe,
     )
+
+
+PIPELINE_FINETUNE_NOTE = (
+    "fine-tuning under parallel.pp: the stage plans are not yet checked within 1% of "
+    "real steps (a tiny Llama's LoRA last stage measured ~10% above its plan: "
+    "docs/planner.md, bench/plan_pipeline_finetune.py); leave ~10% headroom"
+)
+"""Said in the plan of a pipelined LoRA or model.freeze run until those plans are
+within 1% (tests/distributed/test_planner_pipeline_accuracy.py checks full training)."""
 
 
 def _data_host_bytes(cfg: RunConfig | None, sc: Scenario) -> int:

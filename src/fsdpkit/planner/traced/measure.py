@@ -35,6 +35,22 @@ def measure_step_peaks(
     return {name: [r["peak"] for r in steps_] for name, steps_ in records.items()}
 
 
+def pipeline_rank_peaks(
+    per_rank: list[dict[str, list[int]]], name: str, *, cfg: RunConfig
+) -> dict[int, list[int]]:
+    """``measure_step_peaks``' results (one dict per global rank) of the pipelined run
+    ``name`` -> per pipeline rank, each step's peak over the ranks that hold its
+    stages (what that pipeline rank's plan is checked against)."""
+    world = len(per_rank)
+    dims = parallel_dims(cfg, world_size=world, local_world_size=world)
+    steps = len(per_rank[0][name])
+    out: dict[int, list[int]] = {}
+    for pp_rank in range(dims.pp):
+        ranks = [g for g in range(world) if dims.pp_rank(g) == pp_rank]
+        out[pp_rank] = [max(per_rank[g][name][i] for g in ranks) for i in range(steps)]
+    return out
+
+
 def measure_step_records(
     rank: int,
     world_size: int,
