@@ -34,6 +34,13 @@ DOCS = results_io.ROOT / "docs" / "planner.md"
 ROWS = {
     "full (control)": ["parallel.pp=2"],
     "LoRA r8": ["parallel.pp=2", "lora.rank=8"],
+    "LoRA r8, ZBVZeroBubble": [
+        "parallel.pp=2",
+        "lora.rank=8",
+        "parallel.pp_schedule=ZBVZeroBubble",
+    ],
+    "LoRA r8, GPipe": ["parallel.pp=2", "lora.rank=8", "parallel.pp_schedule=GPipe"],
+    "LoRA r8, full AC": ["parallel.pp=2", "lora.rank=8", "activations.mode=full"],
     "blocks 0-1 frozen": ["parallel.pp=2", 'model.freeze=["model.layers.[0-1].*"]'],
     "offload.params": ["parallel.pp=2", "offload.params=true"],
 }
@@ -60,7 +67,7 @@ def render(results: dict[str, Any]) -> str:
     lines = [
         results_io.provenance(results, NAME),
         "",
-        "| pp2 x dp2, 1F1B | pp rank | planned | typical | error |",
+        "| pp2 x dp2 (1F1B unless named) | pp rank | planned | typical | error |",
         "| --- | --- | --- | --- | --- |",
     ]
     for r in results["rows"]:

@@ -105,13 +105,16 @@ class UnitMechanics:
 
     def post_backward(self, u: Unit, *, sync: bool, in_place: bool = False) -> None:
         """Reshard, then reduce-scatter the unit's grads (or keep them, no-sync). Only
-        trainable parameters have grads; a unit without any only reshards. ``in_place``:
-        this backward summed its grads into the accumulated ones ([Note: accumulating
-        in place])."""
+        trainable parameters have grads; a unit without any only reshards, and, as FSDP2
+        does, not while ``keep_unsharded`` holds every unit until the step's last
+        backward (a pipeline stage's frozen LoRA head stays gathered between its
+        micro-batches). ``in_place``: this backward summed its grads into the
+        accumulated ones ([Note: accumulating in place])."""
         e, rb = self.s.e, self.sc.reduce_bytes
         new_grads = 0 if in_place else u.grads_numel * e
         if not u.grads_numel:
-            self.led.add(UNSH, -self.held.pop(u.name, 0))
+            if not self.sc.keep_unsharded or (sync and self.last_micro):
+                self.led.add(UNSH, -self.held.pop(u.name, 0))
             return
         if not sync:
             self._accumulate(u, new_grads)
