@@ -12,6 +12,7 @@ from fsdpkit.data import host_bytes
 from fsdpkit.devices import DEFAULT_MARGIN, Device, usable_bytes
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.experts.routing import BALANCED, Routing
+from fsdpkit.planner.model.finetune_layout import finetuned
 from fsdpkit.planner.model.grpo_terms import TRACED_GRPO
 from fsdpkit.planner.replay.analytic import analytic_memory
 from fsdpkit.planner.replay.comm import comm_volume
@@ -139,7 +140,7 @@ def _pipeline(
     pipe = pipeline_plan(cfg, sc)
     worst = pipe.worst
     memory = worst.memory
-    if cfg.lora.rank or cfg.model.freeze:
+    if finetuned(cfg):
         memory = replace(memory, notes=(*memory.notes, PIPELINE_FINETUNE_NOTE))
     return Plan(
         scenario=sc,
