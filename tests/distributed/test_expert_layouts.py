@@ -195,3 +195,33 @@ def test_more_moe_layouts_train_as_one_process(runs: Runs, name: str) -> None:
 def test_checkpoints_reshard_to_fsdp_alone_and_back(runs: Runs, name: str) -> None:
     kind, layout = LAYOUTS[name]
     runs.check_reshard(name, kind, layout)
+
+
+THREE_AXES: dict[str, tuple[str, list[str]]] = {
+    "builtin-pp2xtp2xep2": ("builtin", ["parallel.pp=2", "parallel.tp=2", "parallel.ep=2"]),
+    "builtin-tp2xcp2xep2": ("builtin", ["parallel.tp=2", "parallel.cp=2", "parallel.ep=2"]),
+    "builtin-pp2xtp2xcp2": ("builtin", ["parallel.pp=2", "parallel.tp=2", "parallel.cp=2"]),
+}
+EVERY_AXIS = ["parallel.pp=2", "parallel.tp=2", "parallel.cp=2", "parallel.ep=2"]
+"""pp x tp x cp x ep x FSDP (16 ranks: the data ranks are 2, split by ep)."""
+"""Three axes at once, 8 ranks (time-shared on this machine's cores): the built-in MoE,
+each axis as in its pairs above."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(THREE_AXES))
+def test_three_axes_at_eight_ranks_train_as_one_process(runs: Runs, name: str) -> None:
+    kind, layout = THREE_AXES[name]
+    got = runs.run(name, kind, layout, world=8)
+    assert len(got["ranks"]) == 8
+    assert "router load-balancing loss x 0.1" in got["ranks"][0]["loss_note"]
+    far = assert_trains_as_one_process(got["ranks"], got["metrics"], runs.reference(kind))
+    print(f"{name}: worst differences {far}")
+
+
+@pytest.mark.slow
+def test_every_axis_at_sixteen_ranks_trains_as_one_process(runs: Runs) -> None:
+    got = runs.run("builtin-every-axis", "builtin", EVERY_AXIS, world=16)
+    assert len(got["ranks"]) == 16
+    far = assert_trains_as_one_process(got["ranks"], got["metrics"], runs.reference("builtin"))
+    print(f"every axis: worst differences {far}")
