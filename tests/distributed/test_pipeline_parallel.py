@@ -78,6 +78,8 @@ LAYOUTS: dict[str, list[str]] = {
     "tied-hf-llama-pp2xdp2": ["parallel.pp=2"],
     "tied-hf-gemma-pp2xdp2": ["parallel.pp=2"],
     "lora-pp2xdp2": ["parallel.pp=2", "checkpoint.adapters_only=true"],
+    "lora-tied-pp2xdp2-1f1b": ["parallel.pp=2"],
+    "lora-tied-pp2xdp2-zbv": ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"],
     "freeze-pp2xdp2": ["parallel.pp=2"],
     "offload-pp2xdp2": ["parallel.pp=2", "offload.params=true"],
     "initfrom-pp2xdp2": ["parallel.pp=2"],
@@ -90,13 +92,15 @@ its embedding and head found as the one nn.Embedding and nn.Linear outside them)
 ones packed chat rows (examples/sft_tiny.jsonl) on a transformers Llama with a chat
 template, "tied-" ones a model whose head is its embedding ([Note: tied embeddings
 across stages]: each end's copy is checked against the one process's weight); the
-fine-tuning ones train LoRA adapters ("lora-"), a frozen half of the blocks
+fine-tuning ones train LoRA adapters ("lora-"; "lora-tied-" on the tied model, its
+frozen weight on two stages or, under the V schedule, one rank), a frozen half of the blocks
 ("freeze-"), with parameters offloaded to the CPU ("offload-": the one process
 trains without, the math is the same), DPO with LoRA (the reference: the base with the
 adapters off, in a pass of its own through the stages) and reference-free SimPO
 ("dpo-") and from ``model.init_from`` weights of another
 built-in model ("initfrom-")."""
 FINETUNE = {
+    "lora-tied-": ["lora.rank=4", "lora.alpha=8", "model.tie_embeddings=true"],
     "lora-": ["lora.rank=4", "lora.alpha=8"],
     "dpo-lora-": ["train.objective=dpo", "dpo.beta=0.5", "lora.rank=4", "lora.alpha=8"],
     "dpo-simpo-": ["train.objective=dpo", "dpo.loss=simpo", "train.lr=2e-3"],
@@ -222,7 +226,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _reference(refs: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     prefixes = ("tied-hf-llama", "tied-hf-gemma", "hf-", "factory-", "sft-", "tied-")
-    prefixes += ("lora-", "freeze-", "initfrom-", "dpo-lora-", "dpo-simpo-")
+    prefixes += ("lora-tied-", "lora-", "freeze-", "initfrom-", "dpo-lora-", "dpo-simpo-")
     kind = next((p for p in prefixes if name.startswith(p)), "llama")
     if kind not in refs:
         tmp: Path = refs["tmp"]
