@@ -178,3 +178,22 @@ def test_parallel_auto_applies_the_planners_choice(tmp_path: Path) -> None:
     for item in chosen.split():
         key, value = item.split("=", 1)
         assert f"{key.split('.')[1]} = {value}" in resolved, (item, resolved)
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("model.preset=nope", "model.preset: unknown preset 'nope'; choose one of"),
+        ("model.experts=4", "model.experts sizes the experts of a mixture-of-experts preset"),
+    ],
+)
+def test_a_bad_builtin_model_is_one_paragraph_before_any_worker(
+    tmp_path: Path, override: str, says: str
+) -> None:
+    """The launcher checks the preset by the rule the worker builds it with: no worker
+    starts (the error is not a rank's) and no run directory is made."""
+    run = fsdpkit("train", override, f"logging.run_dir={tmp_path / 'bad'}", cwd=tmp_path)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert f"fsdpkit train: error: {says}" in run.stderr, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
+    assert not (tmp_path / "bad").exists()

@@ -62,7 +62,21 @@ def resolve(
             cfg, {"parallel.accum_sync": sync, "parallel.auto": False}, source="parallel.auto"
         )
     validate_for_world(cfg, world_size=world_size, local_world_size=local_world_size)
+    _check_builtin_model(cfg)
     check_layout(cfg)
     check_pipeline_layout(cfg)
     check_expert_layout(cfg)
     return Resolved(config=cfg, auto_changes=changes, auto_note=note)
+
+
+def _check_builtin_model(cfg: RunConfig) -> None:
+    """A built-in model's preset name and shape overrides, checked by the rule the
+    worker builds it with (``llama_shape``), so a typo stops the launcher in one
+    paragraph before any worker starts. The vocabulary is the tokenizer's, known only
+    in the worker: any size passes here."""
+    from fsdpkit.models.factory import llama_shape
+
+    m = cfg.model
+    if m.hf or m.factory:
+        return
+    llama_shape(m, vocab_size=m.vocab_size or 1, seq_len=cfg.data.seq_len)

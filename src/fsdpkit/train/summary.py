@@ -48,8 +48,15 @@ def format_summary(summary: RunSummary, *, cfg: RunConfig) -> str:
     lines = ["", "summary", "-" * (width + 20)]
     lines += [f"{k.ljust(width)}  {v}" for k, v in rows]
     if summary.sample_text:
-        lines += ["", "sample:", summary.sample_text.strip()[:600]]
+        lines += ["", "sample:", printable(summary.sample_text.strip()[:600])]
     return "\n".join(lines)
+
+
+def printable(text: str) -> str:
+    """``text`` safe for a terminal: a sample of an untrained byte-level model is random
+    bytes, among them ESC and other control characters that would drive the terminal;
+    each is shown as its escape (``\\x1b``). Newlines and tabs stay."""
+    return "".join(c if c in "\n\t" or c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def print_summary(summary: RunSummary, *, cfg: RunConfig) -> None:
