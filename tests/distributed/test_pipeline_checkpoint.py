@@ -129,12 +129,14 @@ FINETUNES = {
     "lora": LORA,
     "tied-lora": [*LORA, "model.tie_embeddings=true"],
     "dpo-lora": ["train.objective=dpo", "dpo.beta=0.5", "lora.rank=4", "lora.alpha=8"],
+    "dpo-full": ["train.objective=dpo", "dpo.beta=0.5"],
 }
 """Fine-tuning under pp whose checkpoint must reshard: LoRA with adapters-only
 checkpoints (the base is built from the seed again and checked by its fingerprint over
 every stage: [Note: adapters need their base]), the same with a tied embedding and head
-(the last stage's copy of the frozen weight not counted twice), and DPO with LoRA (the
-reference is the base with the adapters off). Later overrides win over BASE's."""
+(the last stage's copy of the frozen weight not counted twice), DPO with LoRA (the
+reference is the base with the adapters off) and full DPO (a separate reference in the
+same stages, built again from the seed on resume). Later overrides win over BASE's."""
 
 
 def _resume_from(source: Path, into: Path, *, step: int) -> None:
@@ -146,7 +148,11 @@ def _resume_from(source: Path, into: Path, *, step: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["tied-lora", *(pytest.param(n, marks=pytest.mark.slow) for n in ("lora", "dpo-lora"))]
+    "name",
+    [
+        "tied-lora",
+        *(pytest.param(n, marks=pytest.mark.slow) for n in ("lora", "dpo-lora", "dpo-full")),
+    ],
 )
 def test_finetuned_pipelined_checkpoint_reshards_without_pp_and_back(
     tmp_path: Path, name: str

@@ -84,6 +84,8 @@ LAYOUTS: dict[str, list[str]] = {
     "offload-pp2xdp2": ["parallel.pp=2", "offload.params=true"],
     "initfrom-pp2xdp2": ["parallel.pp=2"],
     "dpo-lora-pp2xdp2": ["parallel.pp=2"],
+    "dpo-full-pp2xdp2": ["parallel.pp=2"],
+    "dpo-full-tied-pp2xdp2-zbv": ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"],
     "dpo-simpo-pp2xdp2": ["parallel.pp=2"],
 }
 """Layout name -> its overrides; "hf-" layouts train a transformers Llama directory,
@@ -96,13 +98,17 @@ fine-tuning ones train LoRA adapters ("lora-"; "lora-tied-" on the tied model, i
 frozen weight on two stages or, under the V schedule, one rank), a frozen half of the blocks
 ("freeze-"), with parameters offloaded to the CPU ("offload-": the one process
 trains without, the math is the same), DPO with LoRA (the reference: the base with the
-adapters off, in a pass of its own through the stages) and reference-free SimPO
-("dpo-") and from ``model.init_from`` weights of another
+adapters off, in a pass of its own through the stages), full fine-tuning DPO (a
+separate reference in the same stages; "dpo-full-tied-": of the tied model under the V
+schedule, both ends of the reference on one rank) and reference-free SimPO ("dpo-")
+and from ``model.init_from`` weights of another
 built-in model ("initfrom-")."""
 FINETUNE = {
     "lora-tied-": ["lora.rank=4", "lora.alpha=8", "model.tie_embeddings=true"],
     "lora-": ["lora.rank=4", "lora.alpha=8"],
     "dpo-lora-": ["train.objective=dpo", "dpo.beta=0.5", "lora.rank=4", "lora.alpha=8"],
+    "dpo-full-tied-": ["train.objective=dpo", "dpo.beta=0.5", "model.tie_embeddings=true"],
+    "dpo-full-": ["train.objective=dpo", "dpo.beta=0.5"],
     "dpo-simpo-": ["train.objective=dpo", "dpo.loss=simpo", "train.lr=2e-3"],
     "freeze-": ["model.freeze=['model.layers.0.*', 'model.layers.1.*']"],
 }
@@ -227,6 +233,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def _reference(refs: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     prefixes = ("tied-hf-llama", "tied-hf-gemma", "hf-", "factory-", "sft-", "tied-")
     prefixes += ("lora-tied-", "lora-", "freeze-", "initfrom-", "dpo-lora-", "dpo-simpo-")
+    prefixes += ("dpo-full-tied-", "dpo-full-")
     kind = next((p for p in prefixes if name.startswith(p)), "llama")
     if kind not in refs:
         tmp: Path = refs["tmp"]

@@ -71,10 +71,10 @@ CONFIG_REFUSALS: dict[str, tuple[tuple[str, ...], int, tuple[str, ...]]] = {
         2,
         ("parallel.pp_schedule = 'Interleaved1F1B'", "train.grad_accum = 5"),
     ),
-    "DPO": (
-        ("parallel.pp=2", "train.objective=dpo", "data.path=prefs.jsonl"),
+    "DPO with cp": (
+        ("parallel.pp=2", "parallel.cp=2", "train.objective=dpo", "data.path=prefs.jsonl"),
         4,
-        ("train.objective = dpo",),
+        ("train.objective = dpo with parallel.cp",),
     ),
     "accum_sync every": (
         ("parallel.pp=2", "parallel.accum_sync=every"),

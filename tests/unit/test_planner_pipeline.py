@@ -5,6 +5,7 @@ worst one reported, the report and JSON, and the recommender's pipeline search."
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,3 +155,24 @@ def test_a_pipelined_fine_tune_plan_says_it_is_not_yet_checked(tuned: str) -> No
     assert f"note: {PIPELINE_FINETUNE_NOTE}" in format_plan(tuned_plan)
     full = plan(load(None, [*TINY, "parallel.pp=2"]), world_size=4)
     assert PIPELINE_FINETUNE_NOTE not in full.memory.notes
+
+
+@pytest.mark.parametrize("tied", ["false", "true"])
+def test_a_pipelined_dpo_reference_is_planned_in_the_stages(tied: str, tmp_path: Path) -> None:
+    """[Note: reference in the plan] under pp: each pipeline rank holds its stages of
+    the separate reference (fp32 here), so the ranks' reference shards add up to the
+    reference of the same run without pp at the same shard degree (a tied weight: once
+    per end, as the trainer's stages hold it); under LoRA there is none."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    dpo = [*TINY, "train.objective=dpo", f"data.path={pairs}", f"model.tie_embeddings={tied}"]
+    pipe = plan(load(None, [*dpo, "parallel.pp=2"]), world_size=4).pipeline
+    assert pipe is not None
+    held = [r.memory.peak.breakdown.get("reference", 0) for r in pipe.ranks]
+    flat = plan(load(None, dpo), world_size=2).memory.peak.breakdown["reference"]
+    embedding = 1024 * 128 * 4 // 2  # the tied weight's second copy, fp32, shard 2
+    assert sum(held) == flat + (embedding if tied == "true" else 0), (held, flat)
+    assert min(held) > 0
+    lora = plan(load(None, [*dpo, "parallel.pp=2", "lora.rank=4"]), world_size=4).pipeline
+    assert lora is not None
+    assert all(not r.memory.peak.breakdown.get("reference") for r in lora.ranks)

@@ -113,15 +113,6 @@ def _unsupported(cfg: RunConfig) -> list[tuple[str, str]]:
     """(setting, why) for each option a pipelined run does not take."""
     p, t = cfg.parallel, cfg.train
     found = []
-    if t.objective == "dpo" and not cfg.lora.rank and cfg.dpo.loss != "simpo":
-        found.append(
-            (
-                "train.objective = dpo without LoRA",
-                "a separate frozen reference model is not split into stages yet (with "
-                "lora.rank > 0 the reference is the base with the adapters off, which "
-                "pipelines; dpo.loss = simpo needs no reference)",
-            )
-        )
     if t.objective == "dpo" and p.cp > 1:
         found.append(("train.objective = dpo with parallel.cp", "not split into stages yet"))
     if t.objective == "grpo":

@@ -40,7 +40,7 @@ from fsdpkit.train.state import TrainerState
 from fsdpkit.train.telemetry import MetricsWriter
 from fsdpkit.trainable.build import Trainable, build_unsharded, shard_trainable
 from fsdpkit.trainable.optim import build_scheduler
-from fsdpkit.trainable.pipeline.preference import pipelined_dpo
+from fsdpkit.trainable.pipeline.preference import pipelined_dpo, shard_reference_stages
 from fsdpkit.trainable.reference import DpoLoss, build_reference_unsharded, shard_reference
 from fsdpkit.version import written_by
 
@@ -189,7 +189,12 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     mesh = build_mesh(dims, device_type=env.device_type)
     run = shard_trainable(unsharded, cfg, mesh=mesh, device=device)
     if cfg.train.objective == "dpo":
-        ref = shard_reference(reference, cfg, mesh=mesh, device=device) if reference else None
+        pp = run.pipeline is not None
+        ref = (
+            shard_reference(reference, cfg, mesh=mesh, device=device)
+            if reference and not pp
+            else None
+        )
         run.loss_fn = DpoLoss(
             cfg.dpo,
             reference=ref,
@@ -197,9 +202,14 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
             mesh=mesh,
             ring=cfg.parallel.cp_attention == "ring",
         )
-        run.loss_note = run.loss_fn.describe()  # its own loss: the chunked-loss note is moot
         if run.pipeline is not None:  # [Note: preference pairs through pipeline stages]
-            pipelined_dpo(run.pipeline, run.loss_fn)
+            stages = (
+                shard_reference_stages(reference, cfg, mesh=mesh, device=device)
+                if reference
+                else None
+            )
+            pipelined_dpo(run.pipeline, run.loss_fn, reference=stages)
+        run.loss_note = run.loss_fn.describe()  # its own loss: the chunked-loss note is moot
     rl = None
     if rewards is not None:
         ref = shard_reference(reference, cfg, mesh=mesh, device=device) if reference else None

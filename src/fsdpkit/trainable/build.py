@@ -145,10 +145,8 @@ def shard_trainable(
     model = unsharded.built.module
     if fake is not None:
         fake_tensors(model, fake=fake)
-    elif is_meta(model):  # never train on buffers that to_empty leaves as garbage
-        require_buffer_source(model)
-    else:  # fully_shard moves the shards; this only puts buffers in place
-        model.to(device)
+    else:
+        place(model, device=device)
     if cfg.parallel.pp > 1:
         return _pipelined(unsharded, cfg, mesh=mesh, device=device)
     plan = shard(model, cfg, mesh=mesh, init=unsharded.finetune.init)
@@ -175,6 +173,16 @@ def shard_trainable(
         llama=unsharded.built.llama,
         loss_note=_notes(unsharded, loss_fn, capacity=cfg.model.capacity_factor),
     )
+
+
+def place(model: nn.Module, *, device: torch.device) -> None:
+    """Before sharding: a meta-built model must have a source for its buffers (never
+    train on buffers that ``to_empty`` leaves as garbage); a real one gets its buffers
+    on ``device`` (fully_shard moves the parameters' shards)."""
+    if is_meta(model):
+        require_buffer_source(model)
+    else:
+        model.to(device)
 
 
 def _pipelined(

@@ -28,7 +28,10 @@ vocabulary ([Note: tensor-parallel plans]) and DPO's full-logits path gets the l
 all-gathered over it, so both models' logits are whole on every tp rank and the
 log-probs need nothing more. Under cp ``DpoLoss`` gives both models
 this rank's slice of every row and sums each side's log-probs over the cp ranks
-([Note: preference losses over a split sequence] in fsdpkit.loss.dpo).
+([Note: preference losses over a split sequence] in fsdpkit.loss.dpo). Under
+``parallel.pp`` the reference (a second model, or the policy's adapters off) is run in
+the policy's stages, its log-probs from a pass of their own before the schedule
+([Note: preference pairs through pipeline stages] in fsdpkit.trainable.pipeline.preference).
 
 ``DpoLoss`` is a ``LossFn``: ``train_step`` and evaluation call it as any other loss,
 so accumulation, clipping and the planner's trace of the step are unchanged.
@@ -55,12 +58,11 @@ from fsdpkit.finetune.prepare_model import cast_frozen
 from fsdpkit.loss.answers import model_kwargs
 from fsdpkit.loss.contract import logits_of
 from fsdpkit.loss.dpo import REFERENCE_FREE, answer_logps, preference_loss, whole_answers
-from fsdpkit.models.buffers import require_buffer_source
 from fsdpkit.sharding import shard
 from fsdpkit.sharding.context.batch import slice_batch
-from fsdpkit.sharding.materialize import is_meta
 from fsdpkit.sharding.mesh import cp_mesh
-from fsdpkit.trainable.build import Unsharded, build_unsharded, init_from
+from fsdpkit.sharding.pipeline.stages import Pipeline
+from fsdpkit.trainable.build import Unsharded, build_unsharded, init_from, place
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")
 """What each DPO step adds to its metrics record (means over every rank's pairs), in
@@ -127,10 +129,7 @@ def shard_reference(
     in eval mode; no optimizer (collective over ``mesh``)."""
     ref_cfg = reference_config(cfg)
     model = unsharded.built.module
-    if is_meta(model):
-        require_buffer_source(model)
-    else:
-        model.to(device)
+    place(model, device=device)
     shard(model, ref_cfg, mesh=mesh, init=unsharded.finetune.init)
     if ref_cfg.model.init_from:
         init_from(model, Path(ref_cfg.model.init_from))
@@ -193,6 +192,9 @@ class DpoLoss:
         """Under pp: the reference's log-probs of each micro-batch (by the batch's id),
         from a pass of their own through the stages ([Note: preference pairs through
         pipeline stages] in fsdpkit.trainable.pipeline.preference)."""
+        self.stages: Pipeline | None = None
+        """Under pp with a separate reference: its stages, the policy's split
+        (``self.reference`` is then this rank's view of them)."""
         self.collective: torch.device | None = None
         """Set (to the ranks' device): every rank joins ``step_metrics``' all-reduce,
         pairs or not (pp's stages before the last)."""
@@ -206,6 +208,7 @@ class DpoLoss:
             dtype = next(self.reference.parameters()).dtype
             what = self.cfg.reference or "the policy's starting weights"
             text += f"; reference: {what}, frozen, sharded, {str(dtype).removeprefix('torch.')}"
+            text += ", in the policy's pipeline stages" if self.stages is not None else ""
         elif self.lora:
             text += "; reference: the base model with the LoRA adapters off (no second model)"
         else:

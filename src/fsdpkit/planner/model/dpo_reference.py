@@ -28,7 +28,10 @@ With ``parallel.tp`` / ``parallel.cp`` the reference is split like the policy: i
 are the policy's tp-local units (``tp_layout``), FSDP-sharded over the same shard x cp
 ranks, so its shards and all-gathered copies divide by tp as the policy's do; its
 logits are gathered whole over the vocabulary on every tp rank, and under cp each rank
-computes the logits of its seq / cp tokens only.
+computes the logits of its seq / cp tokens only. Under ``parallel.pp`` a rank holds
+its stages of the reference (``stage_scenario`` in fsdpkit.planner.pipeline.plan: the
+stage's units, the logits on the last stage only), and its pass through them runs
+before the schedule (fsdpkit.planner.pipeline.replay).
 """
 
 from __future__ import annotations

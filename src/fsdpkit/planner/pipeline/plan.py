@@ -34,6 +34,7 @@ from typing import Any
 
 from fsdpkit.config import RunConfig
 from fsdpkit.config.schedules import SCHEDULES, stage_rank, stages_per_rank
+from fsdpkit.planner.model.dpo_reference import reference_terms
 from fsdpkit.planner.model.unit_layout import EdgeLayout, ModelLayout, Units, units
 from fsdpkit.planner.pipeline.tied import tied_index, twin_elements, with_tie_all_reduce
 from fsdpkit.planner.replay.sizing import sizes
@@ -151,7 +152,8 @@ def stage_units(cfg: RunConfig, sc: Scenario, split: StageSplit, stage: int) -> 
 
 
 def stage_scenario(cfg: RunConfig, sc: Scenario, split: StageSplit, stage: int) -> Scenario:
-    """``sc`` restricted to one stage's units (named by the model's block indices)."""
+    """``sc`` restricted to one stage's units (named by the model's block indices), and
+    to that stage of DPO's separate reference."""
     made = stage_units(cfg, sc, split, stage)
     offset = split.blocks[stage][0]
     blocks = tuple(
@@ -159,7 +161,31 @@ def stage_scenario(cfg: RunConfig, sc: Scenario, split: StageSplit, stage: int) 
         for u in made.blocks
     )
     untied = replace(sc.model, tie_embeddings=False) if sc.model is not None else None
-    return sc.with_(root=made.root, edges=made.edges, units=blocks, model=untied)
+    return sc.with_(
+        root=made.root,
+        edges=made.edges,
+        units=blocks,
+        model=untied,
+        **_stage_reference(cfg, sc, made, last=stage == split.stages - 1),
+    )
+
+
+def _stage_reference(cfg: RunConfig, sc: Scenario, made: Units, *, last: bool) -> dict[str, int]:
+    """DPO's separate reference in one stage ([Note: reference in the plan];
+    [Note: preference pairs through pipeline stages] in fsdpkit.trainable.pipeline.
+    preference): the stage's units of it, and its forward's logits on the last stage
+    only."""
+    if not sc.reference_bytes or sc.grpo is not None:
+        return {}
+    terms = reference_terms(
+        cfg,
+        units=(made.root, *made.edges, *made.blocks),
+        rows=sc.micro_batch,
+        seq_len=sc.seq_len,
+        vocab=sc.vocab_size if last else 0,
+        low=sc.param_bytes == 2,
+    )
+    return {"reference_bytes": terms.resident, "reference_forward": terms.forward}
 
 
 def _shifted(name: str, offset: int) -> str:

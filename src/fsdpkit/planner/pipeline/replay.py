@@ -313,6 +313,7 @@ def rank_memory(
     any_sc = next(iter(stages.values()))
     led.add("buffers_inputs", micro_batches * any_sc.micro_batch * (any_sc.seq_len + 1) * 8)
     led.add("optimizer_states", -8 * twin)
+    _reference_pass(led, list(stages.values()))
     _replay(steps, actions, led=led, schedule=schedule)
     led.add("gradients", -4 * twin)
     _optimizer(led, list(stages.values()))
@@ -360,6 +361,18 @@ def _replay(
             step.reduce_action()
         led.add(TEMP, -dropped.pop(i, 0))
     led.add(TEMP, -sum(dropped.values()))
+
+
+def _reference_pass(led: Ledger, stages: list[Scenario]) -> None:
+    """DPO's separate reference: the rank's stages of it, resident all step, and its
+    forward pass through them before the schedule, one stage's gathered units (and the
+    last stage's logits) at a time ([Note: reference in the plan])."""
+    led.add("reference", sum(sc.reference_bytes for sc in stages))
+    forward = max(sc.reference_forward for sc in stages)
+    if forward:
+        led.at("forward", "reference model forward (no grad)")
+        led.add("reference", forward)
+        led.add("reference", -forward)
 
 
 def rank_scenario(stages: list[Scenario]) -> Scenario:

@@ -252,7 +252,8 @@ class Pipeline:
     """This rank's stages and the schedule that runs them."""
 
     schedule: Any
-    """torch's schedule (PipelineScheduleSingle or PipelineScheduleMulti)."""
+    """torch's schedule (PipelineScheduleSingle or PipelineScheduleMulti); None for a
+    frozen model that only runs forwards (``shard_pipeline(..., frozen=True)``)."""
     stages: list[StageModule]
     """This rank's stages, in stage order."""
     split: StageSplit
@@ -323,12 +324,15 @@ def shard_pipeline(
     device: torch.device,
     init: Initializer | None = None,
     router: RouterSpec | None = None,
+    frozen: bool = False,
 ) -> tuple[Pipeline, nn.Module]:
     """Cut the meta-built ``model`` into stages, shard and materialize this rank's
     (``fsdpkit.shard`` on each, over ``mesh`` without its pp axis), and build the
     schedule; returns it with the rank's view of its parameters ([Note: stage
     modules]). ``loss_fn``: the run's loss (context-parallel already); ``router``: a
-    mixture-of-experts model's router loss ([Note: the router loss across stages])."""
+    mixture-of-experts model's router loss ([Note: the router loss across stages]);
+    ``frozen``: a model that only runs forwards through the stages (DPO's reference:
+    fsdpkit.trainable.pipeline.preference), so no schedule and no router loss."""
     group = pp_mesh(mesh)
     if group is None:
         raise ConfigError("shard_pipeline needs a mesh with a pp axis (parallel.pp > 1).")
@@ -355,11 +359,12 @@ def shard_pipeline(
         stage = StageModule(part, stage=s, last=s == last, loss_fn=loss_fn, blocks=own)
         fully_shard(stage, mesh=fsdp_mesh(mesh), mp_policy=precision.policy())
         stages.append(stage)
-    schedule = torch_schedule(
-        cfg.parallel.pp_schedule, stages, split=split, group=group, device=device, n=micro_batches
-    )
+    schedule = None
+    if not frozen:
+        name, n = cfg.parallel.pp_schedule, micro_batches
+        schedule = torch_schedule(name, stages, split=split, group=group, device=device, n=n)
     pipe = Pipeline(schedule, stages, split, group.get_group(), micro_batches, plans)
-    if router is not None:
+    if router is not None and not frozen:
         pipe.routing = stage_routing(
             stages, spec=router, mesh=mesh, view=view, device=device, micro_batches=micro_batches
         )
