@@ -15,9 +15,7 @@ renders docs/planner.md's table from it.
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import time
 from typing import Any
 
 import results_io
@@ -80,18 +78,5 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--render-docs", action="store_true", help="only re-render the docs")
-    a = p.parse_args()
-    if not a.render_docs:
-        t0 = time.perf_counter()
-        rows = measure(a.steps)
-        results_io.write(NAME, seconds=round(time.perf_counter() - t0), steps=a.steps, rows=rows)
-        print(render(results_io.read(NAME)))
-    results_io.render_into(DOCS, NAME, render(results_io.read(NAME)))
-
-
 if __name__ == "__main__":
-    main()
+    results_io.steps_main(NAME, doc=DOCS, description=__doc__, measure=measure, render=render)

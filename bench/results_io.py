@@ -18,6 +18,7 @@ import platform
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from types import ModuleType
@@ -114,6 +115,32 @@ def bench(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def steps_main(
+    name: str,
+    *,
+    doc: Path,
+    description: str,
+    measure: Callable[[int], list[dict[str, Any]]],
+    render: Callable[[dict[str, Any]], str],
+) -> None:
+    """The command line of a bench that measures ``--steps`` steps per row: runs
+    ``measure``, writes its rows with the time taken, prints the table and renders it
+    into ``doc`` (``--render-docs``: only the last)."""
+    import argparse
+    import time
+
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--render-docs", action="store_true", help="only re-render the docs")
+    a = p.parse_args()
+    if not a.render_docs:
+        t0 = time.perf_counter()
+        rows = measure(a.steps)
+        write(name, seconds=round(time.perf_counter() - t0), steps=a.steps, rows=rows)
+        print(render(read(name)))
+    render_into(doc, name, render(read(name)))
 
 
 def render_all() -> None:

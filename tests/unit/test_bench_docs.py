@@ -29,6 +29,8 @@ RENDERED = {
     "hang_overhead",
     "checkpoint_staging",
     "rl_learns",
+    "plan_finetune",
+    "plan_pipeline_finetune",
 }  # fmt: skip
 """Benches whose tables the docs quote: each must have a block and a results file."""
 

@@ -13,10 +13,13 @@ analytic model then plans
   trainable parameters only; a unit without any only reshards after backward;
 - no weight gradient for a frozen output head or embedding.
 
-Activations are planned as for full training: LoRA adds rank-r activations (small next
-to the block's), while blocks frozen *before* the first trainable one save nothing in
-a real run (their inputs need no gradient), so for such runs the plan is an upper
-bound. The traced planner runs ``prepare`` on the traced model too and sees all of it.
+Activations are planned as for full training, plus LoRA's rank-r intermediates
+(``ModelLayout.adapter_width``); blocks frozen *before* the first trainable one save
+nothing, and the first block after them starts the graph (``fresh`` in
+fsdpkit.planner.replay.blockmem). Frozen blocks that still backpropagate are planned
+with a trainable block's activations, an upper bound (a frozen linear saves no input
+for a weight gradient). The traced planner runs ``prepare`` on the traced model too
+and sees all of it.
 """
 
 from __future__ import annotations

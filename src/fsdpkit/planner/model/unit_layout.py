@@ -95,6 +95,11 @@ class ModelLayout:
     transformers_body: bool = False
     """The decoder blocks are transformers' Llama / Mistral layers run by transformers'
     body ([Note: transformers' Llama in the plan] in fsdpkit.planner.model.user_models)."""
+    adapter_width: int = 0
+    """Per token, what one block's LoRA adapters save for backward beyond the base's
+    tensors: each adapted linear's rank-r intermediate (``lora_A``'s output, which
+    ``lora_B`` saves), summed over the block's adapters (the widest block's); 0 without
+    LoRA. With dropout 0 (peft's Identity) ``lora_A``'s input is the base's own."""
     routed: tuple[tuple[bool, ...], ...] = ()
     """Per block, per parameter (as ``blocks``): a routed expert's (fsdpkit.models.experts;
     expert parallelism splits these, fsdpkit.planner.experts.parallel). Empty: a dense model."""
@@ -193,6 +198,7 @@ def layout_of(model: nn.Module, *, class_names: Sequence[str] | None = None) -> 
         embedding_rows=input_vocab(model, default=0),
         norms_frozen=tuned and _norms_frozen(choice.blocks),
         routed=_routed(choice.blocks),
+        adapter_width=max((_adapter_width(b) for b in choice.blocks), default=0),
         edges=tuple(
             EdgeLayout(
                 role=role,
@@ -202,6 +208,17 @@ def layout_of(model: nn.Module, *, class_names: Sequence[str] | None = None) -> 
             for role, m in edges.items()
         ),
     )
+
+
+def _adapter_width(block: nn.Module) -> int:
+    """The summed output width of a block's LoRA ``lora_A`` linears (peft keeps them
+    in a ModuleDict per adapted layer)."""
+    width = 0
+    for module in block.modules():
+        found = getattr(module, "lora_A", None)
+        if isinstance(found, nn.ModuleDict):
+            width += sum(getattr(a, "out_features", 0) for a in found.values())
+    return width
 
 
 def _routed(blocks: Sequence[nn.Module]) -> tuple[tuple[bool, ...], ...]:

@@ -71,6 +71,8 @@ class StageStep(Step):
         super().__init__(sc.with_(keep_unsharded=True, accum_sync="last", grad_accum=2))
         self.led = led
         self.stage, self.first, self.last = stage, first, last
+        if not first:  # torch makes a received input need a gradient: every block saves
+            self.dead, self.input_frozen = 0, False
         self.local_next = not last and stage + 1 in local
         self.local_prev = not first and stage - 1 in local
         self.edge_names = {"head", "norm"}  # their units (``Scenario.edge``)
@@ -186,10 +188,10 @@ class StageStep(Step):
         super().post_backward(u, sync=sync, in_place=in_place)
 
     def block_summary(
-        self, ckpt: bool, weight_grads: bool, in_place: bool, received: bool
+        self, ckpt: bool, weight_grads: bool, in_place: bool, received: bool, fresh: bool
     ) -> EventSummary:
         if self.splitting is None:
-            return super().block_summary(ckpt, weight_grads, in_place, received)
+            return super().block_summary(ckpt, weight_grads, in_place, received, fresh)
         inputs, weights = split_backward(
             self.s,
             recompute=ckpt,
@@ -197,6 +199,8 @@ class StageStep(Step):
             selective=self.selective,
             in_place=in_place,
             received=received,
+            weight_grads=weight_grads,
+            fresh=fresh,
         )
         self.splitting.append(weights)
         return inputs

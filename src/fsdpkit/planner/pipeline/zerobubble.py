@@ -82,12 +82,18 @@ def split_backward(
     selective: bool,
     in_place: bool,
     received: bool,
+    weight_grads: bool = True,
+    fresh: bool = False,
 ) -> tuple[EventSummary, EventSummary]:
     """(input pass, weight pass) of one block's backward ([Note: zero-bubble backward]);
-    the arguments as ``fsdpkit.planner.replay.walk._backward_summary``'s."""
+    the arguments as ``fsdpkit.planner.replay.walk._backward_summary``'s. A frozen
+    block's (``weight_grads=False``: LoRA's base) weight pass makes no weight gradient
+    of its own; its adapters' are added by the caller, and what their gradients are
+    made from (each adapted matmul's output gradient: every linear's under LoRA's
+    default all-linear targets) is kept as for a trained block."""
     inputs = block_recompute(s, selective=selective) if recompute else []
     per_weight: list[list[Event]] = [[]]  # from each weight's gradient to the next one's
-    for event in block_backward(s, sdpa_workspace=sdpa_workspace, held=2):
+    for event in block_backward(s, sdpa_workspace=sdpa_workspace, held=2, fresh=fresh):
         if not _weight_pass_frees(event):
             inputs.append(event)
             continue
@@ -96,10 +102,15 @@ def split_backward(
         per_weight[-1].append(event)
     weights = [e for part in reversed(per_weight) for e in part]  # the parameters' order
     weights += [(TEMP, -s.nde)] * (1 if received else 2)  # the residual sums' summands
+    if s.adapters:  # each lora_A's output gradient, what its weight's is made from
+        inputs.append((TEMP, s.adapters))
+        weights.append((TEMP, -s.adapters))
     if recompute and selective:
         weights += selective_backward_end(s)
     if recompute and s.cast:
         weights.append((ACT, -s.nde))  # the checkpointed input
-    if in_place:
+    if not weight_grads:
+        weights = [(c, n) for c, n in weights if c != GRAD]
+    elif in_place:
         weights = transient_grads(weights)
     return summarize(inputs), summarize(weights)

@@ -203,25 +203,36 @@ def _mlp_forward(s: Sizes, *, keep: bool, selective: bool = False) -> list[Event
     ]  # fmt: skip
 
 
-def block_forward(s: Sizes, *, keep: bool, selective: bool = False) -> list[Event]:
+def block_forward(
+    s: Sizes, *, keep: bool, selective: bool = False, fresh: bool = False
+) -> list[Event]:
     """Forward of one block whose input (N*d*e, counted by the caller) is live.
 
     ``keep`` = autograd saves for backward (no checkpointing); ``selective`` (with
     ``keep`` false) = the selective policy's outputs stay ([Note: selective block
     memory]). Ends with the output live; the input is freed unless something saved
-    it (fp32 alias, or the checkpoint).
+    it (fp32 alias, or the checkpoint). ``fresh`` (with ``keep``): the block's input
+    needs no gradient (the first trainable block after a frozen embedding), so its
+    first norm saves only what its weight's gradient needs (nothing when frozen:
+    LoRA) besides its output, which the projections save, and in fp32 nothing keeps
+    the input.
     """
     cat, y = xc.projection_input(s)
-    ev = norm_forward(s, keep=keep) + xc.gather(s, selective=selective)
+    first = _fresh_norm_forward(s) if fresh else norm_forward(s, keep=keep)
+    ev = first + xc.gather(s, selective=selective)
     ev += _attn_forward(s, keep=keep, selective=selective)
     if not keep:
         ev += [(cat, -y)]  # norm1 output: only q/k/v projections used it
     ev += norm_forward(s, keep=keep) + xc.gather(s, selective=selective)
     ev += _mlp_forward(s, keep=keep, selective=selective)
+    if keep and s.adapters:
+        ev += [(ACT, s.adapters)]  # LoRA's rank-r intermediates (freed by block_backward)
     if not keep:
         ev += [(cat, -y), (ACT, -s.nde)]  # norm2 output and x1
     elif s.cast:
         ev += [(ACT, -s.nde), (ACT, -s.nde)]  # x (not saved in low precision) and x1
+    elif fresh:
+        ev += [(ACT, -s.nde)]  # x: the first norm saved no fp32 alias of it
     return ev
 
 
@@ -328,16 +339,45 @@ def _attn_backward(s: Sizes, *, sdpa_workspace: int) -> list[Event]:
     return ev + xc.grad_scatter(s)
 
 
-def block_backward(s: Sizes, *, sdpa_workspace: int = 0, held: int = 0) -> list[Event]:
+def block_backward(
+    s: Sizes, *, sdpa_workspace: int = 0, held: int = 0, fresh: bool = False
+) -> list[Event]:
     """Backward of one block with its saved tensors live (kept or recomputed) and the
     output's grad (N*d*e, counted by the caller) live; ends with the input's grad in
     the same buffer, all saved tensors freed and the weight grads (GRAD) allocated.
     ``held``: of the block's two residual sums (after the MLP's backward, then after
     attention's), the first ``held`` cannot sum in place, because another holds the
     summand (a pipeline stage's receive buffer; zero bubble's input pass keeping it
-    for a weight's gradient): each makes a new tensor."""
+    for a weight's gradient): each makes a new tensor. ``fresh``: as ``block_forward``'s;
+    no input gradient is made, so the first norm's backward does not run and the
+    projections' input gradient dies."""
     norms = [norm_backward(s), norm_backward(s)]
     for i in range(held):
         norms[i] = [*norms[i][:-1], (TEMP, s.nde), norms[i][-1]]
     attn = _attn_backward(s, sdpa_workspace=sdpa_workspace)
-    return _mlp_backward(s) + norms[0] + attn + norms[1]
+    adapters: list[Event] = [(ACT, -s.adapters)] if s.adapters else []
+    first = _fresh_norm_backward(s) if fresh else norms[1]
+    return _mlp_backward(s) + norms[0] + attn + first + adapters
+
+
+def _fresh_xn(s: Sizes) -> int:
+    """What a norm whose input needs no gradient saves: its normalized input, for its
+    weight's gradient (nothing when the weight is frozen)."""
+    if not s.norm_grads:
+        return 0
+    return s.nde if s.cast and s.norm_casts_first else s.nd4
+
+
+def _fresh_norm_forward(s: Sizes) -> list[Event]:
+    """A block's first norm when its input needs no gradient (``block_forward``'s
+    ``fresh``): no rsqrt or input copy saved, only ``_fresh_xn``."""
+    xn = _fresh_xn(s)
+    return [*_norm_forward_unsaved(s), *([(ACT, xn)] if xn else [])]
+
+
+def _fresh_norm_backward(s: Sizes) -> list[Event]:
+    """Its backward: the weight's gradient from ``_fresh_xn`` alone (no input gradient),
+    and the projections' input gradient dies."""
+    xn = _fresh_xn(s)
+    weight: list[Event] = [(TEMP, xn), (TEMP, -xn), (GRAD, s.d * s.e), (ACT, -xn)] if xn else []
+    return [*weight, (TEMP, -s.nme)]

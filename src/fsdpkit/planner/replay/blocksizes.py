@@ -34,6 +34,9 @@ class Sizes:
     vocab: int
     e: int
     """Bytes per element of the compute dtype."""
+    adapters: int = 0
+    """Bytes one block's LoRA adapters save for backward beyond the base's tensors
+    (``ModelLayout.adapter_width`` x tokens at the matmuls x e); 0 without LoRA."""
     norm_grads: bool = True
     """Whether the norms' weights train; frozen (LoRA,
     fsdpkit.planner.model.finetune_layout), a norm keeps no normalized copy for a weight

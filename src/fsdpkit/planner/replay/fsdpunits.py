@@ -50,12 +50,21 @@ class UnitMechanics:
         # reduce-scatters a clone of the input; NCCL needs neither.
         self.gloo = not gpu and sc.dims.fsdp_shard > 1
         self.dead = leading_frozen_units(sc)
+        self.input_frozen = "embedding" in sc.layout.frozen_names
+        """The first block's input needs no gradient (a frozen embedding): the first
+        unit after the ``dead`` ones starts the graph."""
         self.selective = sc.ac_mode == "selective"
         self.rope, self.kept_embedding = rope_held(sc), kept_embedding(sc)
         # [Note: the checkpoint's RNG state] torch's checkpoint saves the CPU generator's
         # state (a 5056-byte tensor) per checkpointed block until its recompute: device
         # memory on CPU ranks, where it adds up over a pipeline's micro-batches in flight
         self.rng_state = CPU_RNG_STATE if not gpu else 0
+
+    def fresh(self, j: int, i: int) -> bool:
+        """Whether block ``i`` of unit ``j`` is the first whose input needs no gradient
+        (``fresh`` of fsdpkit.planner.replay.blockmem.block_forward): the first block of
+        the first live unit after a frozen embedding."""
+        return self.input_frozen and j == self.dead and i == 0
 
     def reshard_of(self, u: Unit) -> bool | int:
         """What FSDP2 does with the unit's ``reshard_after_forward`` after forward."""

@@ -27,6 +27,7 @@ def sizes(sc: Scenario) -> Sizes:
         vocab=m.vocab_size,
         e=sc.param_bytes,
         norm_grads=not sc.layout.norms_frozen,
+        adapters=sc.layout.adapter_width * inner * sc.param_bytes,
         inner_n=inner,
         tp=sc.dims.tp,
         cp=sc.dims.cp,

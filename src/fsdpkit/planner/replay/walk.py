@@ -43,8 +43,10 @@ from fsdpkit.planner.shapes.states import model_states
 
 
 @functools.cache
-def _forward_summary(s: Sizes, keep: bool, selective: bool = False) -> EventSummary:
-    return summarize(block_forward(s, keep=keep, selective=selective))
+def _forward_summary(
+    s: Sizes, keep: bool, selective: bool = False, fresh: bool = False
+) -> EventSummary:
+    return summarize(block_forward(s, keep=keep, selective=selective, fresh=fresh))
 
 
 @functools.cache
@@ -56,14 +58,16 @@ def _backward_summary(
     selective: bool = False,
     in_place: bool = False,
     received: bool = False,
+    fresh: bool = False,
 ) -> EventSummary:
     """``weight_grads=False``: a block with frozen weights (fine-tuning) computes no
     weight gradients; its trainable ones (adapters) are added by the caller.
     ``selective``: the recompute of a selectively checkpointed block. ``in_place``:
     its weight gradients are summed into accumulated ones ([Note: accumulating in
-    place]). ``received``: its output's grad is a pipeline stage's receive buffer."""
+    place]). ``received``: its output's grad is a pipeline stage's receive buffer.
+    ``fresh``: its input needs no gradient (``block_forward``)."""
     events = block_recompute(s, selective=selective) if recompute else []
-    events += block_backward(s, sdpa_workspace=sdpa_workspace, held=int(received))
+    events += block_backward(s, sdpa_workspace=sdpa_workspace, held=int(received), fresh=fresh)
     if recompute and selective:
         events += selective_backward_end(s)
     if recompute and s.cast:
@@ -130,10 +134,10 @@ class Step(UnitMechanics):
         led.at("forward", f"forward of {u.name}")
         self.gathered(u, forward=True)
         self.forward_prefetch(j + 1)
-        for ckpt in u.checkpointed:
+        for i, ckpt in enumerate(u.checkpointed):
             keep = not ckpt and j >= self.dead
             selective = ckpt and self.selective and j >= self.dead
-            led.apply_summary(_forward_summary(s, keep, selective))
+            led.apply_summary(_forward_summary(s, keep, selective, keep and self.fresh(j, i)))
             if ckpt and j >= self.dead:
                 led.add(ACT, self.rng_state)
             if j < self.dead:  # nothing needs a gradient yet: the input dies here
@@ -262,8 +266,10 @@ class Step(UnitMechanics):
         in_place = full and grads_in_place(
             sc=self.sc, s=self.s, accumulated=u.name in self.accumulated
         )
+        last = len(u.checkpointed) - 1
         for i, ckpt in enumerate(reversed(u.checkpointed)):
-            led.apply_summary(self.block_summary(ckpt, full, in_place, received and i == 0))
+            fresh = not ckpt and self.fresh(j, last - i)
+            led.apply_summary(self.block_summary(ckpt, full, in_place, received and i == 0, fresh))
             if ckpt:
                 led.add(ACT, -self.rng_state)
         if not full:
@@ -273,10 +279,10 @@ class Step(UnitMechanics):
         self.post_backward(u, sync=sync, in_place=in_place)
 
     def block_summary(
-        self, ckpt: bool, weight_grads: bool, in_place: bool, received: bool
+        self, ckpt: bool, weight_grads: bool, in_place: bool, received: bool, fresh: bool
     ) -> EventSummary:
         """One block's backward (``_backward_summary``), as ``unit_backward`` applies it."""
-        args = (self.sdpa_workspace, weight_grads, self.selective, in_place, received)
+        args = (self.sdpa_workspace, weight_grads, self.selective, in_place, received, fresh)
         return _backward_summary(self.s, ckpt, *args)
 
     def optimizer(self) -> None:
