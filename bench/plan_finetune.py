@@ -38,6 +38,7 @@ SMALL = [
     *("data.seq_len=64", "train.micro_batch_size=2", "precision.mode=bf16"),
 ]
 FROZEN_LEAD = 'model.freeze=["model.embed_tokens.*","model.layers.[0-1].*"]'
+FROZEN_MID = 'model.freeze=["model.layers.[0-1].*"]'
 ROWS = {
     "full training (control)": BASE,
     "LoRA r=8, all linear": [*BASE, "lora.rank=8"],
@@ -45,8 +46,12 @@ ROWS = {
     "frozen embedding + blocks 0-1 (run before anything trainable)": [*BASE, FROZEN_LEAD],
     "the same + activation checkpointing": [*BASE, FROZEN_LEAD, "activations.mode=full"],
     "frozen embedding": [*BASE, 'model.freeze=["model.embed_tokens.*"]'],
-    "frozen blocks 0-1, trainable embedding": [*BASE, 'model.freeze=["model.layers.[0-1].*"]'],
+    "frozen blocks 0-1, trainable embedding": [*BASE, FROZEN_MID],
+    "frozen blocks 0-1, trainable embedding + activation checkpointing": [
+        *(*BASE, FROZEN_MID, "activations.mode=full"),
+    ],
     "LoRA r=8, bf16 (base stored in bf16; d=128, 2 layers)": [*SMALL, "lora.rank=8"],
+    "frozen block 0, bf16 (d=128, 2 layers)": [*SMALL, 'model.freeze=["model.layers.0.*"]'],
 }
 WORLD = 2
 

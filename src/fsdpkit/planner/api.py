@@ -158,22 +158,20 @@ def _pipeline(
 
 
 PIPELINE_FINETUNE_NOTE = (
-    "fine-tuning under parallel.pp: this stage plan is not checked within 1% of real "
-    "steps (a tiny Llama's LoRA stages under the zero-bubble schedules read up to 1.7% "
-    "below their true peak; frozen blocks that still backpropagate are planned as "
-    "trainable ones, up to 14% above: docs/planner.md, bench/plan_pipeline_finetune.py); "
-    "leave a few % headroom"
+    "fine-tuning under a zero-bubble pipeline schedule: this stage plan is not checked "
+    "within 1% of real steps (a tiny Llama's LoRA stages read up to 1.7% below their "
+    "true peak: docs/planner.md, bench/plan_pipeline_finetune.py); leave a few % headroom"
 )
-"""Said in the plan of a pipelined run that ``unchecked_finetune`` names (LoRA under
-1F1B and GPipe is within 0.1% of every rank's true peak: the bench's other rows)."""
+"""Said in the plan of a pipelined run that ``unchecked_finetune`` names (LoRA and
+``model.freeze`` under 1F1B and GPipe are within 0.1% of every rank's true peak: the
+bench's other rows)."""
 
 
 def unchecked_finetune(cfg: RunConfig) -> bool:
     """A pipelined fine-tuning run whose stage plans are not within 1% of real steps:
-    a zero-bubble schedule's, or one with ``model.freeze`` (frozen blocks that still
-    backpropagate are planned as trainable ones)."""
-    zero_bubble = SCHEDULES[cfg.parallel.pp_schedule].zero_bubble
-    return finetuned(cfg) and (zero_bubble or bool(cfg.model.freeze))
+    a zero-bubble schedule's (what torch's input pass keeps for the adapters' weight
+    passes is not all modelled)."""
+    return finetuned(cfg) and SCHEDULES[cfg.parallel.pp_schedule].zero_bubble
 
 
 def _data_host_bytes(cfg: RunConfig | None, sc: Scenario) -> int:

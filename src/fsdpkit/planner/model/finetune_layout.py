@@ -16,10 +16,9 @@ analytic model then plans
 Activations are planned as for full training, plus LoRA's rank-r intermediates
 (``ModelLayout.adapter_width``); blocks frozen *before* the first trainable one save
 nothing, and the first block after them starts the graph (``fresh`` in
-fsdpkit.planner.replay.blockmem). Frozen blocks that still backpropagate are planned
-with a trainable block's activations, an upper bound (a frozen linear saves no input
-for a weight gradient). The traced planner runs ``prepare`` on the traced model too
-and sees all of it.
+fsdpkit.planner.replay.blockmem); frozen blocks that still backpropagate save no
+linear's input for a weight gradient (``Sizes.frozen_linears``). The traced planner
+runs ``prepare`` on the traced model too and sees all of it.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from fsdpkit.planner.replay.analytic import late_free_spread
 from fsdpkit.planner.replay.blockmem import ACT, TEMP, Event
 from fsdpkit.planner.replay.fsdpunits import COLL
 from fsdpkit.planner.replay.ledger import EventSummary, Ledger, summarize
-from fsdpkit.planner.replay.walk import Step
+from fsdpkit.planner.replay.walk import BlockPass, Step
 from fsdpkit.planner.shapes.result import MemoryPlan
 from fsdpkit.planner.shapes.scenario import Scenario
 from fsdpkit.planner.shapes.states import model_states
@@ -187,20 +187,18 @@ class StageStep(Step):
             return
         super().post_backward(u, sync=sync, in_place=in_place)
 
-    def block_summary(
-        self, ckpt: bool, weight_grads: bool, in_place: bool, received: bool, fresh: bool
-    ) -> EventSummary:
+    def block_summary(self, b: BlockPass) -> EventSummary:
         if self.splitting is None:
-            return super().block_summary(ckpt, weight_grads, in_place, received, fresh)
+            return super().block_summary(b)
         inputs, weights = split_backward(
-            self.s,
-            recompute=ckpt,
+            b.s,
+            recompute=b.recompute,
             sdpa_workspace=self.sdpa_workspace,
             selective=self.selective,
-            in_place=in_place,
-            received=received,
-            weight_grads=weight_grads,
-            fresh=fresh,
+            in_place=b.in_place,
+            received=b.received,
+            weight_grads=b.weight_grads,
+            fresh=b.fresh,
         )
         self.splitting.append(weights)
         return inputs

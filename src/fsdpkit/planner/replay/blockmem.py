@@ -225,6 +225,8 @@ def block_forward(
         ev += [(cat, -y)]  # norm1 output: only q/k/v projections used it
     ev += norm_forward(s, keep=keep) + xc.gather(s, selective=selective)
     ev += _mlp_forward(s, keep=keep, selective=selective)
+    if keep and s.frozen_linears:  # the projections' inputs and down_proj's: not saved
+        ev += [(cat, -y), (cat, -y), (ACT, -s.nfe)]
     if keep and s.adapters:
         ev += [(ACT, s.adapters)]  # LoRA's rank-r intermediates (freed by block_backward)
     if not keep:
@@ -292,13 +294,16 @@ def _mlp_backward(s: Sizes) -> list[Event]:
     """down, (silu*up), up, silu, gate — autograd runs the later-created node first."""
     dfe = s.d * s.f * s.e
     cat, y = xc.projection_input(s)
+    frozen = s.frozen_linears  # down_proj's input and the gate / up input: freed in forward
+    h: list[Event] = [] if frozen else [(ACT, -s.nfe)]
+    y_freed: list[Event] = [] if frozen else [(cat, -y)]
     return [
-        *xc.grad_gather(s, 1), (TEMP, s.nfe), (GRAD, dfe), (ACT, -s.nfe),
+        *xc.grad_gather(s, 1), (TEMP, s.nfe), (GRAD, dfe), *h,
         *xc.grad_gather(s, -1, True),
         (TEMP, 2 * s.nfe), (TEMP, -s.nfe), (ACT, -2 * s.nfe),
         (TEMP, s.nme), (GRAD, dfe), (TEMP, ForWeights(-s.nfe)),
         (TEMP, s.nfe), (TEMP, -s.nfe), (ACT, -s.nfe),
-        (TEMP, s.nme), (GRAD, dfe), (TEMP, ForWeights(-s.nfe)), (cat, -y), (TEMP, -s.nme),
+        (TEMP, s.nme), (GRAD, dfe), (TEMP, ForWeights(-s.nfe)), *y_freed, (TEMP, -s.nme),
         *xc.grad_scatter(s),
     ]  # fmt: skip
 
@@ -335,7 +340,8 @@ def _attn_backward(s: Sizes, *, sdpa_workspace: int) -> list[Event]:
     kvf, qf = ForWeights(-kv), ForWeights(-q)
     ev += [(TEMP, s.nme), (GRAD, wkv), (TEMP, kvf)]  # v_proj
     ev += [(TEMP, s.nme), (GRAD, wkv), (TEMP, kvf), (TEMP, -s.nme)]  # k_proj, accumulated
-    ev += [(TEMP, s.nme), (GRAD, wq), (TEMP, qf), (TEMP, -s.nme), (cat, -y)]  # q_proj
+    ev += [(TEMP, s.nme), (GRAD, wq), (TEMP, qf), (TEMP, -s.nme)]  # q_proj
+    ev += [] if s.frozen_linears else [(cat, -y)]  # its input (freed in forward if frozen)
     return ev + xc.grad_scatter(s)
 
 

@@ -37,6 +37,10 @@ class Sizes:
     adapters: int = 0
     """Bytes one block's LoRA adapters save for backward beyond the base's tensors
     (``ModelLayout.adapter_width`` x tokens at the matmuls x e); 0 without LoRA."""
+    frozen_linears: bool = False
+    """The block's weights are all frozen and it has no adapters (``model.freeze`` of a
+    block that still backpropagates): its linears save no input for a weight gradient
+    (the norms' outputs and the MLP's product die with their consumers' forward)."""
     norm_grads: bool = True
     """Whether the norms' weights train; frozen (LoRA,
     fsdpkit.planner.model.finetune_layout), a norm keeps no normalized copy for a weight

@@ -6,8 +6,10 @@ ledger of one rank. ``fsdpkit.planner.replay.walk.Step`` strings them into a ste
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fsdpkit.planner.model.unit_layout import Unit
-from fsdpkit.planner.replay.blockmem import GRAD
+from fsdpkit.planner.replay.blockmem import GRAD, Sizes
 from fsdpkit.planner.replay.gradlife import last_grad_bytes
 from fsdpkit.planner.replay.ledger import Ledger
 from fsdpkit.planner.replay.sizing import head_sizes, kept_embedding, rope_held, sizes
@@ -26,6 +28,8 @@ class UnitMechanics:
     def __init__(self, sc: Scenario) -> None:
         self.sc = sc
         self.s = sizes(sc)
+        self.frozen_s = replace(self.s, norm_grads=False, frozen_linears=True)
+        """A block unit's sizes when all its weights are frozen (``sizes_of``)."""
         self.hs = head_sizes(sc)
         assert sc.model is not None
         self.m = sc.model
@@ -59,6 +63,11 @@ class UnitMechanics:
         # state (a 5056-byte tensor) per checkpointed block until its recompute: device
         # memory on CPU ranks, where it adds up over a pipeline's micro-batches in flight
         self.rng_state = CPU_RNG_STATE if not gpu else 0
+
+    def sizes_of(self, u: Unit) -> Sizes:
+        """The sizes a block unit's events run over: a unit with nothing to train
+        (``model.freeze``; LoRA's units hold trainable adapters) saves less."""
+        return self.frozen_s if u.grads_numel == 0 else self.s
 
     def fresh(self, j: int, i: int) -> bool:
         """Whether block ``i`` of unit ``j`` is the first whose input needs no gradient

@@ -7,6 +7,7 @@ fsdpkit.planner.replay.analytic (the entry point) and docs/planner.md.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 from fsdpkit.planner.model.unit_layout import Unit
 from fsdpkit.planner.replay.blockmem import (
@@ -79,6 +80,22 @@ def _backward_summary(
     return summarize(events)
 
 
+@dataclass(frozen=True)
+class BlockPass:
+    """One block's backward as ``Step.unit_backward`` asks for it (the arguments of
+    ``_backward_summary`` that vary by block)."""
+
+    s: Sizes
+    """``sizes_of`` the block's unit."""
+    recompute: bool
+    """Checkpointed: its forward runs again first."""
+    weight_grads: bool
+    """Every weight trains (else only the adapters', added by the caller)."""
+    in_place: bool
+    received: bool
+    fresh: bool
+
+
 _LOSS_WHERE = {
     False: "loss (logits.float(), log-softmax)",
     True: "loss backward (log-softmax grad)",
@@ -130,7 +147,7 @@ class Step(UnitMechanics):
             self.reshard_after_forward(embedding, self.reshard_of(embedding))
 
     def unit_forward(self, j: int, u: Unit) -> None:
-        led, s = self.led, self.s
+        led, s = self.led, self.sizes_of(u)
         led.at("forward", f"forward of {u.name}")
         self.gathered(u, forward=True)
         self.forward_prefetch(j + 1)
@@ -269,7 +286,8 @@ class Step(UnitMechanics):
         last = len(u.checkpointed) - 1
         for i, ckpt in enumerate(reversed(u.checkpointed)):
             fresh = not ckpt and self.fresh(j, last - i)
-            led.apply_summary(self.block_summary(ckpt, full, in_place, received and i == 0, fresh))
+            block = BlockPass(self.sizes_of(u), ckpt, full, in_place, received and i == 0, fresh)
+            led.apply_summary(self.block_summary(block))
             if ckpt:
                 led.add(ACT, -self.rng_state)
         if not full:
@@ -278,12 +296,10 @@ class Step(UnitMechanics):
             led.add("buffers_inputs", -self.rope)
         self.post_backward(u, sync=sync, in_place=in_place)
 
-    def block_summary(
-        self, ckpt: bool, weight_grads: bool, in_place: bool, received: bool, fresh: bool
-    ) -> EventSummary:
+    def block_summary(self, b: BlockPass) -> EventSummary:
         """One block's backward (``_backward_summary``), as ``unit_backward`` applies it."""
-        args = (self.sdpa_workspace, weight_grads, self.selective, in_place, received, fresh)
-        return _backward_summary(self.s, ckpt, *args)
+        args = (self.sdpa_workspace, b.weight_grads, self.selective, b.in_place, b.received)
+        return _backward_summary(b.s, b.recompute, *args, b.fresh)
 
     def optimizer(self) -> None:
         """Grad clipping (scalars) and AdamW as fsdpkit.train builds it, the 2-D weights
