@@ -189,26 +189,20 @@ def build_session(cfg: RunConfig, env: DistEnv) -> Session:
     mesh = build_mesh(dims, device_type=env.device_type)
     run = shard_trainable(unsharded, cfg, mesh=mesh, device=device)
     if cfg.train.objective == "dpo":
-        pp = run.pipeline is not None
-        ref = (
-            shard_reference(reference, cfg, mesh=mesh, device=device)
-            if reference and not pp
-            else None
-        )
+        pipe = run.pipeline  # under pp the reference is cut into its stages
+        whole = reference if pipe is None else None
         run.loss_fn = DpoLoss(
             cfg.dpo,
-            reference=ref,
+            reference=shard_reference(whole, cfg, mesh=mesh, device=device) if whole else None,
             lora=bool(cfg.lora.rank),
             mesh=mesh,
             ring=cfg.parallel.cp_attention == "ring",
         )
-        if run.pipeline is not None:  # [Note: preference pairs through pipeline stages]
-            stages = (
-                shard_reference_stages(reference, cfg, mesh=mesh, device=device)
-                if reference
-                else None
-            )
-            pipelined_dpo(run.pipeline, run.loss_fn, reference=stages)
+        if pipe is not None:  # [Note: preference pairs through pipeline stages]
+            stages = None
+            if reference is not None:
+                stages = shard_reference_stages(reference, cfg, like=pipe, mesh=mesh, device=device)
+            pipelined_dpo(pipe, run.loss_fn, reference=stages)
         run.loss_note = run.loss_fn.describe()  # its own loss: the chunked-loss note is moot
     rl = None
     if rewards is not None:

@@ -37,13 +37,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdpkit.config import RunConfig, batch_split
+from fsdpkit.config import RunConfig
 from fsdpkit.loss.answers import model_kwargs, sft_loss
 from fsdpkit.loss.contract import logits_of
 from fsdpkit.loss.dpo import REFERENCE_FREE, answer_logps
 from fsdpkit.sharding.pipeline.stages import Pipeline, shard_pipeline
 from fsdpkit.trainable.build import Unsharded, init_from, place
-from fsdpkit.trainable.pipeline.build import data_ranks
 from fsdpkit.trainable.pipeline.step import forward_only
 from fsdpkit.trainable.reference import DpoLoss, adapters_off, reference_config, reshard
 
@@ -67,12 +66,17 @@ def _reference_logps(part: nn.Module, batch: Any) -> torch.Tensor:
 
 
 def shard_reference_stages(
-    unsharded: Unsharded, cfg: RunConfig, *, mesh: DeviceMesh, device: torch.device
+    unsharded: Unsharded,
+    cfg: RunConfig,
+    *,
+    like: Pipeline,
+    mesh: DeviceMesh,
+    device: torch.device,
 ) -> tuple[Pipeline, nn.Module]:
     """The separate reference (full fine-tuning) in this rank's stages of the policy's
-    split, sharded like them, its weights read, forward only; with the rank's view of
-    its parameters ([Note: preference pairs through pipeline stages]; collective over
-    ``mesh``)."""
+    split, sharded like them, its weights read, forward only over ``like``'s (the
+    policy's) micro-batches; with the rank's view of its parameters ([Note: preference
+    pairs through pipeline stages]; collective over ``mesh``)."""
     ref_cfg = reference_config(cfg)
     model = unsharded.built.module
     place(model, device=device)
@@ -81,7 +85,7 @@ def shard_reference_stages(
         ref_cfg,
         mesh=mesh,
         loss_fn=sft_loss,
-        micro_batches=batch_split(cfg.train, dp_world=data_ranks(mesh)).grad_accum,
+        micro_batches=like.micro_batches,
         device=device,
         init=unsharded.finetune.init,
         frozen=True,
