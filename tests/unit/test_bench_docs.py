@@ -31,6 +31,7 @@ RENDERED = {
     "rl_learns",
     "plan_finetune",
     "plan_pipeline_finetune",
+    "plan_pipeline_moe",
 }  # fmt: skip
 """Benches whose tables the docs quote: each must have a block and a results file."""
 

@@ -131,12 +131,19 @@ def _pipeline(
     fit), every rank's figures in ``Plan.pipeline``."""
     from fsdpkit.planner.pipeline.plan import pipeline_plan
 
-    if cfg is None or trace or sc.analytic_why_not is not None or sc.model is None:
-        why = sc.analytic_why_not or "a traced plan was asked for"
+    if cfg is None:
+        raise PlanError("a pipelined plan needs the RunConfig (pass cfg=...)")
+    if trace is False and sc.analytic_why_not is not None:
         raise PlanError(
-            f"parallel.pp: pipelined runs are planned analytically, stage by stage, "
-            f"which this one cannot be ({why}). Plan it with parallel.pp = 1 for the "
-            "memory of the whole model on one stage, or measure a few real steps."
+            f"parallel.pp: this pipelined run has no analytic plan ({sc.analytic_why_not}); "
+            "plan it traced (the default for such a model)."
+        )
+    if trace and sc.analytic_why_not is None:
+        sc = sc.with_(analytic_why_not="a traced plan was asked for")
+    if sc.analytic_why_not is not None:  # [Note: traced pipeline plans]
+        _require_traceable_pipeline(cfg, sc)
+        sc = sc.with_(
+            notes=(*sc.notes, f"planned by tracing each pipeline rank: {sc.analytic_why_not}")
         )
     pipe = pipeline_plan(cfg, sc)
     worst = pipe.worst
@@ -155,6 +162,23 @@ def _pipeline(
         data_host_bytes=_data_host_bytes(cfg, sc),
         pipeline=pipe,
     )
+
+
+def _require_traceable_pipeline(cfg: RunConfig, sc: Scenario) -> None:
+    """A pipelined run the analytic model cannot replay is traced rank by rank: its
+    language-model step under a schedule the trace can run."""
+    from fsdpkit.planner.traced.pipeline import traceable
+
+    why = traceable(cfg.parallel.pp_schedule)
+    if why is None and (sc.reference_bytes or sc.grpo is not None):
+        why = "the traced pipeline plan runs the language-model step, not DPO's or GRPO's"
+    if why is not None:
+        raise PlanError(
+            f"parallel.pp: this pipelined run is planned by tracing each pipeline rank "
+            f"({sc.analytic_why_not}), which it cannot be: {why}. Plan it with "
+            "parallel.pp_schedule = 1F1B (or GPipe, Interleaved1F1B) for its stages' "
+            "memory, or measure a few real steps."
+        )
 
 
 PIPELINE_FINETUNE_NOTE = (

@@ -50,6 +50,7 @@ def moe_notes(
     cp: int = 1,
     ep: int = 1,
     tp: int = 1,
+    pp: int = 1,
     routing: Routing = BALANCED,
 ) -> tuple[str, ...]:
     """The plan's notes for a MoE model (empty for a dense one); ``tokens`` per
@@ -77,7 +78,13 @@ def moe_notes(
             "by FSDP over the data ranks only), their gradients summed over tp"
         )
     if router is not None and router.aux_fn is not None:
-        if router.gathered:
+        if pp > 1:
+            notes.append(
+                "router loss: per-expert sums carried across the pipeline stages with the "
+                "hidden states ([Note: the router loss across stages]), a few numbers per "
+                "micro-batch: nothing of it grows with the world"
+            )
+        elif router.gathered:
             notes.append(_router_buffers(experts, router, dp=dp, tokens=tokens))
         else:
             notes.append(

@@ -13,6 +13,9 @@ a stage is its weights and states, plus the activations of every micro-batch the
 schedule keeps in flight on it (1F1B: ``pp - rank`` at most, GPipe: all of them), plus
 what torch's stages hold ([Note: what a pipeline stage holds]). The plan of the run is
 the rank with the highest peak (every rank must fit); ``fsdpkit plan`` lists them all.
+A model whose blocks the replay does not cover (a mixture-of-experts model) has each
+rank's memory traced instead ([Note: traced pipeline plans] in
+fsdpkit.planner.traced.pipeline); its units, traffic and bubble are planned as here.
 
 The bubble is the idle share of a rank's step when every action takes its stage's
 compute (a forward 1 x, a backward 2 x, an input or weight half 1 x, each
@@ -34,10 +37,11 @@ from typing import Any
 
 from fsdpkit.config import RunConfig
 from fsdpkit.config.schedules import SCHEDULES, stage_rank, stages_per_rank
+from fsdpkit.planner.experts.parallel import ep_units
 from fsdpkit.planner.model.dpo_reference import reference_terms
-from fsdpkit.planner.model.unit_layout import EdgeLayout, ModelLayout, Units, units
+from fsdpkit.planner.model.unit_layout import EdgeLayout, ModelLayout, Unit, Units
 from fsdpkit.planner.pipeline.tied import tied_index, twin_elements, with_tie_all_reduce
-from fsdpkit.planner.replay.sizing import sizes
+from fsdpkit.planner.replay.sizing import hidden_bytes
 from fsdpkit.planner.shapes.mparallel import tp_layout
 from fsdpkit.planner.shapes.result import CommVolume, MemoryPlan
 from fsdpkit.planner.shapes.scenario import Scenario
@@ -130,9 +134,12 @@ def pipeline_split(cfg: RunConfig, layout: ModelLayout) -> StageSplit:
     return stage_split(cfg, block_params=per_block, edge_params=(first, last))
 
 
-def stage_units(cfg: RunConfig, sc: Scenario, split: StageSplit, stage: int) -> Units:
+def stage_units(
+    cfg: RunConfig, sc: Scenario, split: StageSplit, stage: int
+) -> tuple[Units, tuple[Unit, ...]]:
     """The units ``shard()`` builds for ``stage`` of ``sc``'s model (its tp-local
-    shapes, over the stage's shard group)."""
+    shapes, over the stage's shard group), and its blocks' experts units under ep
+    ([Note: expert units])."""
     local = tp_layout(sc.layout, tp=sc.dims.tp, vocab=sc.vocab_size if sc.vocab_parallel else None)
     first, last = stage == 0, stage == split.stages - 1
     roles = ({"embedding"} if first else set()) | ({"norm", "head"} if last else set())
@@ -145,26 +152,30 @@ def stage_units(cfg: RunConfig, sc: Scenario, split: StageSplit, stage: int) -> 
         local,
         blocks=tuple(local.blocks[b] for b in split.blocks[stage]),
         frozen=tuple(local.frozen[b] for b in split.blocks[stage]) if local.frozen else (),
+        routed=tuple(local.routed[b] for b in split.blocks[stage]) if local.routed else (),
         edges=edges,
         root=local.root if last else (),
     )
-    return units(part, shard=sc.dims.fsdp_shard, parallel=cfg.parallel, activations=cfg.activations)
+    return ep_units(
+        part,
+        shard=sc.dims.fsdp_shard,
+        ep=sc.dims.ep,
+        parallel=cfg.parallel,
+        activations=cfg.activations,
+    )
 
 
 def stage_scenario(cfg: RunConfig, sc: Scenario, split: StageSplit, stage: int) -> Scenario:
     """``sc`` restricted to one stage's units (named by the model's block indices), and
     to that stage of DPO's separate reference."""
-    made = stage_units(cfg, sc, split, stage)
+    made, experts = stage_units(cfg, sc, split, stage)
     offset = split.blocks[stage][0]
-    blocks = tuple(
-        replace(u, name=_shifted(u.name, offset), blocks=tuple(b + offset for b in u.blocks))
-        for u in made.blocks
-    )
     untied = replace(sc.model, tie_embeddings=False) if sc.model is not None else None
     return sc.with_(
         root=made.root,
         edges=made.edges,
-        units=blocks,
+        units=tuple(_shifted(u, offset) for u in made.blocks),
+        expert_units=tuple(_shifted(u, offset) for u in experts),
         model=untied,
         **_stage_reference(cfg, sc, made, last=stage == split.stages - 1),
     )
@@ -188,11 +199,14 @@ def _stage_reference(cfg: RunConfig, sc: Scenario, made: Units, *, last: bool) -
     return {"reference_bytes": terms.resident, "reference_forward": terms.forward}
 
 
-def _shifted(name: str, offset: int) -> str:
-    """A unit's label with the model's block indices ("layers.4-5", not "layers.0-1")."""
-    first, _, last = name.removeprefix("layers.").partition("-")
-    shifted = str(int(first) + offset) + (f"-{int(last) + offset}" if last else "")
-    return f"layers.{shifted}"
+def _shifted(u: Unit, offset: int) -> Unit:
+    """A stage's unit under the model's block indices ("layers.4-5", not "layers.0-1";
+    an experts unit "layers.4.experts")."""
+    first, _, rest = u.name.removeprefix("layers.").partition(".")
+    first, _, last = first.partition("-")
+    name = str(int(first) + offset) + (f"-{int(last) + offset}" if last else "")
+    name = f"layers.{name}" + (f".{rest}" if rest else "")
+    return replace(u, name=name, blocks=tuple(b + offset for b in u.blocks))
 
 
 @dataclass(frozen=True)
@@ -283,7 +297,7 @@ def _deps(kind: str, stage: int, mb: int, *, last: int) -> list[Action]:
 def p2p_bytes(sc: Scenario, split: StageSplit, *, rank: int, n: int) -> int:
     """Bytes ``rank`` sends per step: each of its stages' output to the next stage's
     rank and its input's gradient to the previous one's, per micro-batch."""
-    hidden = sizes(sc).nde  # one micro-batch's hidden state on this rank (seq / cp, / tp)
+    hidden = hidden_bytes(sc)  # one micro-batch's hidden state on this rank
     sent = 0
     for s in split.local(rank):
         if s + 1 < split.stages and split.ranks[s + 1] != rank:
@@ -310,18 +324,22 @@ def pipeline_plan(cfg: RunConfig, sc: Scenario) -> PipelinePlan:
     per_rank = stages_of(cfg)
     actions = schedule_actions(p.pp_schedule, pp=p.pp, per_rank=per_rank, n=n)
     scs = {s: stage_scenario(cfg, sc, split, s) for s in range(split.stages)}
+    traced = _traced_ranks(cfg, sc, scs, split) if sc.analytic_why_not is not None else None
     ranks = []
     for r in range(p.pp):
         local = {s: scs[s] for s in split.local(r)}
-        memory = rank_memory(
-            local,
-            actions[r],
-            last_stage=split.stages - 1,
-            micro_batches=n,
-            schedule=p.pp_schedule,
-            tied=tied_index(sc.layout) is not None,
-            twin=twin_elements(sc, scs, local=list(local)),
-        )
+        if traced is not None:
+            memory = traced[r]
+        else:
+            memory = rank_memory(
+                local,
+                actions[r],
+                last_stage=split.stages - 1,
+                micro_batches=n,
+                schedule=p.pp_schedule,
+                tied=tied_index(sc.layout) is not None,
+                twin=twin_elements(sc, scs, local=list(local)),
+            )
         comm = comm_volume(rank_scenario(list(local.values())))
         ranks.append(
             RankPlan(
@@ -341,6 +359,32 @@ def pipeline_plan(cfg: RunConfig, sc: Scenario) -> PipelinePlan:
         ranks=tuple(ranks),
         bubble=bubble_fraction(actions, costs=stage_costs(sc, split)),
     )
+
+
+def _traced_ranks(
+    cfg: RunConfig, sc: Scenario, scs: dict[int, Scenario], split: StageSplit
+) -> list[MemoryPlan]:
+    """Each pipeline rank's memory traced ([Note: traced pipeline plans] in
+    fsdpkit.planner.traced.pipeline), with its stages' model states."""
+    from fsdpkit.planner.pipeline.replay import rank_states
+    from fsdpkit.planner.replay.analytic import late_free_spread
+    from fsdpkit.planner.traced.pipeline import traced_pipeline_memory
+
+    out = []
+    for r, trace in enumerate(traced_pipeline_memory(cfg, sc)):
+        local = [scs[s] for s in split.local(r)]
+        twin = twin_elements(sc, scs, local=split.local(r))
+        out.append(
+            MemoryPlan(
+                mode="traced",
+                peak=trace.peak,
+                phase_peaks=trace.phase_peaks,
+                model_states=rank_states(local, twin=twin),
+                host_bytes=0,
+                spread=max(late_free_spread(x) for x in local),
+            )
+        )
+    return out
 
 
 PIPELINE_GRID: tuple[dict[str, object], ...] = tuple(
@@ -385,5 +429,5 @@ def pipeline_cost(sc: Scenario) -> tuple[float, float, int]:
         return 1.0, 1.0, 0
     n = sc.grad_accum
     bubble = (sc.dims.pp - 1) / (n + sc.dims.pp - 1)
-    hidden = sizes(sc).nde if sc.model is not None else 0
+    hidden = hidden_bytes(sc)
     return 1.0 / (sc.dims.pp * (1.0 - bubble)), 1.0 / sc.dims.pp, 2 * n * hidden

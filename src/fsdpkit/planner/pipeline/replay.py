@@ -319,18 +319,24 @@ def rank_memory(
     _replay(steps, actions, led=led, schedule=schedule)
     led.add("gradients", -4 * twin)
     _optimizer(led, list(stages.values()))
-    states: dict[str, int] = {"optimizer_states": -8 * twin}
-    for sc in stages.values():
-        for key, value in model_states(sc).items():
-            states[key] = states.get(key, 0) + value
     return MemoryPlan(
         mode="analytic",
         peak=led.peak,
         phase_peaks=dict(led.phase_peaks),
-        model_states=states,
+        model_states=rank_states(list(stages.values()), twin=twin),
         host_bytes=0,
         spread=max(late_free_spread(sc) for sc in stages.values()),
     )
+
+
+def rank_states(stages: list[Scenario], *, twin: int = 0) -> dict[str, int]:
+    """The model states of a rank's stages at the optimizer step (``twin``: see
+    ``rank_memory``)."""
+    states: dict[str, int] = {"optimizer_states": -8 * twin}
+    for sc in stages:
+        for key, value in model_states(sc).items():
+            states[key] = states.get(key, 0) + value
+    return states
 
 
 def _replay(
@@ -384,6 +390,7 @@ def rank_scenario(stages: list[Scenario]) -> Scenario:
     return first.with_(
         units=tuple(u for sc in stages for u in sc.units),
         edges=tuple(e for sc in stages for e in sc.edges),
+        expert_units=tuple(u for sc in stages for u in sc.expert_units),
         keep_unsharded=True,
         accum_sync="last",
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from fsdpkit.planner.experts.parallel import hidden_size
 from fsdpkit.planner.replay.blockmem import Sizes
 from fsdpkit.planner.shapes.mparallel import rope_bytes
 from fsdpkit.planner.shapes.scenario import Scenario
@@ -37,6 +38,16 @@ def sizes(sc: Scenario) -> Sizes:
         gqa=sdpa_gqa(sc),
         block_positions=sc.layout.transformers_body,
     )
+
+
+def hidden_bytes(sc: Scenario) -> int:
+    """One micro-batch's hidden state on a rank (``sizes(sc).nde``: tokens / cp, / tp
+    under sequence parallelism), also for a model the analytic planner has no shape of
+    (its width from the layout's embedding)."""
+    if sc.model is not None:
+        return sizes(sc).nde
+    tokens = sc.tokens // sc.dims.cp // (sc.dims.tp if sc.sequence_parallel else 1)
+    return tokens * hidden_size(sc.layout) * sc.param_bytes
 
 
 def sdpa_gqa(sc: Scenario) -> bool:

@@ -348,11 +348,13 @@ def _layout_options(cfg: RunConfig, *, layout: Layout, search: _Search) -> list[
     if search.experts is not None:  # a mixture-of-experts model is traced: [Note: traced search]
         grid = [g for g in grid if moe_grid(g, per_node=per_node)]
     per_world = min(search.per_node, search.world)
-    dense = search.experts is None  # pipelines are planned analytically: MoE stages are not
-    for pp in pipeline_degrees(world=search.world, per_node=per_world) if dense else []:
+    for pp in pipeline_degrees(world=search.world, per_node=per_world):
         micros = _micro_changes(cfg, world=dp // pp, smallest=True)
         staged = {"parallel.pp": pp, "parallel.pp_split": "params"}
-        grid += [staged | g | m for g in PIPELINE_GRID for m in micros]
+        pipelined = [staged | g | m for g in PIPELINE_GRID for m in micros]
+        if search.experts is not None:  # each rank's stages traced: [Note: traced search]
+            pipelined = [g for g in pipelined if moe_grid(g, per_node=per_node)]
+        grid += pipelined
     options = (_option(cfg, fixed | changes, search) for changes in grid)
     return [o for o in options if o is not None]
 

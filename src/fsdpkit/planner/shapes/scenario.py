@@ -309,6 +309,7 @@ def scenario(
         cp=dims.cp,
         ep=dims.ep,
         tp=dims.tp,
+        pp=dims.pp,
         routing=routing,
     )
     return Scenario(

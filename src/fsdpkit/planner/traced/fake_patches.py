@@ -27,7 +27,7 @@ from fsdpkit.sharding.experts.dispatch import ExpertDispatch
 
 
 @contextlib.contextmanager
-def _wrapped(owner: Any, name: str, wrap: Callable[[Any], Any]) -> Iterator[None]:
+def wrapped(owner: Any, name: str, wrap: Callable[[Any], Any]) -> Iterator[None]:
     """``owner.name`` replaced by ``wrap(original)`` inside; restored on exit."""
     original = getattr(owner, name)
     setattr(owner, name, wrap(original))
@@ -45,19 +45,21 @@ def real_meshes() -> Iterator[None]:
     (``DeviceMesh._concatenate``), whose ranks are laid out and indexed from the root
     mesh's real rank map. Both must run with fake mode paused, or the fake mode meets
     a real int tensor (``aten.as_strided``) and refuses it."""
-
-    def wrap(original: Any) -> Any:
-        def real(*args: Any, **kwargs: Any) -> Any:
-            with unset_fake_temporarily():
-                return original(*args, **kwargs)
-
-        return real
-
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_wrapped(_fully_shard_module, "_get_post_forward_mesh_info", wrap))
-        stack.enter_context(_wrapped(DeviceMesh, "__init__", wrap))
-        stack.enter_context(_wrapped(DeviceMesh, "mesh", lambda p: property(wrap(p.fget))))
+        stack.enter_context(wrapped(_fully_shard_module, "_get_post_forward_mesh_info", paused))
+        stack.enter_context(wrapped(DeviceMesh, "__init__", paused))
+        stack.enter_context(wrapped(DeviceMesh, "mesh", lambda p: property(paused(p.fget))))
         yield
+
+
+def paused(original: Any) -> Any:
+    """``original`` run with fake mode paused (it reads real rank tensors)."""
+
+    def real(*args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily():
+            return original(*args, **kwargs)
+
+    return real
 
 
 def _unpacked_hf_batches() -> contextlib.AbstractContextManager[None]:
@@ -86,7 +88,7 @@ def _unpacked_hf_batches() -> contextlib.AbstractContextManager[None]:
 
         return unpacked_when_fake
 
-    return _wrapped(masking_utils, "find_packed_sequence_indices", wrap)
+    return wrapped(masking_utils, "find_packed_sequence_indices", wrap)
 
 
 @contextlib.contextmanager
@@ -110,8 +112,8 @@ def _unpacked_positions() -> Iterator[None]:
 
     with contextlib.ExitStack() as stack:
         for module in (llama, context):  # the model's forward and the cp root hook
-            stack.enter_context(_wrapped(module, "document_mask", wrap))
-        stack.enter_context(_wrapped(context_batch, "_refuse_packed", wrap))
+            stack.enter_context(wrapped(module, "document_mask", wrap))
+        stack.enter_context(wrapped(context_batch, "_refuse_packed", wrap))
         yield
 
 
@@ -133,7 +135,7 @@ def _untracked_dtensor_metadata() -> contextlib.AbstractContextManager[None]:
 
         return untracked
 
-    return _wrapped(ShardingPropagator, "_propagate_tensor_meta_non_cached", wrap)
+    return wrapped(ShardingPropagator, "_propagate_tensor_meta_non_cached", wrap)
 
 
 @contextlib.contextmanager
@@ -210,7 +212,7 @@ def _routed_dispatch(loads: tuple[float, ...]) -> contextlib.AbstractContextMana
 
         return routed
 
-    return _wrapped(ExpertDispatch, "routes", wrap)
+    return wrapped(ExpertDispatch, "routes", wrap)
 
 
 def _even(n: int, parts: int) -> list[int]:

@@ -96,11 +96,19 @@ def _step_peaks(
     dispatches = [d for d in found if d is not None and d.group is not None]
 
     def routing() -> dict[str, Any]:
-        """The step's routing: the maxima over the ranks, and this rank's own loads."""
-        mine = [x[0] for d in dispatches if (x := d.loads(reset=False)) is not None]
+        """The step's routing: the maxima over the ranks, and this rank's own loads
+        (each MoE layer's mean over the step's micro-batches, and its largest). The
+        step's metrics reset the dispatches' counts; where there are none (a pipelined
+        run's stages), reading them does."""
+        loads = [x for d in dispatches if (x := d.loads(reset=metrics is None)) is not None]
         found = metrics() if metrics is not None else {}
         out = {k: v for k, v in found.items() if k.startswith("moe_imbalance")}
-        return out | ({"moe_layer_loads": mine} if mine else {})
+        if not loads:
+            return out
+        return out | {
+            "moe_layer_loads": [x[0] for x in loads],
+            "moe_layer_peaks": [x[1] for x in loads],
+        }
 
     step()  # creates the AdamW states
     routing()

@@ -38,8 +38,10 @@ that world. Limits, all measured on torch 2.13:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -64,7 +66,7 @@ from fsdpkit.planner.traced.fake_patches import faithful_step, real_meshes
 from fsdpkit.planner.traced.tracker import UnitTracker, model_gloo_buffers, ring_gloo_buffers
 from fsdpkit.sharding.context.batch import ContextParallelLoss
 from fsdpkit.sharding.mesh import build_mesh, forget_meshes
-from fsdpkit.trainable.build import build_unsharded, shard_trainable
+from fsdpkit.trainable.build import Trainable, build_unsharded, shard_trainable
 from fsdpkit.trainable.step import step_options, synthetic_batches, train_step
 
 CPU = torch.device("cpu")
@@ -84,7 +86,7 @@ _CATEGORY = {
 }
 
 
-def _breakdown(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
+def breakdown(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
     out = dict.fromkeys(CATEGORIES, 0)
     for per_device in snapshot.values():
         for ref, nbytes in per_device.items():
@@ -94,28 +96,31 @@ def _breakdown(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
     return out
 
 
-class _PhaseRecorder:
+class PhaseRecorder:
     """Per-phase peaks from one tracker: at each phase end, read the running peak and
     restart it from the current total (the tracker itself keeps one global peak)."""
 
-    def __init__(self, tracker: FSDPMemTracker) -> None:
+    def __init__(self, tracker: FSDPMemTracker, *, interleaved: bool = False) -> None:
+        """``interleaved``: micro-batches interleave their forwards and backwards (a
+        pipeline schedule), so the tracker's per-module state lives for the whole step."""
         self.tracker = tracker
+        self.interleaved = interleaved
         self.peaks: dict[str, tuple[int, str, dict[str, int]]] = {}
 
     def __call__(self, phase: str) -> None:
         peak = self.tracker.get_tracker_snapshot("peak")
         total = sum(d.get("Total", 0) for d in peak.values())
         if total > self.peaks.get(phase, (-1, "", {}))[0]:
-            self.peaks[phase] = (total, _where(self.tracker, total), _breakdown(peak))
+            self.peaks[phase] = (total, where_of(self.tracker, total), breakdown(peak))
         current = self.tracker.get_tracker_snapshot("current")
         # Private state of MemTracker: restart the running peak at the current total.
         self.tracker._peak_mem = {dev: snap.get("Total", 0) for dev, snap in current.items()}
         self.tracker._peak_mem_snap = copy.deepcopy(current)
-        if phase == "backward":  # next micro-batch's forward is a new iteration to it
+        if phase == "backward" and not self.interleaved:  # the next forward: a new iteration
             self.tracker.reset_mod_stats()
 
 
-def _where(tracker: FSDPMemTracker, total: int) -> str:
+def where_of(tracker: FSDPMemTracker, total: int) -> str:
     """The innermost FSDP module whose own peak is this peak ("" if none is)."""
     names = [
         stats.mod_fqn
@@ -129,7 +134,7 @@ def _where(tracker: FSDPMemTracker, total: int) -> str:
     return f"backward of {inner.removeprefix('model.')}" if inner else "root unit"
 
 
-def _run_config(cfg: RunConfig, sc: Scenario) -> RunConfig:
+def run_config(cfg: RunConfig, sc: Scenario) -> RunConfig:
     """``cfg`` with the precision the plan resolved (auto means bf16 for a GPU even
     though the trace runs on the CPU), and eager blocks: compiling under fake tensors
     would trace the compiler, and the plan of eager blocks bounds compiled ones
@@ -139,21 +144,30 @@ def _run_config(cfg: RunConfig, sc: Scenario) -> RunConfig:
     return with_changes(cfg, {**changes, "parallel.accum_sync": sc.accum_sync})
 
 
-def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
-    """One steady-state step of the run's own build ([Note: one builder]) under fake
-    tensors, with the trainer's step function, recorded phase by phase."""
+def fake_trainable(cfg: RunConfig, sc: Scenario) -> tuple[Trainable, RunConfig, FakeTensorMode]:
+    """The run's own build ([Note: one builder]) on the fake process group (its mesh
+    built outside fake mode), the config it was built from (``run_config``) and the
+    fake mode its parameters belong to, for the steps to run in."""
     mesh = build_mesh(sc.dims, device_type="cpu")
-    run_cfg = _run_config(cfg, sc)
+    run_cfg = run_config(cfg, sc)
     shape = None if cfg.model.hf or cfg.model.factory else sc.model
     unsharded = build_unsharded(run_cfg, vocab_size=sc.vocab_size, device_type="cpu", shape=shape)
-    with FakeTensorMode() as fake:
-        with real_meshes():
-            run = shard_trainable(unsharded, run_cfg, mesh=mesh, device=CPU, fake=fake)
+    fake = FakeTensorMode()
+    with fake, real_meshes():
+        run = shard_trainable(unsharded, run_cfg, mesh=mesh, device=CPU, fake=fake)
+    return run, run_cfg, fake
+
+
+def _trace(cfg: RunConfig, sc: Scenario) -> PhaseRecorder:
+    """One steady-state step of the run's own build ([Note: one builder]) under fake
+    tensors, with the trainer's step function, recorded phase by phase."""
+    run, run_cfg, fake = fake_trainable(cfg, sc)
+    with fake:
         gloo = sc.device.kind == "cpu"
         if gloo and sc.dims.fsdp_shard > 1:
             model_gloo_buffers(run.model)
-        loss_fn = _grads_in_place(run.loss_fn)
-        _steady_state(run.model, run.optimizer)
+        loss_fn = grads_in_place(run.loss_fn)
+        steady_state(run.model, run.optimizer)
         # two micro-batches hold what any later one holds (the second shows what a
         # no-sync accumulation keeps); more would only make the trace slower
         batches = synthetic_batches(
@@ -161,7 +175,7 @@ def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
         )
         tracker = UnitTracker(run.model, run.optimizer)
         tracker.track_inputs(tuple(batches))
-        recorder = _PhaseRecorder(tracker)
+        recorder = PhaseRecorder(tracker)
         ring = gloo and sc.cp_attention == "ring"
         experts = sc.experts.layers if sc.experts is not None and sc.dims.ep > 1 else 0
         loads = () if sc.routing == BALANCED else layer_loads(sc.routing, layers=experts)
@@ -178,21 +192,21 @@ def _trace(cfg: RunConfig, sc: Scenario) -> _PhaseRecorder:
     return recorder
 
 
-def _grads_in_place(loss_fn: LossFn) -> LossFn:
+def grads_in_place(loss_fn: LossFn) -> LossFn:
     """A chunked loss that sums a tied head's gradient as the real run does (see the
     module docstring), also inside context parallelism's slicing wrapper and the router
     loss (in place there: its hooks on the trace's own model call that object)."""
     if isinstance(loss_fn, RouterLoss):
-        loss_fn.inner = _grads_in_place(loss_fn.inner)
+        loss_fn.inner = grads_in_place(loss_fn.inner)
         return loss_fn
     if isinstance(loss_fn, ContextParallelLoss):
-        return dataclasses.replace(loss_fn, inner=_grads_in_place(loss_fn.inner))
+        return dataclasses.replace(loss_fn, inner=grads_in_place(loss_fn.inner))
     if isinstance(loss_fn, ChunkedLoss):
         return dataclasses.replace(loss_fn, grad_into_weight=True)
     return loss_fn
 
 
-def _steady_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def steady_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """AdamW's states exist already, as in every step after the first."""
     for p in model.parameters():
         if p.requires_grad:
@@ -207,32 +221,43 @@ def traced_memory(cfg: RunConfig, sc: Scenario) -> MemoryPlan:
     Starts and destroys its own "fake" process group, so it must run in a process
     without one (the ``fsdpkit plan`` CLI, a test, a script).
     """
+    what = sc.source or "the model"
+    advice = (
+        "Code that reads tensor values (data-dependent control flow, .item(), numpy) "
+        "cannot run on fake tensors; plan a config whose model traces, or measure a few "
+        "real steps with `fsdpkit train`."
+    )
+    with fake_world(sc, rank=0, failed=f"tracing one training step of {what}", advice=advice):
+        recorder = _trace(cfg, sc)
+    return _memory_plan(sc, recorder)
+
+
+@contextlib.contextmanager
+def fake_world(sc: Scenario, *, rank: int, failed: str, advice: str) -> Iterator[None]:
+    """A "fake" process group of ``sc``'s world, as ``rank``, for one trace (a process
+    holds one at a time, and must have none of its own). A failure inside becomes a
+    TraceError saying what ``failed`` and the ``advice``; a UserError passes as it is."""
     if dist.is_initialized():
         raise PlanError(
             "traced planning starts its own fake process group, but one is already "
             "initialized in this process; run the plan outside the training job."
         )
     forget_meshes()  # meshes of process groups this process had before
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=sc.dims.world)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=sc.dims.world)
     try:
-        recorder = _trace(cfg, sc)
+        yield
     except UserError:
         raise
     except Exception as exc:
-        what = sc.source or "the model"
         raise TraceError(
-            f"tracing one training step of {what} under fake tensors failed "
-            f"({type(exc).__name__}: {exc}). Code that reads tensor values (data-dependent "
-            "control flow, .item(), numpy) cannot run on fake tensors; plan a config whose "
-            "model traces, or measure a few real steps with `fsdpkit train`."
+            f"{failed} under fake tensors failed ({type(exc).__name__}: {exc}). {advice}"
         ) from exc
     finally:
         dist.destroy_process_group()
         forget_meshes()
-    return _memory_plan(sc, recorder)
 
 
-def _memory_plan(sc: Scenario, recorder: _PhaseRecorder) -> MemoryPlan:
+def _memory_plan(sc: Scenario, recorder: PhaseRecorder) -> MemoryPlan:
     phase, (total, where, breakdown) = max(recorder.peaks.items(), key=lambda kv: kv[1][0])
     states = model_states(sc)
     host_states = sc.offload and sc.device.kind == "gpu"

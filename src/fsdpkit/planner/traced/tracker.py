@@ -214,3 +214,21 @@ class UnitTracker(FSDPMemTracker):
             param = fsdp_param.sharded_param if sharded else fsdp_param._unsharded_param
             if param.grad is not None:
                 self._update_and_maybe_create_winfos(param.grad, kind, update_existing=True)
+
+
+class StagesTracker(UnitTracker):
+    """``UnitTracker`` over a pipeline rank's stages: each stage is an FSDP root of its
+    own (fsdpkit.sharding.pipeline.stages), so the tracker instruments the units of all
+    of them and counts torch's receive buffers, which the schedule made in an earlier
+    step, from the start ([Note: traced pipeline plans] in fsdpkit.planner.traced.pipeline)."""
+
+    def __init__(
+        self,
+        stages: list[torch.nn.Module],
+        optimizer: torch.optim.Optimizer,
+        *,
+        held: tuple[torch.Tensor, ...],
+    ) -> None:
+        super().__init__(stages[0], optimizer)  # torch's tracker takes one FSDP root
+        self._root_mod = torch.nn.ModuleList(stages)  # type: ignore[assignment]
+        self.track_inputs(held)

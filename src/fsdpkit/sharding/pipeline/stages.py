@@ -223,8 +223,10 @@ class StageModule(nn.Module):
         self._entered = output
 
     def _first_input(self, _module: nn.Module, args: Any, kwargs: Any) -> None:
+        """The first block's input must be the entry's output, or a view of all of it
+        (what the planner's fake tensors hand on: fsdpkit.planner.traced.pipeline)."""
         entered, self._entered = self._entered, None
-        if entered is not None and _hidden_of(args, kwargs) is not entered:
+        if entered is not None and not _same(_hidden_of(args, kwargs), entered):
             raise StageBoundaryError(
                 f"pipeline stage {self.stage}: {_named(self.part)}'s forward changes the "
                 "input embedding's output before its first block (e.g. scales it), so a "
