@@ -15,6 +15,7 @@ from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.experts.routing import (
     BALANCED,
     Routing,
+    call_loads,
     from_records,
     layer_loads,
     received_rows,
@@ -39,6 +40,14 @@ def test_layer_loads_keep_the_mean_with_the_busiest_layer_first() -> None:
     assert layer_loads(Routing(1.0, 1.2, by_layer=(0.8, 1.2)), layers=2) == [0.8, 1.2]
     with pytest.raises(PlanError, match="a routing of 2 MoE layers cannot be planned"):
         layer_loads(Routing(1.0, 1.2, by_layer=(0.8, 1.2)), layers=3)
+
+
+def test_call_loads_give_each_dispatch_of_a_layer_its_recorded_load() -> None:
+    assert call_loads(Routing(1.2, 1.2), layers=2) == ((1.2,), (1.2,))  # every call
+    replay = Routing(by_call=((0.9, 1.3), (1.0, 1.1)))  # a pipeline's 2 micro-batches
+    assert call_loads(replay, layers=2) == ((0.9, 1.3), (1.0, 1.1))
+    with pytest.raises(PlanError, match="a routing of 2 MoE layers cannot be planned"):
+        call_loads(replay, layers=4)
 
 
 def test_received_rows_round_up_and_stop_at_the_capacity() -> None:

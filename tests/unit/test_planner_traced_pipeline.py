@@ -15,6 +15,7 @@ from fsdpkit.config import load
 from fsdpkit.devices import parse_device
 from fsdpkit.planner import plan, recommend
 from fsdpkit.planner.errors import PlanError
+from fsdpkit.planner.experts.routing import Routing
 from fsdpkit.planner.formatting import format_plan
 
 DENSE = [
@@ -55,6 +56,13 @@ def test_a_moe_pipeline_is_planned_rank_by_rank_with_its_experts_in_the_stages()
     whole = plan(load(None, [*untied, "parallel.pp=1"]), world_size=2)
     params = sum(r.memory.model_states["sharded_params"] for r in ranks)
     assert params == pytest.approx(whole.memory.model_states["sharded_params"], rel=0.01)
+    # a recorded routing reaches each rank's own layers: every dispatch at 1.5x its
+    # balanced rows, given per layer or per call alike, holds more than balanced
+    busy = [
+        plan(load(None, untied), world_size=4, routing=r).memory.peak.bytes
+        for r in (Routing(by_layer=(1.5,) * 4), Routing(by_call=((1.5, 1.5),) * 4))
+    ]
+    assert busy[0] == busy[1] > p.memory.peak.bytes
     text = format_plan(p)
     assert "planned by tracing each pipeline rank" in text
     assert "carried across the pipeline stages" in text  # not the gathered logits' note

@@ -51,6 +51,10 @@ class Routing:
     by_layer: tuple[float, ...] = ()
     """One rank's own load of each MoE layer in forward order, as a run recorded them
     (bench/moe_routing_replay.py replays them; empty: from ``mean`` and ``peak``)."""
+    by_call: tuple[tuple[float, ...], ...] = ()
+    """One rank's own load of each MoE layer at each of its dispatches in one step, in
+    order (a pipeline's micro-batches differ: bench/plan_pipeline_moe.py replays a
+    recorded step; empty: one load per layer)."""
 
     @property
     def balanced(self) -> bool:
@@ -111,6 +115,19 @@ def layer_loads(routing: Routing, *, layers: int) -> list[float]:
         return [routing.peak] * layers
     rest = max(0.0, (layers * routing.mean - routing.peak) / (layers - 1))
     return [routing.peak] + [rest] * (layers - 1)
+
+
+def call_loads(routing: Routing, *, layers: int) -> tuple[tuple[float, ...], ...]:
+    """Each MoE layer's loads of its dispatches in a step, in forward order (one load
+    per layer, for all its dispatches, unless ``routing.by_call``)."""
+    if not routing.by_call:
+        return tuple((load,) for load in layer_loads(routing, layers=layers))
+    if len(routing.by_call) != layers:
+        raise PlanError(
+            f"a routing of {len(routing.by_call)} MoE layers cannot be planned on a "
+            f"model of {layers}: plan the model the routing was recorded on."
+        )
+    return routing.by_call
 
 
 def received_rows(*, assignments: int, load: float, capacity_rows: int | None) -> int:

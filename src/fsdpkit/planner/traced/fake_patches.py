@@ -173,7 +173,9 @@ def _grouped_mm_any_dtype() -> Iterator[None]:
         fake_impls.op_implementations_checks.remove(entry)
 
 
-def _routed_dispatch(loads: tuple[float, ...]) -> contextlib.AbstractContextManager[None]:
+def _routed_dispatch(
+    loads: tuple[tuple[float, ...], ...],
+) -> contextlib.AbstractContextManager[None]:
     """[Note: expert parallelism in the plan]
     Expert parallelism's dispatch sizes its all-to-alls from the routing's per-expert
     counts (``ExpertDispatch.routes``, fsdpkit.sharding.experts.dispatch): a real run's rank
@@ -185,12 +187,14 @@ def _routed_dispatch(loads: tuple[float, ...]) -> contextlib.AbstractContextMana
     ep x tokens x top_k rows when every rank's tokens choose its experts (the plan's
     note states that bound, fsdpkit.planner.experts.routed). Given a routing ([Note: routing in
     the plan] in fsdpkit.planner.experts.routing, e.g. a run's measured ``moe_imbalance``) the
-    rank receives each layer's load x tokens x top_k rows instead (``loads``, one per
-    MoE layer in forward order; empty: balanced). With a capacity factor a rank
+    rank receives each layer's load x tokens x top_k rows instead (``loads``, per MoE
+    layer in forward order the loads of its successive dispatches, repeating; empty:
+    balanced). With a capacity factor a rank
     receives at most C = ceil(factor x tokens x top_k / E) rows per expert from each
     rank, E x C in all: the balanced default traces that bound (and sends all its
     tokens x top_k), a given routing is capped by it."""
     layers: dict[int, int] = {}  # dispatch -> its MoE layer, in first-call (forward) order
+    calls: dict[int, int] = {}  # dispatch -> its calls so far
 
     def wrap(original: Any) -> Any:
         def routed(
@@ -202,10 +206,12 @@ def _routed_dispatch(loads: tuple[float, ...]) -> contextlib.AbstractContextMana
             if self.capacity_factor:
                 cap = self.experts * math.ceil(self.capacity_factor * assignments / self.experts)
             layer = layers.setdefault(id(self), len(layers))
+            call = calls[id(self)] = calls.get(id(self), -1) + 1
             if not loads:
                 rows = assignments if cap is None else cap
             else:
-                load = loads[min(layer, len(loads) - 1)]
+                each = loads[min(layer, len(loads) - 1)]
+                load = each[call % len(each)]
                 rows = received_rows(assignments=assignments, load=load, capacity_rows=cap)
             index = torch.zeros(rows, 1, dtype=torch.long, device=counts.device)
             return _even(assignments, self.ep), _even(rows, self.ep), index
@@ -220,7 +226,7 @@ def _even(n: int, parts: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def faithful_step(*, loads: tuple[float, ...] = ()) -> Iterator[None]:
+def faithful_step(*, loads: tuple[tuple[float, ...], ...] = ()) -> Iterator[None]:
     """The traced step allocates and masks as the real one: unpacked batches for
     transformers' masks and the built-in Llama's alike, DTensor's shape bookkeeping
     kept out of the count, experts' grouped GEMMs in any dtype and an expert dispatch

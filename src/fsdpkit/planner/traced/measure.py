@@ -97,9 +97,10 @@ def _step_peaks(
 
     def routing() -> dict[str, Any]:
         """The step's routing: the maxima over the ranks, and this rank's own loads
-        (each MoE layer's mean over the step's micro-batches, and its largest). The
+        (each MoE layer's mean over the step's dispatches, its largest, each one). The
         step's metrics reset the dispatches' counts; where there are none (a pipelined
         run's stages), reading them does."""
+        calls = [c for d in dispatches if (c := d.calls())]
         loads = [x for d in dispatches if (x := d.loads(reset=metrics is None)) is not None]
         found = metrics() if metrics is not None else {}
         out = {k: v for k, v in found.items() if k.startswith("moe_imbalance")}
@@ -108,6 +109,7 @@ def _step_peaks(
         return out | {
             "moe_layer_loads": [x[0] for x in loads],
             "moe_layer_peaks": [x[1] for x in loads],
+            "moe_layer_calls": calls,
         }
 
     step()  # creates the AdamW states

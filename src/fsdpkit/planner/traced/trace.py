@@ -57,7 +57,7 @@ from fsdpkit.loss.contract import LossFn
 from fsdpkit.loss.head import ChunkedLoss
 from fsdpkit.loss.router import RouterLoss
 from fsdpkit.planner.errors import PlanError, TraceError
-from fsdpkit.planner.experts.routing import BALANCED, layer_loads
+from fsdpkit.planner.experts.routing import BALANCED, call_loads
 from fsdpkit.planner.replay.analytic import late_free_spread
 from fsdpkit.planner.shapes.result import CATEGORIES, MemoryPlan, PeakPoint
 from fsdpkit.planner.shapes.scenario import Scenario
@@ -178,8 +178,8 @@ def _trace(cfg: RunConfig, sc: Scenario) -> PhaseRecorder:
         recorder = PhaseRecorder(tracker)
         ring = gloo and sc.cp_attention == "ring"
         experts = sc.experts.layers if sc.experts is not None and sc.dims.ep > 1 else 0
-        loads = () if sc.routing == BALANCED else layer_loads(sc.routing, layers=experts)
-        with tracker, faithful_step(loads=tuple(loads)), ring_gloo_buffers(active=ring):
+        loads = () if sc.routing == BALANCED else call_loads(sc.routing, layers=experts)
+        with tracker, faithful_step(loads=loads), ring_gloo_buffers(active=ring):
             train_step(
                 run.model,
                 run.optimizer,

@@ -178,6 +178,11 @@ class ExpertDispatch:
         experts_of_rows = torch.arange(local, device=counts.device).repeat(self.ep)
         return send, recv, experts_of_rows.repeat_interleave(received).unsqueeze(-1)
 
+    def calls(self) -> list[float]:
+        """The received rows / balanced rows of each training call since the last
+        reset, this rank's, in order (not reset)."""
+        return list(self._loads)
+
     def loads(self, *, reset: bool = True) -> tuple[float, float] | None:
         """(mean, largest) received rows / balanced rows of the training calls since
         the last reset, this rank's ([Note: routing imbalance]; None: none)."""
