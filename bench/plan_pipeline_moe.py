@@ -1,4 +1,4 @@
-"""Traced pipeline plans ([Note: traced pipeline plans] in fsdpkit.planner.traced.pipeline)
+"""Traced pipeline plans ([Note: traced pipeline plans] in fsdpkit.planner.pipeline.traced)
 against each pipeline rank's true peak: mixture-of-experts models under pp, ep inside
 the stages, and a dense control whose traced ranks must equal its analytic ones
 (issue 50 item 6).

@@ -16,9 +16,9 @@ from fsdpkit.devices import parse_device
 from fsdpkit.models.llama import Llama
 from fsdpkit.planner import plan, recommend
 from fsdpkit.planner.formatting import format_plan, plan_dict
+from fsdpkit.planner.pipeline.degrees import pipeline_degrees
 from fsdpkit.planner.pipeline.plan import (
     bubble_fraction,
-    pipeline_degrees,
     pipeline_split,
     schedule_actions,
 )

@@ -1,5 +1,5 @@
 """Traced pipeline plans ([Note: traced pipeline plans] in
-fsdpkit.planner.traced.pipeline): each pipeline rank's stages traced under a fake
+fsdpkit.planner.pipeline.traced): each pipeline rank's stages traced under a fake
 process group, one rank at a time. The dense control equals the analytic replay
 (itself within 0.01% of real steps: bench/plan_accuracy.py); mixture-of-experts
 stages, with ep inside them, are planned per rank; what cannot be traced is refused

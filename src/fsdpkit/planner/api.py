@@ -167,7 +167,7 @@ def _pipeline(
 def _require_traceable_pipeline(cfg: RunConfig, sc: Scenario) -> None:
     """A pipelined run the analytic model cannot replay is traced rank by rank: its
     language-model step under a schedule the trace can run."""
-    from fsdpkit.planner.traced.pipeline import traceable
+    from fsdpkit.planner.pipeline.traced import traceable
 
     why = traceable(cfg.parallel.pp_schedule)
     if why is None and (sc.reference_bytes or sc.grpo is not None):

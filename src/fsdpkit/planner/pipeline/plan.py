@@ -15,7 +15,7 @@ what torch's stages hold ([Note: what a pipeline stage holds]). The plan of the 
 the rank with the highest peak (every rank must fit); ``fsdpkit plan`` lists them all.
 A model whose blocks the replay does not cover (a mixture-of-experts model) has each
 rank's memory traced instead ([Note: traced pipeline plans] in
-fsdpkit.planner.traced.pipeline); its units, traffic and bubble are planned as here.
+fsdpkit.planner.pipeline.traced); its units, traffic and bubble are planned as here.
 
 The bubble is the idle share of a rank's step when every action takes its stage's
 compute (a forward 1 x, a backward 2 x, an input or weight half 1 x, each
@@ -156,13 +156,8 @@ def stage_units(
         edges=edges,
         root=local.root if last else (),
     )
-    return ep_units(
-        part,
-        shard=sc.dims.fsdp_shard,
-        ep=sc.dims.ep,
-        parallel=cfg.parallel,
-        activations=cfg.activations,
-    )
+    shard, ep = sc.dims.fsdp_shard, sc.dims.ep
+    return ep_units(part, shard=shard, ep=ep, parallel=cfg.parallel, activations=cfg.activations)
 
 
 def stage_scenario(cfg: RunConfig, sc: Scenario, split: StageSplit, stage: int) -> Scenario:
@@ -324,7 +319,11 @@ def pipeline_plan(cfg: RunConfig, sc: Scenario) -> PipelinePlan:
     per_rank = stages_of(cfg)
     actions = schedule_actions(p.pp_schedule, pp=p.pp, per_rank=per_rank, n=n)
     scs = {s: stage_scenario(cfg, sc, split, s) for s in range(split.stages)}
-    traced = _traced_ranks(cfg, sc, scs, split) if sc.analytic_why_not is not None else None
+    traced = None
+    if sc.analytic_why_not is not None:  # [Note: traced pipeline plans]
+        from fsdpkit.planner.pipeline.traced import traced_ranks
+
+        traced = traced_ranks(cfg, sc, scs, split)
     ranks = []
     for r in range(p.pp):
         local = {s: scs[s] for s in split.local(r)}
@@ -359,75 +358,3 @@ def pipeline_plan(cfg: RunConfig, sc: Scenario) -> PipelinePlan:
         ranks=tuple(ranks),
         bubble=bubble_fraction(actions, costs=stage_costs(sc, split)),
     )
-
-
-def _traced_ranks(
-    cfg: RunConfig, sc: Scenario, scs: dict[int, Scenario], split: StageSplit
-) -> list[MemoryPlan]:
-    """Each pipeline rank's memory traced ([Note: traced pipeline plans] in
-    fsdpkit.planner.traced.pipeline), with its stages' model states."""
-    from fsdpkit.planner.pipeline.replay import rank_states
-    from fsdpkit.planner.replay.analytic import late_free_spread
-    from fsdpkit.planner.traced.pipeline import traced_pipeline_memory
-
-    out = []
-    for r, trace in enumerate(traced_pipeline_memory(cfg, sc)):
-        local = [scs[s] for s in split.local(r)]
-        twin = twin_elements(sc, scs, local=split.local(r))
-        out.append(
-            MemoryPlan(
-                mode="traced",
-                peak=trace.peak,
-                phase_peaks=trace.phase_peaks,
-                model_states=rank_states(local, twin=twin),
-                host_bytes=0,
-                spread=max(late_free_spread(x) for x in local),
-            )
-        )
-    return out
-
-
-PIPELINE_GRID: tuple[dict[str, object], ...] = tuple(
-    {"parallel.strategy": strategy, "activations.mode": ac}
-    for strategy in ("full", "grad_op")
-    for ac in ("none", "full")
-)
-"""What the recommender varies at each pipeline degree (the data-parallel settings
-that matter most with pp; gradients always accumulate without sync under pp)."""
-
-
-PIPELINE_DEGREES = (2, 4, 8, 16, 32, 64)
-"""pp degrees the recommender tries (where they split the nodes evenly)."""
-
-
-def pipeline_degrees(*, world: int, per_node: int) -> list[int]:
-    """The pp degrees the recommender tries ([Note: pipeline in the recommender]): the
-    ``PIPELINE_DEGREES`` that split the nodes into equal groups of whole nodes, so the
-    pipeline is the axis that crosses nodes (every stage's tp and cp stay inside a
-    node). None on one node."""
-    nodes = world // per_node if per_node and world % per_node == 0 else 1
-    return [pp for pp in PIPELINE_DEGREES if pp <= nodes and nodes % pp == 0]
-
-
-def pipeline_cost(sc: Scenario) -> tuple[float, float, int]:
-    """[Note: pipeline in the recommender]
-    How pp changes the recommender's step estimate: each rank computes 1 / pp of the
-    layers, stretched by the 1F1B bubble (pp - 1) / (n + pp - 1); its FSDP traffic is
-    its stage's, 1 / pp of the model's, over the stage's ranks (inside a node when a
-    stage is whole nodes); and it sends each micro-batch's hidden state and gradient
-    across the node boundary (``p2p_bytes``), on the critical path. Returns (compute
-    factor, traffic factor, p2p bytes per rank); (1, 1, 0) without pp.
-
-    The recommender tries pp at every tp x cp layout it searches, at the degrees that
-    split the nodes evenly (``pipeline_degrees``). Its layouts go fewest model-parallel
-    ranks first and the first that fits wins ([Note: layout search]), unless the
-    fastest fitting candidate so far waits on its collectives (its traffic takes longer
-    than its compute, as FSDP's all-gathers over a slow network between nodes do): then
-    the larger tp layouts, with pp across the nodes and FSDP inside them, are planned
-    too and the estimated step time chooses."""
-    if sc.dims.pp == 1:
-        return 1.0, 1.0, 0
-    n = sc.grad_accum
-    bubble = (sc.dims.pp - 1) / (n + sc.dims.pp - 1)
-    hidden = hidden_bytes(sc)
-    return 1.0 / (sc.dims.pp * (1.0 - bubble)), 1.0 / sc.dims.pp, 2 * n * hidden

@@ -45,7 +45,7 @@ from fsdpkit.planner.replay.ledger import EventSummary, Ledger, summarize
 from fsdpkit.planner.replay.walk import BlockPass, Step
 from fsdpkit.planner.shapes.result import MemoryPlan
 from fsdpkit.planner.shapes.scenario import Scenario
-from fsdpkit.planner.shapes.states import model_states
+from fsdpkit.planner.shapes.states import model_states, stages_states
 
 Action = tuple[str, int, int]
 WeightPass = EventSummary | Callable[[], None]
@@ -323,20 +323,10 @@ def rank_memory(
         mode="analytic",
         peak=led.peak,
         phase_peaks=dict(led.phase_peaks),
-        model_states=rank_states(list(stages.values()), twin=twin),
+        model_states=stages_states(list(stages.values()), twin=twin),
         host_bytes=0,
         spread=max(late_free_spread(sc) for sc in stages.values()),
     )
-
-
-def rank_states(stages: list[Scenario], *, twin: int = 0) -> dict[str, int]:
-    """The model states of a rank's stages at the optimizer step (``twin``: see
-    ``rank_memory``)."""
-    states: dict[str, int] = {"optimizer_states": -8 * twin}
-    for sc in stages:
-        for key, value in model_states(sc).items():
-            states[key] = states.get(key, 0) + value
-    return states
 
 
 def _replay(

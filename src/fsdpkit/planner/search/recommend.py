@@ -43,7 +43,7 @@ from fsdpkit.models.llama import LlamaConfig
 from fsdpkit.planner.api import DEFAULT_MARGIN, plan_scenario
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.experts.routing import BALANCED, Routing
-from fsdpkit.planner.pipeline.plan import PIPELINE_GRID, pipeline_degrees
+from fsdpkit.planner.pipeline.degrees import PIPELINE_GRID, pipeline_degrees
 from fsdpkit.planner.search.layouts import POWERS, Layout, LayoutTry, choose, layout_groups
 from fsdpkit.planner.search.recommendation import Candidate, Recommendation
 from fsdpkit.planner.search.stepcost import StepCost, step_cost

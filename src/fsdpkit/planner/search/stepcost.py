@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdpkit.planner.pipeline.plan import pipeline_cost
+from fsdpkit.planner.pipeline.degrees import pipeline_cost
 from fsdpkit.planner.replay.blockmem import block_matmuls
 from fsdpkit.planner.replay.comm import comm_volume
 from fsdpkit.planner.shapes.scenario import Scenario

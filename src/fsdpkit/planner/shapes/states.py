@@ -28,3 +28,14 @@ def model_states(sc: Scenario) -> dict[str, int]:
         "gradients": 4 * trainable,
         "optimizer_states": 8 * trainable,
     }
+
+
+def stages_states(stages: list[Scenario], *, twin: int = 0) -> dict[str, int]:
+    """The model states of a pipeline rank's stages at the optimizer step; ``twin``: the
+    sharded elements of a tied head's copy the rank's optimizer does not step (no
+    optimizer state: [Note: tied stages in the plan])."""
+    states: dict[str, int] = {"optimizer_states": -8 * twin}
+    for sc in stages:
+        for key, value in model_states(sc).items():
+            states[key] = states.get(key, 0) + value
+    return states

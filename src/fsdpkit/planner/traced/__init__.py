@@ -1,7 +1,6 @@
 """The real step under fake tensors, and real CPU peaks.
 
 trace         [Note: traced planning]: the run's own step at any world size, no devices
-pipeline      [Note: traced pipeline plans]: each pipeline rank's stages, torch's schedule
 tracker       what torch's FSDP2 memory tracker misses or miscounts
 fake_patches  what tracing changes in torch and the model code, and why
 depth         deep built-in models planned from shallow traces

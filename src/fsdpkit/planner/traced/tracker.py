@@ -220,7 +220,7 @@ class StagesTracker(UnitTracker):
     """``UnitTracker`` over a pipeline rank's stages: each stage is an FSDP root of its
     own (fsdpkit.sharding.pipeline.stages), so the tracker instruments the units of all
     of them and counts torch's receive buffers, which the schedule made in an earlier
-    step, from the start ([Note: traced pipeline plans] in fsdpkit.planner.traced.pipeline)."""
+    step, from the start ([Note: traced pipeline plans] in fsdpkit.planner.pipeline.traced)."""
 
     def __init__(
         self,

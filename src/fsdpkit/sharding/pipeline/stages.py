@@ -224,7 +224,7 @@ class StageModule(nn.Module):
 
     def _first_input(self, _module: nn.Module, args: Any, kwargs: Any) -> None:
         """The first block's input must be the entry's output, or a view of all of it
-        (what the planner's fake tensors hand on: fsdpkit.planner.traced.pipeline)."""
+        (what the planner's fake tensors hand on: fsdpkit.planner.pipeline.traced)."""
         entered, self._entered = self._entered, None
         if entered is not None and not _same(_hidden_of(args, kwargs), entered):
             raise StageBoundaryError(

@@ -59,12 +59,16 @@ from fsdpkit.config import RunConfig
 from fsdpkit.config.schedules import SCHEDULES
 from fsdpkit.planner.errors import PlanError
 from fsdpkit.planner.experts.routing import BALANCED, call_loads
-from fsdpkit.planner.shapes.result import PeakPoint
+from fsdpkit.planner.pipeline.tied import twin_elements
+from fsdpkit.planner.replay.analytic import late_free_spread
+from fsdpkit.planner.shapes.result import MemoryPlan, PeakPoint
 from fsdpkit.planner.shapes.scenario import Scenario
+from fsdpkit.planner.shapes.states import stages_states
 from fsdpkit.planner.traced.fake_patches import faithful_step, paused, wrapped
 from fsdpkit.planner.traced.trace import PhaseRecorder, fake_trainable, fake_world
 from fsdpkit.planner.traced.tracker import StagesTracker, model_gloo_buffers
 from fsdpkit.sharding.pipeline import routing, tied
+from fsdpkit.sharding.pipeline.split import StageSplit
 from fsdpkit.trainable.pipeline import build
 from fsdpkit.trainable.pipeline.step import pipeline_step
 from fsdpkit.trainable.step import synthetic_batches
@@ -167,6 +171,28 @@ def _one_process_pipeline(mail: _Mailbox) -> Iterator[None]:
         for owner in (routing, build):  # a probe of the router loss on real numbers
             stack.enter_context(wrapped(owner, "takes_sums", paused))
         yield
+
+
+def traced_ranks(
+    cfg: RunConfig, sc: Scenario, scs: dict[int, Scenario], split: StageSplit
+) -> list[MemoryPlan]:
+    """Each pipeline rank's memory traced, with its stages' model states (``scs``: each
+    stage's scenario, fsdpkit.planner.pipeline.plan.stage_scenario)."""
+    out = []
+    for r, trace in enumerate(traced_pipeline_memory(cfg, sc)):
+        local = [scs[s] for s in split.local(r)]
+        twin = twin_elements(sc, scs, local=split.local(r))
+        out.append(
+            MemoryPlan(
+                mode="traced",
+                peak=trace.peak,
+                phase_peaks=trace.phase_peaks,
+                model_states=stages_states(local, twin=twin),
+                host_bytes=0,
+                spread=max(late_free_spread(x) for x in local),
+            )
+        )
+    return out
 
 
 def traced_pipeline_memory(cfg: RunConfig, sc: Scenario) -> list[RankTrace]:
