@@ -46,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -101,7 +101,6 @@ class _Mailbox:
     """The stage metadata a traced rank sent, for the ranks traced after it."""
 
     forward: _StageForwardMeta | None = None
-    sent: list[Any] = field(default_factory=list)
 
     def receive(self, stage: Any, src: int) -> Any:
         if self.forward is None:
