@@ -15,7 +15,6 @@ bench/results/plan_finetune.json and renders docs/planner.md's table from it.
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 import results_io
@@ -77,20 +76,21 @@ def _error(planned: int, truth: float) -> str:
 
 def render(results: dict[str, Any]) -> str:
     """docs/planner.md's table (tests/unit/test_bench_docs.py checks it)."""
-    lines = [
-        results_io.provenance(results, NAME),
-        "",
-        "| configuration (tiny Llama, d=256, 4 layers, V=2048, 4 x 128 tokens, fp32) "
-        "| typical | analytic | traced |",
-        "| --- | --- | --- | --- |",
+    header = [
+        "configuration (tiny Llama, d=256, 4 layers, V=2048, 4 x 128 tokens, fp32)",
+        *("typical", "analytic", "traced"),
     ]
-    for r in results["rows"]:
-        typical = statistics.median(r["steps"])
-        lines.append(
-            f"| {r['row']} | {typical / 2**20:.2f} MiB | {_error(r['analytic'], typical)} "
-            f"| {_error(r['traced'], typical)} |"
-        )
-    return "\n".join(lines) + "\n"
+    return results_io.steps_table(
+        results,
+        NAME,
+        header=header,
+        cells=lambda r, typical: [
+            r["row"],
+            f"{typical / 2**20:.2f} MiB",
+            _error(r["analytic"], typical),
+            _error(r["traced"], typical),
+        ],
+    )
 
 
 if __name__ == "__main__":

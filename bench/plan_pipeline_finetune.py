@@ -15,7 +15,6 @@ renders docs/planner.md's table from it.
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 import results_io
@@ -62,20 +61,18 @@ def measure(steps: int) -> list[dict[str, Any]]:
 
 def render(results: dict[str, Any]) -> str:
     """docs/planner.md's table (tests/unit/test_bench_docs.py checks it)."""
-    lines = [
-        results_io.provenance(results, NAME),
-        "",
-        "| pp2 x dp2 (1F1B unless named) | pp rank | planned | typical | error |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for r in results["rows"]:
-        typical = statistics.median(r["steps"])
-        error = (r["planned"] - typical) / typical
-        lines.append(
-            f"| {r['row']} | {r['pp_rank']} | {r['planned'] / 2**20:.2f} MiB | "
-            f"{typical / 2**20:.2f} MiB | {error:+.1%} |"
-        )
-    return "\n".join(lines) + "\n"
+    return results_io.steps_table(
+        results,
+        NAME,
+        header=["pp2 x dp2 (1F1B unless named)", "pp rank", "planned", "typical", "error"],
+        cells=lambda r, typical: [
+            r["row"],
+            str(r["pp_rank"]),
+            f"{r['planned'] / 2**20:.2f} MiB",
+            f"{typical / 2**20:.2f} MiB",
+            f"{(r['planned'] - typical) / typical:+.1%}",
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -154,24 +154,26 @@ def _replay_error(pairs: list[list[int]] | None) -> str:
 
 def render(results: dict[str, Any]) -> str:
     """docs/planner.md's table (tests/unit/test_bench_docs.py checks it)."""
-    lines = [
-        results_io.provenance(results, NAME),
-        "",
-        "| pp2 x dp2, 1F1B unless named | pp rank | typical | traced plan | error "
-        "| at its mean routing | at its largest | each step replayed (worst) | analytic |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    header = [
+        *("pp2 x dp2, 1F1B unless named", "pp rank", "typical", "traced plan", "error"),
+        *("at its mean routing", "at its largest", "each step replayed (worst)", "analytic"),
     ]
-    for r in results["rows"]:
-        typical = statistics.median(r["steps"])
-        lines.append(
-            f"| {r['row']} | {r['pp_rank']} | {typical / 2**20:.2f} MiB | "
-            f"{r['planned'] / 2**20:.2f} MiB | {_error(r['planned'], typical)} | "
-            f"{_error(r.get('at its mean'), typical)} | "
-            f"{_error(r.get('at its largest'), typical)} | "
-            f"{_replay_error(r.get('replayed'))} | "
-            f"{_error(r.get('analytic'), typical)} |"
-        )
-    return "\n".join(lines) + "\n"
+    return results_io.steps_table(
+        results,
+        NAME,
+        header=header,
+        cells=lambda r, typical: [
+            r["row"],
+            str(r["pp_rank"]),
+            f"{typical / 2**20:.2f} MiB",
+            f"{r['planned'] / 2**20:.2f} MiB",
+            _error(r["planned"], typical),
+            _error(r.get("at its mean"), typical),
+            _error(r.get("at its largest"), typical),
+            _replay_error(r.get("replayed")),
+            _error(r.get("analytic"), typical),
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -84,6 +85,22 @@ def provenance(results: dict[str, Any], name: str) -> str:
         f"{results['date'][:10]}" + (f", load {load}" if load else "") + f"; "
         f"`bench/results/{name}.json`)."
     )
+
+
+def steps_table(
+    results: dict[str, Any],
+    name: str,
+    *,
+    header: list[str],
+    cells: Callable[[dict[str, Any], float], list[str]],
+) -> str:
+    """A rendered table of a ``steps_main`` bench: the provenance line, then a row of
+    ``cells(row, typical)`` per results row (``typical``: the median of its steps)."""
+    lines = [provenance(results, name), "", "| " + " | ".join(header) + " |"]
+    lines.append("| " + " | ".join("---" for _ in header) + " |")
+    for r in results["rows"]:
+        lines.append("| " + " | ".join(cells(r, statistics.median(r["steps"]))) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def render_into(doc: Path, name: str, text: str) -> None:
