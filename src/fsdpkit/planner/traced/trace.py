@@ -86,7 +86,7 @@ _CATEGORY = {
 }
 
 
-def breakdown(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
+def _breakdown(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
     out = dict.fromkeys(CATEGORIES, 0)
     for per_device in snapshot.values():
         for ref, nbytes in per_device.items():
@@ -111,7 +111,7 @@ class PhaseRecorder:
         peak = self.tracker.get_tracker_snapshot("peak")
         total = sum(d.get("Total", 0) for d in peak.values())
         if total > self.peaks.get(phase, (-1, "", {}))[0]:
-            self.peaks[phase] = (total, where_of(self.tracker, total), breakdown(peak))
+            self.peaks[phase] = (total, _where(self.tracker, total), _breakdown(peak))
         current = self.tracker.get_tracker_snapshot("current")
         # Private state of MemTracker: restart the running peak at the current total.
         self.tracker._peak_mem = {dev: snap.get("Total", 0) for dev, snap in current.items()}
@@ -120,7 +120,7 @@ class PhaseRecorder:
             self.tracker.reset_mod_stats()
 
 
-def where_of(tracker: FSDPMemTracker, total: int) -> str:
+def _where(tracker: FSDPMemTracker, total: int) -> str:
     """The innermost FSDP module whose own peak is this peak ("" if none is)."""
     names = [
         stats.mod_fqn
@@ -134,7 +134,7 @@ def where_of(tracker: FSDPMemTracker, total: int) -> str:
     return f"backward of {inner.removeprefix('model.')}" if inner else "root unit"
 
 
-def run_config(cfg: RunConfig, sc: Scenario) -> RunConfig:
+def _run_config(cfg: RunConfig, sc: Scenario) -> RunConfig:
     """``cfg`` with the precision the plan resolved (auto means bf16 for a GPU even
     though the trace runs on the CPU), and eager blocks: compiling under fake tensors
     would trace the compiler, and the plan of eager blocks bounds compiled ones
@@ -146,10 +146,10 @@ def run_config(cfg: RunConfig, sc: Scenario) -> RunConfig:
 
 def fake_trainable(cfg: RunConfig, sc: Scenario) -> tuple[Trainable, RunConfig, FakeTensorMode]:
     """The run's own build ([Note: one builder]) on the fake process group (its mesh
-    built outside fake mode), the config it was built from (``run_config``) and the
+    built outside fake mode), the config it was built from (``_run_config``) and the
     fake mode its parameters belong to, for the steps to run in."""
     mesh = build_mesh(sc.dims, device_type="cpu")
-    run_cfg = run_config(cfg, sc)
+    run_cfg = _run_config(cfg, sc)
     shape = None if cfg.model.hf or cfg.model.factory else sc.model
     unsharded = build_unsharded(run_cfg, vocab_size=sc.vocab_size, device_type="cpu", shape=shape)
     fake = FakeTensorMode()
@@ -166,8 +166,8 @@ def _trace(cfg: RunConfig, sc: Scenario) -> PhaseRecorder:
         gloo = sc.device.kind == "cpu"
         if gloo and sc.dims.fsdp_shard > 1:
             model_gloo_buffers(run.model)
-        loss_fn = grads_in_place(run.loss_fn)
-        steady_state(run.model, run.optimizer)
+        loss_fn = _grads_in_place(run.loss_fn)
+        _steady_state(run.model, run.optimizer)
         # two micro-batches hold what any later one holds (the second shows what a
         # no-sync accumulation keeps); more would only make the trace slower
         batches = synthetic_batches(
@@ -192,21 +192,21 @@ def _trace(cfg: RunConfig, sc: Scenario) -> PhaseRecorder:
     return recorder
 
 
-def grads_in_place(loss_fn: LossFn) -> LossFn:
+def _grads_in_place(loss_fn: LossFn) -> LossFn:
     """A chunked loss that sums a tied head's gradient as the real run does (see the
     module docstring), also inside context parallelism's slicing wrapper and the router
     loss (in place there: its hooks on the trace's own model call that object)."""
     if isinstance(loss_fn, RouterLoss):
-        loss_fn.inner = grads_in_place(loss_fn.inner)
+        loss_fn.inner = _grads_in_place(loss_fn.inner)
         return loss_fn
     if isinstance(loss_fn, ContextParallelLoss):
-        return dataclasses.replace(loss_fn, inner=grads_in_place(loss_fn.inner))
+        return dataclasses.replace(loss_fn, inner=_grads_in_place(loss_fn.inner))
     if isinstance(loss_fn, ChunkedLoss):
         return dataclasses.replace(loss_fn, grad_into_weight=True)
     return loss_fn
 
 
-def steady_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def _steady_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """AdamW's states exist already, as in every step after the first."""
     for p in model.parameters():
         if p.requires_grad:
